@@ -1,0 +1,116 @@
+"""Block identity: chained 64-bit hashes over token ids. The only module that defines them.
+
+``h[i] = xxh3_64(h[i-1] as 8 little-endian bytes || tokens of block i as little-endian uint32,
+seed=HASH_SEED)``, with ``h[-1]`` the salt of (model name, LoRA name, cache_salt). Only full blocks
+get a hash: a prompt of ``n`` tokens has ``n // block_size`` hashes. Because every hash covers the
+whole prefix before it, equal hashes mean equal prefixes (up to 64-bit collisions), so a dict
+lookup per block answers "is this prefix cached".
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import NewType
+
+import numpy as np
+import xxhash
+
+BlockHash = NewType("BlockHash", int)
+InstanceId = NewType("InstanceId", str)
+
+HASH_SEED = 0x6B76726F75746521  # b"kvroute!"
+MAX_TOKEN_ID = 2**32 - 1
+
+_xxh3 = xxhash.xxh3_64_intdigest
+_pack_u64 = struct.Struct("<Q").pack_into
+
+
+class Tier(StrEnum):
+    """Where a block is resident. Values equal vLLM's KV event ``medium`` strings."""
+
+    GPU = "GPU"
+    CPU = "CPU"
+
+
+def salt_hash(model: str, lora_name: str | None = None, cache_salt: str | None = None) -> BlockHash:
+    """The chain's root ``h[-1]``: distinct per model, LoRA adapter and per-request cache salt."""
+    key = "\x00".join((model, lora_name or "", cache_salt or "")).encode()
+    return BlockHash(_xxh3(key, HASH_SEED))
+
+
+def _as_u32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype != np.uint32:
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"token_ids must be integers, got dtype {arr.dtype}")
+        if int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID:
+            raise ValueError(f"token_ids must lie in [0, {MAX_TOKEN_ID}]")
+    return arr.astype("<u4", copy=False)
+
+
+def block_hashes(
+    tokens: Sequence[int] | np.ndarray, block_size: int, parent: int
+) -> list[BlockHash]:
+    """Chained hashes of every full block of ``tokens``, continuing the chain from ``parent``.
+
+    ``parent`` is the salt (``salt_hash``) for a prompt's first block, or the hash of the block
+    just before ``tokens`` when hashing a continuation.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    arr = _as_u32(tokens)
+    n_blocks = arr.size // block_size
+    if n_blocks == 0:
+        return []
+    row = 8 + 4 * block_size
+    # NOTE: one buffer, each row = 8 bytes of parent hash + the block's tokens; the parent slot
+    # is filled in as the chain advances, so each block costs one pack and one xxh3 call.
+    buf = np.empty((n_blocks, 2 + block_size), dtype="<u4")
+    buf[:, 2:] = arr[: n_blocks * block_size].reshape(n_blocks, block_size)
+    mem = memoryview(buf).cast("B")
+    out: list[BlockHash] = []
+    append = out.append
+    h = parent
+    for off in range(0, n_blocks * row, row):
+        _pack_u64(mem, off, h)
+        h = _xxh3(mem[off : off + row], HASH_SEED)
+        append(h)  # type: ignore[arg-type]
+    return out
+
+
+def hash_block(parent: int, block_tokens: Sequence[int] | np.ndarray) -> BlockHash:
+    """The hash of one block given its parent's hash (the ingestor's per-event path)."""
+    arr = _as_u32(block_tokens)
+    return BlockHash(_xxh3(struct.pack("<Q", parent) + arr.tobytes(), HASH_SEED))
+
+
+class BlockHasher:
+    """Hashes prompts for one served model and block size (what the router holds)."""
+
+    __slots__ = ("_salts", "block_size", "model")
+
+    def __init__(self, model: str, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.model = model
+        self.block_size = block_size
+        self._salts: dict[tuple[str | None, str | None], BlockHash] = {}
+
+    def salt(self, lora_name: str | None = None, cache_salt: str | None = None) -> BlockHash:
+        key = (lora_name, cache_salt)
+        s = self._salts.get(key)
+        if s is None:
+            s = self._salts[key] = salt_hash(self.model, lora_name, cache_salt)
+        return s
+
+    def __call__(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[BlockHash]:
+        return block_hashes(tokens, self.block_size, self.salt(lora_name, cache_salt))

@@ -1,0 +1,43 @@
+"""The ``kvroute`` command line. Each subcommand lives in its own module, registered below by
+module path; a module provides ``add_arguments(parser)`` and ``run(args) -> int`` and keeps heavy
+imports inside ``run`` so ``kvroute --help`` stays fast."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name: (module path, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("deploy.serve", "run the OpenAI-compatible endpoint with its engines"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute", description="KV-cache-aware router and scheduler for LLM serving."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except ValueError as e:
+        # Bad input or config: a message naming the field, never a traceback.
+        print(f"kvroute {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
