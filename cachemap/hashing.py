@@ -71,7 +71,7 @@ def block_hashes(
     # is filled in as the chain advances, so each block costs one pack and one xxh3 call.
     buf = np.empty((n_blocks, 2 + block_size), dtype="<u4")
     buf[:, 2:] = arr[: n_blocks * block_size].reshape(n_blocks, block_size)
-    mem = memoryview(buf).cast("B")
+    mem = buf.data.cast("B")
     out: list[BlockHash] = []
     append = out.append
     h = parent

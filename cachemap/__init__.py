@@ -1,0 +1,18 @@
+"""Block hashing, the global cache map with per-instance per-tier residency, vLLM KV event
+ingestion and the event bus. Pure: no Ray, asyncio, sockets or clock reads."""
+
+from cachemap.hashing import BlockHash, BlockHasher, InstanceId, Tier, block_hashes, salt_hash
+from cachemap.map import CacheMap, CacheMapStats, Match, MatchResult
+
+__all__ = [
+    "BlockHash",
+    "BlockHasher",
+    "CacheMap",
+    "CacheMapStats",
+    "InstanceId",
+    "Match",
+    "MatchResult",
+    "Tier",
+    "block_hashes",
+    "salt_hash",
+]

@@ -1,0 +1,97 @@
+"""The event bus: an append-only, bounded log of encoded ``BusMessage`` payloads.
+
+Every backend has the same shape (Redis Streams semantics): ``publish`` appends and returns the
+entry's offset; consumers keep their own cursor and ``read`` from it. The log keeps at most
+``maxlen`` entries; a consumer whose cursor fell behind the trimmed head learns how many entries
+it lost, and must resync (``CacheMapIngestor.lost``). Backends: in-process (here), a Ray actor
+hub and Redis Streams (with the engines and deployment work).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import NamedTuple
+
+import msgspec
+
+from cachemap.events import decode_message
+from cachemap.ingest import CacheMapIngestor
+
+
+class BusRead(NamedTuple):
+    items: list[bytes]
+    cursor: int  # pass back on the next read
+    lost: int  # entries trimmed before this consumer read them
+
+
+class EventBus(ABC):
+    """Append-only bounded log. Offsets start at 0 and increase by one per entry."""
+
+    @abstractmethod
+    def publish(self, payload: bytes) -> int:
+        """Append ``payload``; returns its offset."""
+
+    @abstractmethod
+    def read(self, cursor: int, max_items: int = 4096) -> BusRead:
+        """Entries from offset ``cursor`` on, at most ``max_items``."""
+
+    @abstractmethod
+    def end(self) -> int:
+        """The offset the next published entry will get (a new consumer's cursor to tail)."""
+
+
+class InProcessBus(EventBus):
+    """Thread-safe in-memory log, for tests and single-process deployments."""
+
+    def __init__(self, maxlen: int = 100_000) -> None:
+        if maxlen < 1:
+            raise ValueError(f"maxlen must be >= 1, got {maxlen}")
+        self._log: deque[bytes] = deque(maxlen=maxlen)
+        self._end = 0
+        self._lock = threading.Lock()
+
+    def publish(self, payload: bytes) -> int:
+        with self._lock:
+            self._log.append(payload)
+            self._end += 1
+            return self._end - 1
+
+    def read(self, cursor: int, max_items: int = 4096) -> BusRead:
+        with self._lock:
+            head = self._end - len(self._log)
+            lost = max(0, head - cursor)
+            start = max(cursor, head)
+            stop = min(self._end, start + max_items)
+            items = [self._log[i - head] for i in range(start, stop)]
+            return BusRead(items, stop, lost)
+
+    def end(self) -> int:
+        with self._lock:
+            return self._end
+
+
+class BusConsumer:
+    """Pumps a bus into a ``CacheMapIngestor``; counts and skips undecodable payloads."""
+
+    def __init__(self, bus: EventBus, ingestor: CacheMapIngestor, from_start: bool = True) -> None:
+        self.bus = bus
+        self.ingestor = ingestor
+        self.cursor = 0 if from_start else bus.end()
+        self.malformed = 0
+
+    def pump(self, max_items: int = 4096) -> int:
+        """Apply what is available (up to ``max_items``); returns how many entries were read."""
+        got = self.bus.read(self.cursor, max_items)
+        self.cursor = got.cursor
+        if got.lost:
+            self.ingestor.lost()
+        for payload in got.items:
+            try:
+                msg = decode_message(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.malformed += 1
+                continue
+            self.ingestor.apply(msg)
+        return len(got.items)

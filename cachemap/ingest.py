@@ -1,0 +1,316 @@
+"""From vLLM KV events to cache-map updates, in two halves joined by the event bus.
+
+``EngineEventTranslator`` runs next to one engine (in its replica's forwarder): it decodes vLLM
+batches, maps the engine's opaque block hashes to our chained hashes (from ``token_ids`` and the
+parent), reference-counts repeated announcements, expands CPU-tier placeholder events (one engine
+hash per offloaded chunk) through its per-instance table, watches vLLM's sequence numbers for
+drops, and stamps its own per-instance sequence on what it emits. It can dump everything it
+knows as a ``Snapshot`` for resync.
+
+``CacheMapIngestor`` runs in every router replica: it applies stamped messages to its
+``CacheMap`` and checks each instance's sequence; a gap is reported (and the instance listed in
+``needs_resync``) so the caller can fetch a snapshot, instead of silently diverging.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import msgspec
+
+from cachemap.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    BusMessage,
+    Cleared,
+    EngineHash,
+    InstanceEvents,
+    InstanceGone,
+    Removed,
+    Snapshot,
+    SnapshotBlock,
+    Stored,
+    Update,
+    decode_vllm_batch,
+)
+from cachemap.hashing import BlockHasher, Tier, block_hashes
+from cachemap.map import CacheMap
+
+log = logging.getLogger(__name__)
+_TIER_INDEX = {Tier.GPU: 0, Tier.CPU: 1}
+
+
+@dataclass(slots=True)
+class _Block:
+    ours: int
+    parent: EngineHash | None  # the engine hash of the parent block
+    depth: int
+    refs: list[int]  # announcements per tier, indexed by _TIER_INDEX
+
+
+class EngineEventTranslator:
+    """Per-instance translation of vLLM events into stamped ``InstanceEvents``.
+
+    ``cpu_blocks_per_chunk``: GPU blocks per CPU-tier chunk (offloaded block size / engine block
+    size); a placeholder CPU event names only the chunk's last engine hash.
+    """
+
+    def __init__(
+        self, instance: str, model: str, block_size: int, cpu_blocks_per_chunk: int = 1
+    ) -> None:
+        if cpu_blocks_per_chunk < 1:
+            raise ValueError(f"cpu_blocks_per_chunk must be >= 1, got {cpu_blocks_per_chunk}")
+        self.instance = instance
+        self.block_size = block_size
+        self.cpu_blocks_per_chunk = cpu_blocks_per_chunk
+        self._hasher = BlockHasher(model, block_size)
+        self._table: dict[EngineHash, _Block] = {}
+        self._chunks: dict[EngineHash, list[EngineHash]] = {}  # placeholder chunk -> members
+        self.seq = -1  # last stamped sequence number
+        self.last_engine_seq: int | None = None
+        self.engine_gaps = 0  # vLLM batches lost between the publisher and us
+        self.skipped: Counter[str] = Counter()  # malformed or untranslatable events, by reason
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def _skip(self, reason: str, detail: object = "") -> None:
+        if not self.skipped[reason]:
+            log.warning("instance %s: skipping KV event (%s) %s", self.instance, reason, detail)
+        self.skipped[reason] += 1
+
+    def feed(self, payload: bytes, engine_seq: int | None, ts: float) -> InstanceEvents | None:
+        """Translate one vLLM ZMQ payload; returns the stamped message, or None if it yields no
+        update. ``engine_seq`` is vLLM's frame sequence number (None when unknown)."""
+        if engine_seq is not None:
+            if self.last_engine_seq is not None and engine_seq > self.last_engine_seq + 1:
+                self.engine_gaps += engine_seq - self.last_engine_seq - 1
+                log.warning(
+                    "instance %s: lost vLLM KV batches %d..%d",
+                    self.instance,
+                    self.last_engine_seq + 1,
+                    engine_seq - 1,
+                )
+            if self.last_engine_seq is not None and engine_seq <= self.last_engine_seq:
+                return None  # a replayed batch we already have
+            self.last_engine_seq = engine_seq
+        try:
+            _, events = decode_vllm_batch(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._skip("undecodable batch", e)
+            return None
+        updates: list[Update] = []
+        for ev in events:
+            if isinstance(ev, msgspec.DecodeError):
+                self._skip("undecodable event", ev)
+            elif isinstance(ev, BlockStored):
+                self._stored(ev, updates)
+            elif isinstance(ev, BlockRemoved):
+                self._removed(ev, updates)
+            elif isinstance(ev, AllBlocksCleared):
+                self._cleared(updates)
+        if not updates:
+            return None
+        self.seq += 1
+        return InstanceEvents(self.instance, self.seq, ts, updates)
+
+    def _tier(self, medium: str | None) -> Tier | None:
+        try:
+            return Tier(medium or Tier.GPU)
+        except ValueError:
+            self._skip(f"unsupported medium {medium!r}")
+            return None
+
+    def _stored(self, ev: BlockStored, out: list[Update]) -> None:
+        tier = self._tier(ev.medium)
+        if tier is None or not ev.block_hashes:
+            return
+        if not ev.token_ids and ev.block_size == 0:
+            self._placeholder(ev.block_hashes, tier, out)
+            return
+        n = len(ev.block_hashes)
+        if ev.block_size != self.block_size:
+            self._skip("block size mismatch", f"{ev.block_size} != {self.block_size}")
+            return
+        if len(ev.token_ids) != n * self.block_size:
+            self._skip("token_ids length", f"{len(ev.token_ids)} for {n} blocks")
+            return
+        root: int
+        if ev.parent_block_hash is None:
+            parent_ours: int | None = None
+            root = self._hasher.salt(ev.lora_name, _cache_salt(ev))
+            depth = 0
+        else:
+            pb = self._table.get(ev.parent_block_hash)
+            if pb is None:
+                self._skip("unknown parent block", ev.parent_block_hash)
+                return
+            parent_ours = root = pb.ours
+            depth = pb.depth + 1
+        try:
+            ours = block_hashes(ev.token_ids, self.block_size, root)
+        except ValueError as e:
+            self._skip("bad token_ids", e)
+            return
+        ti = _TIER_INDEX[tier]
+        table = self._table
+        prev = ev.parent_block_hash
+        for i, (eh, oh) in enumerate(zip(ev.block_hashes, ours, strict=True)):
+            b = table.get(eh)
+            if b is None:
+                b = table[eh] = _Block(oh, prev, depth + i, [0, 0])
+            b.refs[ti] += 1
+            prev = eh
+        out.append(Stored(tier.value, list(ours), parent_ours, depth))
+
+    def _chain(self, last: EngineHash) -> list[EngineHash]:
+        """The placeholder chunk ending at ``last``, oldest first, as far as the table knows."""
+        members = [last]
+        b = self._table.get(last)
+        while b is not None and b.parent is not None and len(members) < self.cpu_blocks_per_chunk:
+            members.append(b.parent)
+            b = self._table.get(b.parent)
+        members.reverse()
+        return members
+
+    def _placeholder(self, hashes: list[EngineHash], tier: Tier, out: list[Update]) -> None:
+        ti = _TIER_INDEX[tier]
+        for last in hashes:
+            if last not in self._table:
+                self._skip("placeholder for unknown block", last)
+                continue
+            members = [m for m in self._chain(last) if m in self._table]
+            self._chunks[last] = members
+            first = self._table[members[0]]
+            parent = self._table.get(first.parent) if first.parent is not None else None
+            for m in members:
+                self._table[m].refs[ti] += 1
+            out.append(
+                Stored(
+                    tier.value,
+                    [self._table[m].ours for m in members],
+                    parent.ours if parent is not None else None,
+                    first.depth,
+                )
+            )
+
+    def _removed(self, ev: BlockRemoved, out: list[Update]) -> None:
+        tier = self._tier(ev.medium)
+        if tier is None:
+            return
+        ti = _TIER_INDEX[tier]
+        gone: list[int] = []
+        for eh in ev.block_hashes:
+            members = self._chunks.pop(eh, None) if tier is Tier.CPU else None
+            for m in members or (eh,):
+                b = self._table.get(m)
+                if b is None or b.refs[ti] == 0:
+                    self._skip("removal of unknown block", m)
+                    continue
+                b.refs[ti] -= 1
+                if b.refs[ti] == 0:
+                    gone.append(b.ours)
+                    if not any(b.refs):
+                        del self._table[m]
+        if gone:
+            out.append(Removed(tier.value, gone))
+
+    def _cleared(self, out: list[Update]) -> None:
+        # NOTE: vLLM emits AllBlocksCleared from the GPU block pool (reset_prefix_cache).
+        ti = _TIER_INDEX[Tier.GPU]
+        for eh in [eh for eh, b in self._table.items() if b.refs[ti]]:
+            b = self._table[eh]
+            b.refs[ti] = 0
+            if not any(b.refs):
+                del self._table[eh]
+        out.append(Cleared(Tier.GPU.value))
+
+    def snapshot(self) -> Snapshot:
+        """Everything this instance holds, as of ``self.seq`` (for a router's resync)."""
+        table = self._table
+        blocks = []
+        for b in table.values():
+            parent = table.get(b.parent) if b.parent is not None else None
+            tiers = [t.value for t, i in _TIER_INDEX.items() if b.refs[i]]
+            blocks.append(SnapshotBlock(b.ours, parent.ours if parent else None, b.depth, tiers))
+        return Snapshot(self.instance, self.seq, blocks)
+
+
+def _cache_salt(ev: BlockStored) -> str | None:
+    """vLLM puts the cache_salt in the first block's extra keys, after the LoRA name."""
+    if not ev.extra_keys or not ev.extra_keys[0]:
+        return None
+    keys = list(ev.extra_keys[0])
+    if ev.lora_name is not None and keys and keys[0] == ev.lora_name:
+        keys = keys[1:]
+    salts = [k for k in keys if isinstance(k, str)]
+    return salts[-1] if salts else None
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    instance: str
+    expected: int
+    got: int
+
+
+class CacheMapIngestor:
+    """Applies bus messages to one ``CacheMap``, checking every instance's sequence."""
+
+    def __init__(self, cache_map: CacheMap) -> None:
+        self.map = cache_map
+        self._next: dict[str, int] = {}
+        self.needs_resync: set[str] = set()
+        self.duplicates = 0
+        self.gaps = 0
+
+    def apply(self, msg: BusMessage) -> Gap | None:
+        if isinstance(msg, InstanceGone):
+            self.map.drop_instance(msg.instance)
+            self._next.pop(msg.instance, None)
+            self.needs_resync.discard(msg.instance)
+            return None
+        if isinstance(msg, Snapshot):
+            self._apply_snapshot(msg)
+            return None
+        expected = self._next.get(msg.instance, 0)
+        if msg.seq < expected:
+            self.duplicates += 1
+            return None
+        gap = None
+        if msg.seq > expected:
+            # Apply anyway (best effort) and ask for a snapshot, which replaces it all.
+            gap = Gap(msg.instance, expected, msg.seq)
+            self.gaps += 1
+            self.needs_resync.add(msg.instance)
+        self._next[msg.instance] = msg.seq + 1
+        for u in msg.updates:
+            self._apply_update(msg.instance, u)
+        return gap
+
+    def _apply_update(self, instance: str, u: Update) -> None:
+        if isinstance(u, Stored):
+            self.map.store(instance, Tier(u.tier), u.hashes, u.parent, u.depth)
+        elif isinstance(u, Removed):
+            self.map.remove(instance, Tier(u.tier), u.hashes)
+        else:
+            self.map.clear(instance, Tier(u.tier) if u.tier is not None else None)
+
+    def _apply_snapshot(self, snap: Snapshot) -> None:
+        if snap.seq < self._next.get(snap.instance, 0) - 1:
+            self.duplicates += 1  # older than what we have already applied
+            return
+        self.map.clear(snap.instance)
+        for b in snap.blocks:
+            for t in b.tiers:
+                self.map.store(snap.instance, Tier(t), [b.hash], b.parent, b.depth)
+        self._next[snap.instance] = snap.seq + 1
+        self.needs_resync.discard(snap.instance)
+
+    def lost(self) -> None:
+        """The bus dropped messages we never saw: every known instance needs a resync."""
+        self.needs_resync.update(self._next)
+        self.gaps += 1

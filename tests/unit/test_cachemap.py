@@ -1,0 +1,133 @@
+"""CacheMap against a naive reference model: random operation sequences, integrity after each."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from cachemap import CacheMap, Match, Tier
+
+INSTANCES = [f"e{i}" for i in range(70)]  # > 64 so the mask grows a second word
+# Small hash space so operations collide; chains are runs of ids (a prompt = a path).
+chains = st.lists(st.integers(1, 40), min_size=1, max_size=8)
+
+
+class Reference:
+    def __init__(self) -> None:
+        self.res: dict[tuple[str, Tier], set[int]] = {}
+
+    def match(self, hashes: list[int]) -> dict[str, Match]:
+        out = {}
+        for inst in {i for i, _ in self.res}:
+            gpu = self.res.get((inst, Tier.GPU), set())
+            cpu = self.res.get((inst, Tier.CPU), set())
+            n_gpu = n_any = 0
+            for h in hashes:
+                if h not in gpu:
+                    break
+                n_gpu += 1
+            for h in hashes:
+                if h not in gpu and h not in cpu:
+                    break
+                n_any += 1
+            if n_any:
+                out[inst] = Match(n_gpu, n_any)
+        return out
+
+
+class CacheMapMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.map = CacheMap(initial_slots=4)
+        self.ref = Reference()
+
+    @rule(
+        inst=st.sampled_from(INSTANCES[:5] + INSTANCES[60:]),
+        tier=st.sampled_from(Tier),
+        hashes=chains,
+    )
+    def store(self, inst: str, tier: Tier, hashes: list[int]) -> None:
+        before = set(self.ref.res.get((inst, tier), set()))
+        added = self.map.store(inst, tier, hashes)
+        self.ref.res.setdefault((inst, tier), set()).update(hashes)
+        assert added == len(set(hashes) - before)
+
+    @rule(
+        inst=st.sampled_from(INSTANCES[:5] + INSTANCES[60:]),
+        tier=st.sampled_from(Tier),
+        hashes=chains,
+    )
+    def remove(self, inst: str, tier: Tier, hashes: list[int]) -> None:
+        held = self.ref.res.get((inst, tier), set())
+        expect = len(held & set(hashes))
+        assert self.map.remove(inst, tier, hashes) == expect
+        held -= set(hashes)
+
+    @rule(
+        inst=st.sampled_from(INSTANCES[:5] + INSTANCES[60:]),
+        tier=st.one_of(st.none(), st.sampled_from(Tier)),
+    )
+    def clear(self, inst: str, tier: Tier | None) -> None:
+        for t in Tier if tier is None else (tier,):
+            self.ref.res.get((inst, t), set()).clear()
+        self.map.clear(inst, tier)
+
+    @rule(inst=st.sampled_from(INSTANCES[:5] + INSTANCES[60:]))
+    def drop(self, inst: str) -> None:
+        for t in Tier:
+            self.ref.res.pop((inst, t), None)
+        self.map.drop_instance(inst)
+        assert inst not in self.map.instances()
+
+    @rule(hashes=chains)
+    def match(self, hashes: list[int]) -> None:
+        assert self.map.match(hashes) == self.ref.match(hashes)
+
+    @invariant()
+    def integrity(self) -> None:
+        self.map.check_integrity()
+        live = set().union(*self.ref.res.values()) if self.ref.res else set()
+        assert len(self.map) == len(live)
+        assert self.map.stats().residency == sum(len(v) for v in self.ref.res.values())
+        for (inst, tier), held in self.ref.res.items():
+            if inst in self.map.instances():
+                assert sorted(self.map.resident(inst, tier)) == sorted(held)
+                assert self.map.count(inst, tier) == len(held)
+
+
+TestCacheMap = CacheMapMachine.TestCase
+TestCacheMap.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_parent_links_and_depth() -> None:
+    m = CacheMap()
+    m.store("a", Tier.GPU, [10, 11, 12])
+    m.store("b", Tier.CPU, [13], parent=12, depth=3)
+    assert m.node(10) == (None, 0)
+    assert m.node(12) == (11, 2)
+    assert m.node(13) == (12, 3)
+    assert m.node(99) is None
+    assert m.holders(12) == {"a": frozenset({Tier.GPU})}
+
+
+def test_match_counts_cpu_run_after_gpu_run() -> None:
+    m = CacheMap()
+    m.store("a", Tier.GPU, [1, 2])
+    m.store("a", Tier.CPU, [3, 4])
+    m.store("a", Tier.GPU, [5])  # after a gap in nothing: still counts, 1..5 all resident
+    got = m.match([1, 2, 3, 4, 5, 6])
+    assert got == {"a": Match(gpu_blocks=2, total_blocks=5)}
+    assert got["a"].cpu_blocks == 3
+    m.remove("a", Tier.CPU, [3])
+    assert m.match([1, 2, 3, 4, 5]) == {"a": Match(2, 2)}
+
+
+def test_dropped_instance_bit_is_reused_cleanly() -> None:
+    m = CacheMap()
+    m.store("old", Tier.GPU, [1, 2, 3])
+    m.drop_instance("old")
+    m.store("new", Tier.GPU, [1])
+    assert m.match([1, 2, 3]) == {"new": Match(1, 1)}
+    assert len(m) == 1
+    m.check_integrity()

@@ -1,0 +1,225 @@
+"""vLLM-format KV event bytes -> translator -> bus -> CacheMap, including the CPU placeholder form,
+reference counting, malformed events, and sequence gaps on both hops."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from cachemap import CacheMap, Match, Tier, block_hashes, salt_hash
+from cachemap.bus import BusConsumer, InProcessBus
+from cachemap.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    InstanceEvents,
+    InstanceGone,
+    KVEventBatch,
+    encode_message,
+    encode_vllm_batch,
+)
+from cachemap.ingest import CacheMapIngestor, EngineEventTranslator
+
+BS = 4
+MODEL = "tiny"
+
+
+def stored(hashes, parent, tokens, medium="GPU", lora=None, extra=None) -> BlockStored:
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=BS,
+        lora_id=None,
+        medium=medium,
+        lora_name=lora,
+        extra_keys=extra,
+    )
+
+
+def batch(*events) -> bytes:
+    return encode_vllm_batch(KVEventBatch(ts=1.0, events=list(events)))
+
+
+class Pipeline:
+    """Translator (engine side) -> in-process bus -> ingestor (router side)."""
+
+    def __init__(self, instance: str = "e0", chunk: int = 1) -> None:
+        self.tr = EngineEventTranslator(instance, MODEL, BS, cpu_blocks_per_chunk=chunk)
+        self.bus = InProcessBus()
+        self.map = CacheMap()
+        self.ing = CacheMapIngestor(self.map)
+        self.consumer = BusConsumer(self.bus, self.ing)
+        self.engine_seq = 0
+
+    def feed(self, *events) -> None:
+        msg = self.tr.feed(batch(*events), self.engine_seq, ts=0.0)
+        self.engine_seq += 1
+        if msg is not None:
+            self.bus.publish(encode_message(msg))
+        self.consumer.pump()
+
+
+TOKENS = list(range(100, 112))  # three blocks of 4
+OURS = block_hashes(TOKENS, BS, salt_hash(MODEL))
+
+
+def test_gpu_store_maps_engine_hashes_to_our_chain() -> None:
+    p = Pipeline()
+    p.feed(stored([b"e1", b"e2"], None, TOKENS[:8]))
+    p.feed(stored([b"e3"], b"e2", TOKENS[8:]))  # continuation: parent by engine hash
+    assert p.map.match(OURS) == {"e0": Match(3, 3)}
+    assert p.map.node(OURS[2]) == (OURS[1], 2)
+    p.feed(BlockRemoved(block_hashes=[b"e3"], medium="GPU"))
+    assert p.map.match(OURS) == {"e0": Match(2, 2)}
+
+
+def test_int_engine_hashes_lora_and_cache_salt_change_the_chain() -> None:
+    p = Pipeline()
+    p.feed(stored([7, 8], None, TOKENS[:8], lora="ad1", extra=[("ad1", "salt9"), ("ad1",)]))
+    salted = block_hashes(TOKENS[:8], BS, salt_hash(MODEL, "ad1", "salt9"))
+    assert p.map.match(salted) == {"e0": Match(2, 2)}
+    assert p.map.match(OURS) == {}
+
+
+def test_repeated_announcements_are_reference_counted() -> None:
+    p = Pipeline()
+    p.feed(stored([b"a"], None, TOKENS[:4]))
+    p.feed(stored([b"a"], None, TOKENS[:4]))  # a duplicate block with the same hash
+    p.feed(BlockRemoved(block_hashes=[b"a"], medium="GPU"))
+    assert p.map.match(OURS) == {"e0": Match(1, 1)}
+    p.feed(BlockRemoved(block_hashes=[b"a"], medium="GPU"))
+    assert p.map.match(OURS) == {}
+    assert len(p.tr) == 0
+
+
+def test_cpu_placeholder_expands_to_the_chunk() -> None:
+    p = Pipeline(chunk=2)
+    p.feed(stored([b"e1", b"e2", b"e3"], None, TOKENS))
+    # Offloading connector: one CPU placeholder per chunk, naming the chunk's last engine hash.
+    placeholder = BlockStored(
+        block_hashes=[b"e2"],
+        parent_block_hash=None,
+        token_ids=[],
+        block_size=0,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+    )
+    p.feed(placeholder)
+    p.feed(BlockRemoved(block_hashes=[b"e1", b"e2", b"e3"], medium="GPU"))
+    assert p.map.match(OURS) == {"e0": Match(0, 2)}
+    p.feed(BlockRemoved(block_hashes=[b"e2"], medium="CPU"))  # the chunk goes as one
+    assert p.map.match(OURS) == {}
+    assert len(p.tr) == 0
+
+
+def test_all_blocks_cleared_clears_gpu_only() -> None:
+    p = Pipeline()
+    p.feed(stored([b"e1"], None, TOKENS[:4]), stored([b"e1"], None, TOKENS[:4], medium="CPU"))
+    p.feed(AllBlocksCleared())
+    assert p.map.match(OURS) == {"e0": Match(0, 1)}
+
+
+def test_malformed_events_are_counted_and_skipped_not_fatal() -> None:
+    p = Pipeline()
+    good = msgspec.msgpack.encode(stored([b"e1"], None, TOKENS[:4]))
+    bad_type = msgspec.msgpack.encode({"type": "NoSuchEvent"})
+    bad_field = msgspec.msgpack.encode({"type": "BlockRemoved", "block_hashes": "x", "medium": 1})
+    raw = msgspec.msgpack.encode(
+        [1.0, [msgspec.Raw(bad_type), msgspec.Raw(good), msgspec.Raw(bad_field)]]
+    )
+    msg = p.tr.feed(raw, 0, ts=0.0)
+    assert msg is not None and len(msg.updates) == 1
+    assert p.tr.skipped["undecodable event"] == 2
+    assert p.tr.feed(b"\xc1garbage", 1, ts=0.0) is None
+    assert p.tr.skipped["undecodable batch"] == 1
+    p.engine_seq = 2
+    p.feed(stored([b"x"], b"unknown-parent", TOKENS[4:8]))  # parent never seen
+    p.feed(stored([b"y"], None, TOKENS[:3]))  # token_ids shorter than a block
+    p.feed(BlockRemoved(block_hashes=[b"never"], medium="GPU"))
+    p.feed(stored([b"z"], None, TOKENS[:4], medium="STORAGE"))
+    assert p.tr.skipped["unknown parent block"] == 1
+    assert p.tr.skipped["token_ids length"] == 1
+    assert p.tr.skipped["removal of unknown block"] == 1
+    assert p.tr.skipped["unsupported medium 'STORAGE'"] == 1
+
+
+def test_engine_side_gap_and_replay_are_detected() -> None:
+    tr = EngineEventTranslator("e0", MODEL, BS)
+    assert tr.feed(batch(stored([b"a"], None, TOKENS[:4])), 0, 0.0) is not None
+    assert tr.feed(batch(stored([b"b"], b"a", TOKENS[4:8])), 3, 0.0) is not None
+    assert tr.engine_gaps == 2
+    assert tr.feed(batch(stored([b"c"], b"b", TOKENS[8:])), 2, 0.0) is None  # stale replay
+
+
+def test_router_side_gap_is_reported_and_snapshot_resyncs() -> None:
+    tr = EngineEventTranslator("e0", MODEL, BS)
+    m1 = tr.feed(batch(stored([b"e1", b"e2"], None, TOKENS[:8])), 0, 0.0)
+    m2 = tr.feed(batch(BlockRemoved(block_hashes=[b"e2"], medium="GPU")), 1, 0.0)
+    m3 = tr.feed(batch(stored([b"e3"], b"e1", [9, 9, 9, 9], medium="CPU")), 2, 0.0)
+    assert m1 and m2 and m3 and (m1.seq, m2.seq, m3.seq) == (0, 1, 2)
+    cmap = CacheMap()
+    ing = CacheMapIngestor(cmap)
+    assert ing.apply(m1) is None
+    gap = ing.apply(m3)  # m2 lost: the map now wrongly holds OURS[1]
+    assert gap is not None and (gap.expected, gap.got) == (1, 2)
+    assert ing.needs_resync == {"e0"}
+    assert ing.apply(m1) is None and ing.duplicates == 1
+    ing.apply(tr.snapshot())
+    assert ing.needs_resync == set()
+    assert cmap.match(OURS) == {"e0": Match(1, 1)}
+    cpu_child = block_hashes([9, 9, 9, 9], BS, OURS[0])
+    assert cmap.match([OURS[0], *cpu_child]) == {"e0": Match(1, 2)}
+    cmap.check_integrity()
+
+
+def test_bus_trimming_reports_loss_and_instance_gone_drops() -> None:
+    bus = InProcessBus(maxlen=2)
+    cmap = CacheMap()
+    ing = CacheMapIngestor(cmap)
+    consumer = BusConsumer(bus, ing)
+    for seq in range(3):
+        bus.publish(encode_message(InstanceEvents("e0", seq, 0.0, [])))
+    bus.publish(b"not msgpack")
+    assert consumer.pump() == 2  # the oldest two were trimmed away
+    assert ing.needs_resync == {"e0"} and consumer.malformed == 1
+    cmap.store("e0", Tier.GPU, [1])
+    bus.publish(encode_message(InstanceGone("e0")))
+    consumer.pump()
+    assert cmap.instances() == [] and ing.needs_resync == set()
+
+
+def test_vllm_own_classes_encode_what_we_decode() -> None:
+    kv = pytest.importorskip("vllm.distributed.kv_events")
+    events = [
+        kv.BlockStored(
+            block_hashes=[b"e1", b"e2"],
+            parent_block_hash=None,
+            token_ids=TOKENS[:8],
+            block_size=BS,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        ),
+        kv.BlockStored(
+            block_hashes=[b"e2"],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=0,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+            group_idx=0,
+        ),
+        kv.BlockRemoved(block_hashes=[b"e1"], medium="GPU"),
+    ]
+    payload = msgspec.msgpack.Encoder().encode(kv.KVEventBatch(ts=2.0, events=events))
+    tr = EngineEventTranslator("e0", MODEL, BS)
+    msg = tr.feed(payload, 0, ts=0.0)
+    assert msg is not None and not tr.skipped
+    cmap = CacheMap()
+    CacheMapIngestor(cmap).apply(msg)
+    # e1 left the GPU, so the GPU run is empty; e2 is on both tiers but its parent is gone.
+    assert cmap.match(OURS) == {}
+    assert cmap.holders(OURS[1]) == {"e0": frozenset({Tier.GPU, Tier.CPU})}
