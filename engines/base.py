@@ -1,0 +1,117 @@
+"""The engine protocol: what the router and the Serve deployment need from any engine.
+
+Two implementations: ``engines.sim`` (model-free, behaves like vLLM's scheduler where routing
+cares) and ``engines.vllm`` (one vLLM ``AsyncLLM``). Both publish KV events as vLLM does (ZMQ
+frames ``(topic, seq, msgpack KVEventBatch)``), so one forwarder (``engines.forwarder``) serves
+both, translating them into stamped ``cachemap`` messages on the event bus.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    """The subset of sampling that routing and the sim engine need; passed through to vLLM."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+class EngineRequest(msgspec.Struct):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    # Opaque to the engine core; carries PD handover data and kvroute's policy hints
+    # (``{"kvroute": {"category": "text_2", "continuation": 0.6}}``).
+    kv_transfer_params: dict[str, Any] | None = None
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache (GPU or CPU tier)
+
+
+class EngineOutput(msgspec.Struct):
+    """One streamed step of a request: the tokens new since the previous output."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str | None = None  # detokenized delta, where the engine detokenizes
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    usage: Usage | None = None  # on the final output
+    kv_transfer_params: dict[str, Any] | None = None  # PD: returned by a prefill engine
+
+
+class LoadSnapshot(msgspec.Struct, array_like=True, tag="load"):
+    """An engine's load, published on the bus every ~100 ms."""
+
+    instance_id: str
+    ts: float
+    waiting: int  # requests queued, not yet scheduled
+    running: int  # requests being prefilled or decoded
+    gpu_kv_usage: float  # fraction of GPU KV blocks in use by running requests, 0..1
+    cpu_kv_usage: float  # fraction of the CPU tier occupied, 0..1 (0 without a CPU tier)
+    queued_prefill_tokens: int  # prompt tokens still to prefill (waiting + running)
+    running_context_tokens: int = 0  # tokens of context held by running requests
+
+
+class EngineError(RuntimeError):
+    """The engine failed a request or is unhealthy."""
+
+
+class Engine(ABC):
+    """An async LLM engine with a stable ``instance_id`` (the key used in the cache map)."""
+
+    instance_id: str
+    block_size: int
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Bring the engine up (load the model, bind the KV event socket)."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Abort everything in flight and release resources; idempotent."""
+
+    @abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Stream outputs until one with ``finished=True``; raises ``EngineError`` on failure."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with ``finish_reason="abort"``."""
+
+    @abstractmethod
+    def load(self) -> LoadSnapshot:
+        """The current load (cheap; called every ~100 ms)."""
+
+    @abstractmethod
+    async def check_health(self) -> None:
+        """Raise ``EngineError`` if the engine cannot serve."""
+
+    @property
+    @abstractmethod
+    def kv_events_endpoint(self) -> str | None:
+        """ZMQ endpoint where the engine publishes vLLM-format KV events, if any."""

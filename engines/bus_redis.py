@@ -1,0 +1,66 @@
+"""Redis Streams backend of ``cachemap.bus.EventBus``: for production, many router replicas.
+
+One stream per bus. Offsets are dense integers, so every entry gets the explicit stream id
+``0-<offset + 1>``, assigned with a counter in the same Lua call as the XADD (atomic: concurrent
+publishers never reorder ids). ``MAXLEN ~`` bounds the stream; a consumer that falls behind the
+trimmed head sees ``lost > 0`` and resyncs, exactly as with the in-process bus.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from cachemap.bus import BusRead, EventBus
+
+log = logging.getLogger(__name__)
+
+# KEYS[1] stream, KEYS[2] counter; ARGV[1] payload, ARGV[2] maxlen. Returns the new offset.
+_PUBLISH = """
+local n = redis.call('INCR', KEYS[2])
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '0-' .. n, 'd', ARGV[1])
+return n - 1
+"""
+
+
+class RedisStreamBus(EventBus):
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        stream: str = "kvroute:kv-events",
+        maxlen: int = 100_000,
+        client: Any = None,
+    ) -> None:
+        if maxlen < 1:
+            raise ValueError(f"maxlen must be >= 1, got {maxlen}")
+        import redis
+
+        self.url, self.stream, self.maxlen = url, stream, maxlen
+        self._counter = f"{stream}:next"
+        self._redis = client if client is not None else redis.Redis.from_url(url)
+        self._publish = self._redis.register_script(_PUBLISH)
+
+    def publish(self, payload: bytes) -> int:
+        return int(self._publish(keys=[self.stream, self._counter], args=[payload, self.maxlen]))
+
+    def read(self, cursor: int, max_items: int = 4096) -> BusRead:
+        entries = self._redis.xrange(self.stream, min=f"0-{cursor + 1}", count=max_items)
+        if not entries:
+            end = self.end()
+            # Everything from cursor to end was trimmed (or nothing new was published).
+            return BusRead([], max(cursor, end), max(0, end - cursor))
+        first = _offset(entries[0][0])
+        items = [fields[b"d"] for _, fields in entries]
+        return BusRead(items, _offset(entries[-1][0]) + 1, max(0, first - cursor))
+
+    def end(self) -> int:
+        v = self._redis.get(self._counter)
+        return int(v) if v is not None else 0
+
+    def close(self) -> None:
+        self._redis.close()
+
+
+def _offset(stream_id: bytes | str) -> int:
+    raw = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
+    return int(raw.split("-", 1)[1]) - 1
