@@ -10,6 +10,8 @@ lookup per block answers "is this prefix cached".
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import NewType
@@ -24,6 +26,7 @@ HASH_SEED = 0x6B76726F75746521  # b"kvroute!"
 MAX_TOKEN_ID = 2**32 - 1
 
 _xxh3 = xxhash.xxh3_64_intdigest
+_U32_FAST = array("I").itemsize == 4 and sys.byteorder == "little"
 _pack_u64 = struct.Struct("<Q").pack_into
 
 
@@ -41,6 +44,12 @@ def salt_hash(model: str, lora_name: str | None = None, cache_salt: str | None =
 
 
 def _as_u32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    if isinstance(tokens, list | tuple) and _U32_FAST:
+        # NOTE: array('I') converts a list ~3x faster than numpy and range-checks as it goes.
+        try:
+            return np.frombuffer(array("I", tokens), dtype="<u4")
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"token_ids must be integers in [0, {MAX_TOKEN_ID}]: {e}") from None
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"token_ids must be one-dimensional, got shape {arr.shape}")

@@ -43,12 +43,16 @@ log = logging.getLogger(__name__)
 _TIER_INDEX = {Tier.GPU: 0, Tier.CPU: 1}
 
 
-@dataclass(slots=True)
 class _Block:
-    ours: int
-    parent: EngineHash | None  # the engine hash of the parent block
-    depth: int
-    refs: list[int]  # announcements per tier, indexed by _TIER_INDEX
+    """What the translator knows about one engine block (one per resident block: keep small)."""
+
+    __slots__ = ("depth", "ours", "parent", "refs")
+
+    def __init__(self, ours: int, parent: EngineHash | None, depth: int, refs: list[int]) -> None:
+        self.ours = ours
+        self.parent = parent  # the engine hash of the parent block
+        self.depth = depth
+        self.refs = refs  # announcements per tier, indexed by _TIER_INDEX
 
 
 class EngineEventTranslator:
@@ -157,13 +161,17 @@ class EngineEventTranslator:
             return
         ti = _TIER_INDEX[tier]
         table = self._table
+        get = table.get
         prev = ev.parent_block_hash
-        for i, (eh, oh) in enumerate(zip(ev.block_hashes, ours, strict=True)):
-            b = table.get(eh)
+        d = depth
+        for eh, oh in zip(ev.block_hashes, ours, strict=True):
+            b = get(eh)
             if b is None:
-                b = table[eh] = _Block(oh, prev, depth + i, [0, 0])
-            b.refs[ti] += 1
+                table[eh] = _Block(oh, prev, d, [1, 0] if ti == 0 else [0, 1])
+            else:
+                b.refs[ti] += 1
             prev = eh
+            d += 1
         out.append(Stored(tier.value, list(ours), parent_ours, depth))
 
     def _chain(self, last: EngineHash) -> list[EngineHash]:
