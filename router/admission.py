@@ -1,0 +1,109 @@
+"""Admission: shed load with a clean 429 + Retry-After instead of letting requests time out.
+
+Two gates, both optional:
+
+- **SLO gate**: with a TTFT SLO, a request whose best placement estimate already breaks it is
+  rejected at once; Retry-After is the estimated excess (the queue must drain that much).
+- **Concurrency gate**: at most ``max_in_flight`` requests run; the next ``max_queue`` wait in
+  FIFO order for at most ``max_wait_s``; beyond that, or after waiting too long, reject.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+
+class Rejected(Exception):
+    """The request is not admitted; ``retry_after_s`` is a hint for the client."""
+
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after_header(self) -> str:
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+
+class Admission:
+    def __init__(
+        self,
+        slo_ttft_s: float | None = None,
+        max_in_flight: int = 1024,
+        max_queue: int = 1024,
+        max_wait_s: float = 30.0,
+    ) -> None:
+        if slo_ttft_s is not None and slo_ttft_s <= 0:
+            raise ValueError(f"slo_ttft_s must be positive, got {slo_ttft_s}")
+        if max_in_flight < 1 or max_queue < 0 or max_wait_s <= 0:
+            raise ValueError("max_in_flight >= 1, max_queue >= 0 and max_wait_s > 0 are required")
+        self.slo_ttft_s = slo_ttft_s
+        self.max_in_flight = max_in_flight
+        self.max_queue = max_queue
+        self.max_wait_s = max_wait_s
+        self._running = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self.rejected_slo = 0
+        self.rejected_queue = 0
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    def check_slo(self, estimated_ttft_s: float | None) -> None:
+        """Raise ``Rejected`` when the best estimate already breaks the SLO."""
+        if self.slo_ttft_s is None or estimated_ttft_s is None:
+            return
+        if estimated_ttft_s > self.slo_ttft_s:
+            self.rejected_slo += 1
+            raise Rejected(
+                f"estimated TTFT {estimated_ttft_s * 1e3:.0f} ms exceeds the "
+                f"{self.slo_ttft_s * 1e3:.0f} ms SLO on every instance",
+                estimated_ttft_s - self.slo_ttft_s,
+            )
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold one of ``max_in_flight`` slots for the duration of the block."""
+        if self._running >= self.max_in_flight:
+            if len(self._waiters) >= self.max_queue:
+                self.rejected_queue += 1
+                raise Rejected("server is at capacity and its queue is full", self.max_wait_s)
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, self.max_wait_s)
+            except TimeoutError:
+                self.rejected_queue += 1
+                raise Rejected("timed out waiting for capacity", self.max_wait_s) from None
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    self._release()  # the slot was handed to us just as we were cancelled
+                raise
+            finally:
+                if fut in self._waiters:
+                    self._waiters.remove(fut)
+            # NOTE: the releasing request handed its slot over; _running was not decremented.
+        else:
+            self._running += 1
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # hand the slot over
+                return
+        self._running -= 1

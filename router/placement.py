@@ -1,0 +1,123 @@
+"""Placement: which engine instance serves a request. Scorers register by name (lazy import).
+
+A scorer sees one ``PlacementRequest`` (token count, block hashes, session key), the live
+``InstanceView`` of every candidate (engine load snapshot combined with this router's own
+in-flight accounting, see ``router.load``) and the cache map's answer for the request's hashes,
+and returns a ``Placement``. Scorers are synchronous and do no I/O: the caller gathers state.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cachemap import Match
+
+
+class LatencyModel(Protocol):
+    """An engine's latency profile, as the router needs it (the sim engine's profile class
+    satisfies it)."""
+
+    def prefill_s(self, new_tokens: int, context_tokens: int) -> float:
+        """Seconds to prefill ``new_tokens`` on top of ``context_tokens - new_tokens`` cached."""
+        ...
+
+    def load_s(self, tokens: int) -> float:
+        """Seconds to load ``tokens`` worth of KV from the CPU tier to the GPU."""
+        ...
+
+
+@dataclass(slots=True, frozen=True)
+class PlacementRequest:
+    request_id: str
+    prompt_tokens: int
+    block_hashes: Sequence[int]
+    max_tokens: int = 16
+    session_key: str | None = None  # session header or OpenAI `user`
+    category: str = "all"
+
+
+@dataclass(slots=True)
+class InstanceView:
+    """What the router knows about one instance right now."""
+
+    instance_id: str
+    block_size: int
+    latency: LatencyModel
+    kv_capacity_blocks: int = 0  # GPU KV blocks (0: unknown)
+    waiting: int = 0
+    running: int = 0
+    gpu_kv_usage: float = 0.0  # 0..1
+    pending_prefill_tokens: int = 0  # engine-reported queue + this router's newer assignments
+    healthy: bool = True
+
+
+@dataclass(slots=True, frozen=True)
+class Placement:
+    instance_id: str
+    estimated_ttft_s: float | None = None  # set by scorers that estimate it
+    cached_blocks: int = 0  # leading blocks the chosen instance holds (GPU or CPU)
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+class NoInstanceError(RuntimeError):
+    """No healthy instance can take the request."""
+
+
+class Scorer(ABC):
+    """Chooses an instance. Implementations may keep state (round-robin cursor, approximate
+    trees) but must be cheap: they run on every request."""
+
+    name: str
+
+    @abstractmethod
+    def place(
+        self,
+        request: PlacementRequest,
+        instances: Sequence[InstanceView],
+        match: Mapping[str, Match],
+    ) -> Placement:
+        """Pick one of ``instances`` (all healthy, non-empty)."""
+
+    def on_finished(self, request: PlacementRequest, instance_id: str) -> None:  # noqa: B027
+        """The request ended (scorers with their own bookkeeping override this)."""
+
+
+_SCORERS: dict[str, tuple[str, str]] = {
+    "kv_ttft": ("router.scorers.kv_ttft", "KvTtftScorer"),
+    "round_robin": ("router.scorers.baselines", "RoundRobinScorer"),
+    "least_loaded": ("router.scorers.baselines", "LeastLoadedScorer"),
+    "session": ("router.scorers.baselines", "SessionScorer"),
+    "sglang_cache_aware": ("router.scorers.sglang", "SglangCacheAwareScorer"),
+    "dynamo_cost": ("router.scorers.dynamo", "DynamoCostScorer"),
+    "llmd_weighted": ("router.scorers.llmd", "LlmdWeightedScorer"),
+}
+
+
+def scorer_names() -> list[str]:
+    return list(_SCORERS)
+
+
+def create_scorer(name: str, **options: Any) -> Scorer:
+    """The scorer registered as ``name``; a ``module:Class`` path loads an out-of-tree one.
+    Unknown names raise ``ValueError`` listing the valid ones."""
+    entry = _SCORERS.get(name)
+    if entry is None and ":" in name:
+        entry = (name.split(":", 1)[0], name.split(":", 1)[1])
+    if entry is None:
+        raise ValueError(f"router: unknown scorer {name!r}; valid: {', '.join(_SCORERS)}")
+    cls = getattr(importlib.import_module(entry[0]), entry[1])
+    if not (isinstance(cls, type) and issubclass(cls, Scorer)):
+        raise ValueError(f"router: {entry[0]}.{entry[1]} is not a Scorer")
+    scorer: Scorer = cls(**options)
+    return scorer
+
+
+def healthy(instances: Sequence[InstanceView]) -> list[InstanceView]:
+    alive = [i for i in instances if i.healthy]
+    if not alive:
+        raise NoInstanceError("no healthy engine instance")
+    return alive

@@ -1,0 +1,1 @@
+"""Placement scorers, one module each, registered by name in ``router.placement``."""

@@ -1,0 +1,209 @@
+"""Placement scorers, load accounting and admission, on hand-built cluster states."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import pytest
+
+from cachemap import CacheMap, Match, Tier
+from engines.base import LoadSnapshot
+from router.admission import Admission, Rejected
+from router.load import LoadTracker
+from router.placement import InstanceView, PlacementRequest, create_scorer, scorer_names
+
+BS = 16
+
+
+@dataclass(frozen=True)
+class Linear:
+    """prefill at ``tok_s`` tokens/s, CPU->GPU loads at ``load_tok_s``."""
+
+    tok_s: float = 10_000.0
+    load_tok_s: float = 200_000.0
+
+    def prefill_s(self, new_tokens: int, context_tokens: int) -> float:
+        return new_tokens / self.tok_s
+
+    def load_s(self, tokens: int) -> float:
+        return tokens / self.load_tok_s
+
+
+def view(iid: str, **kw) -> InstanceView:
+    return InstanceView(iid, BS, Linear(), **kw)
+
+
+def req(n_blocks: int, **kw) -> PlacementRequest:
+    return PlacementRequest("r", n_blocks * BS, list(range(1, n_blocks + 1)), **kw)
+
+
+def test_registry_lists_names_and_rejects_unknown() -> None:
+    assert {"kv_ttft", "round_robin", "least_loaded", "session"} <= set(scorer_names())
+    with pytest.raises(ValueError, match="valid: kv_ttft"):
+        create_scorer("nope")
+
+
+def test_kv_ttft_prefers_the_cached_instance_until_its_queue_costs_more() -> None:
+    s = create_scorer("kv_ttft")
+    r = req(100)  # 1,600 tokens: 160 ms cold
+    match = {"a": Match(100, 100)}
+    assert s.place(r, [view("a"), view("b")], match).instance_id == "a"
+    # a's queue holds 2,000 tokens of prefill (200 ms) > b's cold prefill (160 ms).
+    busy = [view("a", pending_prefill_tokens=2000), view("b")]
+    p = s.place(r, busy, match)
+    assert p.instance_id == "b"
+    assert p.estimated_ttft_s == pytest.approx(0.16)
+
+
+def test_kv_ttft_prices_cpu_hits_between_gpu_hits_and_misses() -> None:
+    s = create_scorer("kv_ttft")
+    r = req(100)
+    gpu, cpu = Match(100, 100), Match(0, 100)
+    est_gpu = s.estimate(r, view("a"), gpu)[0]  # type: ignore[attr-defined]
+    est_cpu = s.estimate(r, view("a"), cpu)[0]  # type: ignore[attr-defined]
+    est_miss = s.estimate(r, view("a"), None)[0]  # type: ignore[attr-defined]
+    assert est_gpu < est_cpu < est_miss
+    assert s.place(r, [view("a"), view("b")], {"a": cpu, "b": gpu}).instance_id == "b"
+
+
+def test_kv_ttft_vetoes_kv_exhaustion_and_breaks_ties_by_decode_load() -> None:
+    s = create_scorer("kv_ttft")
+    r = req(10)
+    full = [view("a", gpu_kv_usage=0.99), view("b", gpu_kv_usage=0.2)]
+    assert s.place(r, full, {"a": Match(10, 10)}).instance_id == "b"
+    small = [view("a", kv_capacity_blocks=100, gpu_kv_usage=0.95)]
+    assert s.place(r, [*small, view("b")], {"a": Match(10, 10)}).instance_id == "b"
+    # every instance vetoed: still placed
+    assert s.place(r, [view("a", gpu_kv_usage=0.99)], {}).instance_id == "a"
+    tie = [view("a", running=9), view("b", running=1)]
+    assert s.place(r, tie, {}).instance_id == "b"
+
+
+def test_unhealthy_instances_are_never_chosen() -> None:
+    for name in scorer_names():
+        s = create_scorer(name)
+        p = s.place(req(4), [view("a", healthy=False), view("b")], {"a": Match(4, 4)})
+        assert p.instance_id == "b", name
+
+
+def test_round_robin_least_loaded_and_session() -> None:
+    rr = create_scorer("round_robin")
+    insts = [view("a"), view("b"), view("c")]
+    assert [rr.place(req(1), insts, {}).instance_id for _ in range(4)] == ["a", "b", "c", "a"]
+    ll = create_scorer("least_loaded")
+    assert ll.place(req(1), [view("a", running=3), view("b", running=1)], {}).instance_id == "b"
+    ss = create_scorer("session")
+    owners = {
+        k: ss.place(req(1, session_key=k), insts, {}).instance_id for k in map(str, range(300))
+    }
+    assert len(set(owners.values())) == 3
+    again = {k: ss.place(req(1, session_key=k), insts, {}).instance_id for k in owners}
+    assert again == owners
+    without_c = {k: ss.place(req(1, session_key=k), insts[:2], {}).instance_id for k in owners}
+    moved = [k for k in owners if owners[k] != without_c[k]]
+    assert all(owners[k] == "c" for k in moved)  # only c's sessions move
+
+
+def test_sglang_cache_aware_thresholds() -> None:
+    s = create_scorer("sglang_cache_aware")
+    insts = [view("a"), view("b")]
+    first = s.place(req(10), insts, {}).instance_id
+    # Same prefix, balanced load: follows its approximate tree (match 100% > 0.3).
+    assert s.place(req(10), insts, {}).instance_id == first
+    # A different prompt with no match: goes to the smaller tree (the other instance).
+    other = PlacementRequest("x", 160, list(range(100, 110)))
+    assert s.place(other, insts, {}).instance_id != first
+    # Imbalanced (diff > 64 and ratio > 1.5): least loaded wins despite the match.
+    for _ in range(100):
+        s.place(req(10), insts, {})
+    loaded = max(insts, key=lambda i: s._in_flight.get(i.instance_id, 0)).instance_id  # type: ignore[attr-defined]
+    assert s.place(req(10), insts, {}).instance_id != loaded
+
+
+def test_dynamo_cost_and_llmd_weighted() -> None:
+    d = create_scorer("dynamo_cost")
+    a = view("a", kv_capacity_blocks=1000, gpu_kv_usage=0.5)  # 500 active blocks
+    b = view("b", kv_capacity_blocks=1000, gpu_kv_usage=0.0)
+    r = req(100)
+    # a: 0 prefill + 500 active + 100 request = 600; b: 100 + 0 + 100 = 200
+    assert d.cost(r, a, Match(100, 100)) == pytest.approx(600)  # type: ignore[attr-defined]
+    assert d.place(r, [a, b], {"a": Match(100, 100)}).instance_id == "b"
+    lw = create_scorer("llmd_weighted")
+    # a: 2*1.0 + 1*0.5 + 1*0 = 2.5 ; b: 0 + 1*1 + 1*1 = 2.0
+    a2 = view("a", gpu_kv_usage=0.5, waiting=4)
+    b2 = view("b", waiting=0)
+    assert lw.place(r, [a2, b2], {"a": Match(100, 100)}).instance_id == "a"
+
+
+def test_load_tracker_combines_snapshots_with_newer_local_assignments() -> None:
+    lt = LoadTracker(stale_after_s=1.0)
+    lt.register("a", BS, Linear())
+    lt.assigned("r1", "a", 500, now=10.0)
+    lt.on_snapshot(LoadSnapshot("a", 10.5, 2, 3, 0.4, 0.0, 1200))  # includes r1
+    lt.assigned("r2", "a", 300, now=10.6)  # newer than the snapshot
+    (v,) = lt.views(now=10.7)
+    assert (v.waiting, v.running, v.pending_prefill_tokens) == (3, 3, 1500)
+    assert v.gpu_kv_usage == 0.4
+    lt.prefill_done("r2")
+    (v,) = lt.views(now=20.0)  # stale snapshot: local accounting only
+    assert (v.waiting, v.running, v.pending_prefill_tokens) == (1, 1, 500)
+    lt.mark_failed("a")
+    assert not lt.views(now=20.0)[0].healthy
+    lt.on_snapshot(LoadSnapshot("a", 20.0, 0, 0, 0.0, 0.0, 0))
+    assert lt.views(now=20.0)[0].healthy
+    lt.finished("r1")
+    lt.finished("r2")
+    assert lt.in_flight() == 0
+
+
+def test_admission_slo_and_bounded_queue() -> None:
+    adm = Admission(slo_ttft_s=0.5, max_in_flight=1, max_queue=1, max_wait_s=0.2)
+    adm.check_slo(0.4)
+    with pytest.raises(Rejected) as e:
+        adm.check_slo(2.3)
+    assert e.value.retry_after_header == "2"
+
+    async def scenario() -> list[str]:
+        log: list[str] = []
+        gate = asyncio.Event()
+
+        async def worker(name: str, hold: bool) -> None:
+            try:
+                async with adm.slot():
+                    log.append(f"{name} in")
+                    if hold:
+                        await gate.wait()
+            except Rejected as r:
+                log.append(f"{name} rejected: {r.reason}")
+
+        t1 = asyncio.create_task(worker("a", True))
+        await asyncio.sleep(0)
+        t2 = asyncio.create_task(worker("b", False))  # queued
+        await asyncio.sleep(0)
+        t3 = asyncio.create_task(worker("c", False))  # queue full
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.gather(t1, t2, t3)
+        gate.clear()
+        t4 = asyncio.create_task(worker("d", True))  # holds the slot again
+        await asyncio.sleep(0)
+        t5 = asyncio.create_task(worker("e", False))  # waits, times out
+        await t5
+        gate.set()
+        await t4
+        return log
+
+    log = asyncio.run(scenario())
+    assert log[:3] == ["a in", "c rejected: server is at capacity and its queue is full", "b in"]
+    assert "e rejected: timed out waiting for capacity" in log
+    assert adm.running == 0 and adm.queued == 0
+
+
+def test_scorers_work_on_a_real_cache_map_match() -> None:
+    cmap = CacheMap()
+    cmap.store("b", Tier.GPU, list(range(1, 9)))
+    cmap.store("a", Tier.CPU, list(range(1, 9)))
+    r = req(8)
+    m = cmap.match(r.block_hashes)
+    assert create_scorer("kv_ttft").place(r, [view("a"), view("b")], m).instance_id == "b"
