@@ -1,22 +1,81 @@
-"""``kvroute serve``: the main job. Until the router lands (issue: router) it states the plan and
-exits 0; it will start an embedded Ray, two sim engines and the ingress on 127.0.0.1:8000."""
+"""``kvroute serve``: the main job. With no arguments: an embedded local Ray, two sim engines and
+the OpenAI-compatible ingress on 127.0.0.1:8000. Ctrl-C shuts everything down."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import threading
+from typing import Any
+
+from deploy.config import RAY_PREFIX_ROUTER, ServeConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    p.add_argument("--config", help="YAML file (see deploy/*.yaml); flags override it")
+    p.add_argument("--engine", choices=["sim", "vllm"], help="engine kind (default: sim)")
+    p.add_argument("--model", help="HF model directory, or 'tiny' for the built-in tiny model")
+    p.add_argument("--instances", type=int, help="engine instances (default: 2)")
+    p.add_argument(
+        "--router",
+        help="placement: kv_ttft (default), round_robin, least_loaded, session, "
+        f"sglang_cache_aware, dynamo_cost, llmd_weighted or {RAY_PREFIX_ROUTER}",
+    )
+    p.add_argument("--host", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to bind (default: 8000)")
+    p.add_argument("--slo-ttft-ms", type=float, help="reject (429) requests estimated above it")
+    p.add_argument("--ray-address", help="join this Ray cluster instead of starting one")
+
+
+def build_config(args: argparse.Namespace) -> ServeConfig:
+    base = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
+    data: dict[str, Any] = base.model_dump()
+    eng = data["engines"]
+    if args.engine:
+        eng["engine"]["kind"] = args.engine
+    if args.model:
+        eng["engine"]["model"] = args.model
+    if args.instances is not None:
+        eng["instances"] = args.instances
+    if args.router:
+        data["router"]["scorer"] = args.router
+    if args.slo_ttft_ms is not None:
+        data["router"]["slo_ttft_ms"] = args.slo_ttft_ms
+    if args.host:
+        data["host"] = args.host
+    if args.port is not None:
+        data["port"] = args.port
+    return ServeConfig.validated(data, source="settings")
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 0 < args.port < 65536:
-        raise ValueError(f"--port must be in 1..65535, got {args.port}")
-    print(
-        "kvroute serve: the router is not built yet. When it is, this command starts an "
-        "embedded Ray, two sim engines and the OpenAI-compatible ingress at "
-        f"http://{args.host}:{args.port}/v1 ."
-    )
+    cfg = build_config(args)
+    import ray
+    from ray import serve
+
+    from deploy.app import build_serve_app
+
+    if args.ray_address:
+        ray.init(address=args.ray_address)
+    else:
+        need = cfg.engines.instances * cfg.engines.resources.num_cpus + 1
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
+        print(
+            f"kvroute serving {cfg.engines.engine.model_name!r} on "
+            f"{cfg.engines.instances} {cfg.engines.engine.kind} engine(s), "
+            f"router {cfg.router.scorer}: http://{cfg.host}:{cfg.port}/v1",
+            flush=True,
+        )
+        stop.wait()
+        print("kvroute: shutting down", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
     return 0

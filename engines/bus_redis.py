@@ -57,6 +57,14 @@ class RedisStreamBus(EventBus):
         v = self._redis.get(self._counter)
         return int(v) if v is not None else 0
 
+    def request_resync(self, instance: str) -> None:
+        """Ask ``instance``'s forwarder to publish a full ``Snapshot`` (a router saw a gap)."""
+        self._redis.sadd(f"{self.stream}:resync", instance)
+
+    def take_resync(self, instance: str) -> bool:
+        """Whether a resync of ``instance`` was requested (and clear the request)."""
+        return bool(self._redis.srem(f"{self.stream}:resync", instance))
+
     def close(self) -> None:
         self._redis.close()
 

@@ -71,34 +71,40 @@ class Admission:
                 estimated_ttft_s - self.slo_ttft_s,
             )
 
+    async def acquire(self) -> Ticket:
+        """Take one of ``max_in_flight`` slots, waiting in the bounded queue if needed; raises
+        ``Rejected`` when the queue is full or the wait exceeds ``max_wait_s``."""
+        if self._running < self.max_in_flight:
+            self._running += 1
+            return Ticket(self)
+        if len(self._waiters) >= self.max_queue:
+            self.rejected_queue += 1
+            raise Rejected("server is at capacity and its queue is full", self.max_wait_s)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, self.max_wait_s)
+        except TimeoutError:
+            self.rejected_queue += 1
+            raise Rejected("timed out waiting for capacity", self.max_wait_s) from None
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._release()  # the slot was handed to us just as we were cancelled
+            raise
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+        # NOTE: the releasing request handed its slot over; _running was not decremented.
+        return Ticket(self)
+
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
-        """Hold one of ``max_in_flight`` slots for the duration of the block."""
-        if self._running >= self.max_in_flight:
-            if len(self._waiters) >= self.max_queue:
-                self.rejected_queue += 1
-                raise Rejected("server is at capacity and its queue is full", self.max_wait_s)
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            try:
-                await asyncio.wait_for(fut, self.max_wait_s)
-            except TimeoutError:
-                self.rejected_queue += 1
-                raise Rejected("timed out waiting for capacity", self.max_wait_s) from None
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():
-                    self._release()  # the slot was handed to us just as we were cancelled
-                raise
-            finally:
-                if fut in self._waiters:
-                    self._waiters.remove(fut)
-            # NOTE: the releasing request handed its slot over; _running was not decremented.
-        else:
-            self._running += 1
+        """Hold one slot for the duration of the block."""
+        ticket = await self.acquire()
         try:
             yield
         finally:
-            self._release()
+            ticket.release()
 
     def _release(self) -> None:
         while self._waiters:
@@ -107,3 +113,18 @@ class Admission:
                 fut.set_result(None)  # hand the slot over
                 return
         self._running -= 1
+
+
+class Ticket:
+    """One admitted request's slot; ``release`` is idempotent (streams release from several
+    exits: normal end, client disconnect, background cleanup)."""
+
+    __slots__ = ("_admission",)
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission: Admission | None = admission
+
+    def release(self) -> None:
+        if self._admission is not None:
+            self._admission._release()
+            self._admission = None

@@ -18,11 +18,11 @@ from cachemap import Match
 
 
 class LatencyModel(Protocol):
-    """An engine's latency profile, as the router needs it (the sim engine's profile class
-    satisfies it)."""
+    """An engine's latency profile, as the router needs it (``engines.sim.profile.
+    LatencyProfile`` satisfies it; ``kvroute profile`` measures one from a real engine)."""
 
-    def prefill_s(self, new_tokens: int, context_tokens: int) -> float:
-        """Seconds to prefill ``new_tokens`` on top of ``context_tokens - new_tokens`` cached."""
+    def prefill_s(self, uncached_tokens: int, context: int = 0) -> float:
+        """Seconds to prefill ``uncached_tokens`` after ``context`` tokens already cached."""
         ...
 
     def load_s(self, tokens: int) -> float:

@@ -41,8 +41,8 @@ class KvTtftScorer(Scorer):
         cached_tokens = min(total * bs, max(0, request.prompt_tokens - 1))
         gpu_tokens = min(gpu * bs, cached_tokens)
         lat = inst.latency
-        queue = lat.prefill_s(inst.pending_prefill_tokens, inst.pending_prefill_tokens)
-        prefill = lat.prefill_s(request.prompt_tokens - cached_tokens, request.prompt_tokens)
+        queue = lat.prefill_s(inst.pending_prefill_tokens) if inst.pending_prefill_tokens else 0.0
+        prefill = lat.prefill_s(request.prompt_tokens - cached_tokens, cached_tokens)
         load = lat.load_s(cached_tokens - gpu_tokens)
         return queue + prefill + load, total
 

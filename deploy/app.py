@@ -1,0 +1,123 @@
+"""Composition root: the Serve application of ``kvroute serve`` (ingress + engine pool).
+
+The engine deployment carries the request router (kvroute's ``KvRequestRouter``, or Ray's
+``PrefixCacheAffinityRouter`` as a peer); each ingress replica runs the OpenAI API, keeps its own
+cache map fed by the event bus, and shares it with the request router in its process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Application
+
+from deploy.config import RAY_PREFIX_ROUTER, ServeConfig
+from engines.config import TINY_MODEL
+from engines.deployment import build_engine_app, open_buses
+from engines.sim.profile import LatencyProfile
+from router.admission import Admission
+from router.dispatch import Dispatcher
+from router.ingress import IngressConfig, build_app
+from router.serve_client import ServeEngineClient
+from router.serve_router import register_state, unregister_state
+from router.state import RouterState
+from router.tokenizer import PromptTokenizer
+
+log = logging.getLogger(__name__)
+DEFAULT_CPU_PROFILE = "cpu-tiny-llama"
+
+
+def _tokenizer_path(cfg: ServeConfig) -> str:
+    if cfg.tokenizer:
+        return cfg.tokenizer
+    if cfg.engines.engine.model == TINY_MODEL:
+        from engines.tiny_model import build_tiny_model
+
+        return str(build_tiny_model())
+    return cfg.engines.engine.model
+
+
+def latency_profile(cfg: ServeConfig) -> LatencyProfile:
+    name = cfg.router.profile or cfg.engines.engine.profile or DEFAULT_CPU_PROFILE
+    return LatencyProfile.load(name)
+
+
+@serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class IngressDeployment:
+    def __init__(self, engine: Any, config: dict[str, Any]) -> None:
+        self.cfg = cfg = ServeConfig.model_validate(config)
+        ecfg = cfg.engines.engine
+        profile = latency_profile(cfg)
+        kv_bus, load_bus = open_buses(cfg.engines.bus)
+        self._kv_bus = kv_bus
+        pre_place = cfg.router.scorer != RAY_PREFIX_ROUTER
+        self.state = RouterState(
+            scorer=cfg.router.scorer if pre_place else "least_loaded",
+            latency=profile,
+            block_size=ecfg.block_size,
+            kv_capacity_blocks=(ecfg.kv_blocks or profile.kv_capacity_tokens // ecfg.block_size),
+            kv_bus=kv_bus,
+            load_bus=load_bus,
+            admission=Admission(
+                slo_ttft_s=cfg.router.slo_ttft_ms / 1e3 if cfg.router.slo_ttft_ms else None,
+                max_in_flight=cfg.router.max_in_flight,
+                max_queue=cfg.router.max_queue,
+                max_wait_s=cfg.router.max_wait_s,
+            ),
+        )
+        register_state(cfg.app_name, self.state)
+        self.state.start()
+        self.tokenizer = PromptTokenizer(_tokenizer_path(cfg))
+        self.dispatcher = Dispatcher(self.state, ServeEngineClient(engine), pre_place=pre_place)
+        self._engine = engine
+        self._resync_task = asyncio.get_event_loop().create_task(self._resync_loop())
+
+    async def _resync_loop(self) -> None:
+        """Ask instances whose event sequence had a gap for a full snapshot."""
+        request = getattr(self._kv_bus, "request_resync", None)
+        while request is not None:
+            for instance in self.state.needs_resync():
+                try:
+                    request(instance)
+                except Exception as e:  # degrade: retried next round
+                    log.warning("resync request for %s failed: %s", instance, e)
+            await asyncio.sleep(1.0)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        ecfg = self.cfg.engines.engine
+        return build_app(
+            IngressConfig(
+                model=ecfg.model_name,
+                max_model_len=ecfg.max_model_len,
+                block_size=ecfg.block_size,
+                api_keys=frozenset(self.cfg.router.api_keys),
+                max_body_bytes=self.cfg.router.max_body_bytes,
+            ),
+            self.dispatcher,
+            self.tokenizer,
+        )
+
+    def __del__(self) -> None:
+        unregister_state(self.cfg.app_name)
+        self.state.stop()
+
+
+def build_serve_app(cfg: ServeConfig) -> Application:
+    if cfg.router.scorer == RAY_PREFIX_ROUTER:
+        rr = RequestRouterConfig(
+            request_router_class="ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+        )
+    else:
+        rr = RequestRouterConfig(
+            request_router_class="router.serve_router:KvRequestRouter",
+            request_router_kwargs={"state_key": cfg.app_name},
+        )
+    engine = build_engine_app(cfg.engines, request_router_config=rr)
+    return IngressDeployment.options(num_replicas=cfg.router.replicas).bind(
+        engine, cfg.model_dump()
+    )

@@ -1,0 +1,77 @@
+"""``kvroute serve`` configuration (pydantic; YAML files validated against it, see
+``deploy/*.yaml``). Every error names the field and the valid range."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from engines.config import EngineDeploymentConfig
+from router.placement import scorer_names
+
+RAY_PREFIX_ROUTER = "ray_prefix"  # Ray Serve's own PrefixCacheAffinityRouter, as a peer
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RouterConfig(_Strict):
+    scorer: str = Field(
+        "kv_ttft", description=f"placement: one of the scorers or {RAY_PREFIX_ROUTER!r}"
+    )
+    scorer_options: dict[str, Any] = Field(default_factory=dict)
+    profile: str | None = Field(
+        None,
+        description="latency profile for TTFT estimates (name or JSON path); "
+        "default: the sim engine's profile, or the shipped CPU profile",
+    )
+    slo_ttft_ms: float | None = Field(None, gt=0, description="reject (429) above this estimate")
+    max_in_flight: int = Field(1024, ge=1)
+    max_queue: int = Field(1024, ge=0)
+    max_wait_s: float = Field(30.0, gt=0)
+    api_keys: list[str] = Field(default_factory=list)
+    replicas: int = Field(1, ge=1, le=256, description="ingress replicas")
+    max_body_bytes: int = Field(4 << 20, ge=1024)
+
+    @field_validator("scorer")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        valid = [*scorer_names(), RAY_PREFIX_ROUTER]
+        if v not in valid and ":" not in v:
+            raise ValueError(f"unknown scorer {v!r}; valid: {', '.join(valid)}")
+        return v
+
+
+class ServeConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    app_name: str = Field("kvroute", min_length=1)
+    engines: EngineDeploymentConfig = Field(
+        default_factory=lambda: EngineDeploymentConfig(instances=2)
+    )
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    tokenizer: str | None = Field(None, description="HF tokenizer dir; default: the model's")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ServeConfig:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"--config: no such file {str(p)!r}")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config {p}: not valid YAML: {e}") from None
+        return cls.validated(data, source=str(p))
+
+    @classmethod
+    def validated(cls, data: dict[str, Any], source: str = "config") -> ServeConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err["loc"]) or "<root>"
+            raise ValueError(f"{source}: {where}: {err['msg']}") from None

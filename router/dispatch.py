@@ -1,0 +1,109 @@
+"""Dispatch: place a request, stream it from the chosen engine, fail over before the first token.
+
+Independent of HTTP: the ingress turns a validated body into a ``RoutedRequest`` and iterates
+``Dispatcher.stream``. The engine side is an ``EngineClient`` (Ray Serve handle in production,
+engines in-process in the router benchmark).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from engines.base import EngineError, EngineOutput, RoutedRequest
+from router.admission import Rejected
+from router.placement import NoInstanceError, Placement, PlacementRequest
+from router.state import RouterState
+
+log = logging.getLogger(__name__)
+
+
+class EngineClient(Protocol):
+    def stream(self, routed: RoutedRequest) -> AsyncIterator[EngineOutput]:
+        """Outputs of ``routed`` from ``routed.target_instance``; raises on engine failure."""
+        ...
+
+
+def request_for_placement(routed: RoutedRequest) -> PlacementRequest:
+    r = routed.request
+    return PlacementRequest(
+        r.request_id,
+        len(r.prompt_token_ids),
+        routed.block_hashes,
+        max_tokens=r.sampling.max_tokens,
+        session_key=routed.session_key,
+        category=routed.category,
+    )
+
+
+class StreamBroken(Exception):
+    """The engine failed after the first token: the response cannot be retried."""
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        state: RouterState,
+        client: EngineClient,
+        max_attempts: int = 3,
+        pre_place: bool = True,
+    ) -> None:
+        """``pre_place=False`` leaves placement to the engine handle's own request router (Ray's
+        PrefixCacheAffinityRouter as a peer): no estimate, so no SLO gate either."""
+        self.state = state
+        self.client = client
+        self.max_attempts = max_attempts
+        self.pre_place = pre_place
+        self.failovers = 0
+
+    def placement_request(self, routed: RoutedRequest) -> PlacementRequest:
+        return request_for_placement(routed)
+
+    def place(self, preq: PlacementRequest, exclude: set[str]) -> Placement | None:
+        """Place and apply the SLO gate (raises ``Rejected``); None without pre-placement."""
+        if not self.pre_place:
+            return None
+        try:
+            placement = self.state.place(preq, exclude=exclude)
+        except NoInstanceError:
+            raise Rejected("no engine instance is available", 1.0) from None
+        self.state.admission.check_slo(placement.estimated_ttft_s)
+        return placement
+
+    async def stream(
+        self, routed: RoutedRequest, first: Placement | None = None
+    ) -> AsyncIterator[tuple[Placement, EngineOutput]]:
+        """Yield ``(placement, output)``; retries on another instance while nothing was sent."""
+        preq = self.placement_request(routed)
+        tried: set[str] = set()
+        placement = first or self.place(preq, tried)
+        attempt = 0
+        while True:
+            attempt += 1
+            routed.target_instance = placement.instance_id
+            self.state.assigned(preq, placement)
+            started = False
+            try:
+                async for out in self.client.stream(routed):
+                    if not started:
+                        started = True
+                        self.state.first_token(preq.request_id)
+                    yield placement, out
+                return
+            except (EngineError, ConnectionError, OSError) as e:
+                self.state.failed(placement.instance_id)
+                if started:
+                    raise StreamBroken(f"engine {placement.instance_id} failed: {e}") from e
+                tried.add(placement.instance_id)
+                if attempt >= self.max_attempts:
+                    raise
+                log.warning(
+                    "engine %s failed before the first token, retrying: %s",
+                    placement.instance_id,
+                    e,
+                )
+                self.failovers += 1
+                placement = self.place(preq, tried)
+            finally:
+                self.state.finished(preq, placement.instance_id)

@@ -1,0 +1,282 @@
+"""The OpenAI-compatible HTTP front door (FastAPI): validate, tokenize once, hash, admit, place,
+stream. Every client mistake is an OpenAI-shaped 4xx; nothing accepted is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import propagate, trace
+from pydantic import ValidationError
+from starlette.background import BackgroundTask
+
+from cachemap import BlockHasher
+from engines.base import EngineRequest, RoutedRequest, SamplingParams
+from router.admission import Rejected, Ticket
+from router.api import APIError, ChatCompletionRequest, CompletionRequest
+from router.dispatch import Dispatcher, StreamBroken
+from router.metrics import RouterMetrics
+from router.responses import ResponseBuilder
+from router.tokenizer import PromptTokenizer
+
+tracer = trace.get_tracer("kvroute.router")
+
+
+@dataclass
+class IngressConfig:
+    model: str  # the served model name clients ask for
+    max_model_len: int
+    block_size: int
+    api_keys: frozenset[str] = field(default_factory=frozenset)
+    max_body_bytes: int = 4 << 20
+    category_header: str = "x-kvroute-category"
+    session_header: str = "x-session-id"
+
+
+def _loads_body(raw: bytes, limit: int) -> dict[str, Any]:
+    if len(raw) > limit:
+        raise APIError(
+            413, f"request body is {len(raw)} bytes; the limit is {limit}", code="request_too_large"
+        )
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return body
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    param = ".".join(str(p) for p in err.get("loc", ())) or None
+    return APIError(
+        400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param
+    )
+
+
+def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTokenizer) -> FastAPI:
+    app = FastAPI(title="kvroute", docs_url=None, redoc_url=None)
+    hasher = BlockHasher(config.model, config.block_size)
+    metrics = RouterMetrics()
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        metrics.errors.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    def check_auth(request: Request) -> None:
+        if not config.api_keys:
+            return
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        if not any(secrets.compare_digest(token, k) for k in config.api_keys):
+            raise APIError(
+                401,
+                "missing or invalid API key",
+                type_="authentication_error",
+                code="invalid_api_key",
+            )
+
+    def check_model(model: str) -> None:
+        if model != config.model:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; served: {config.model!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "instances": len(dispatcher.state.load.instance_ids())}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.observe_state(dispatcher.state)
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        check_auth(request)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": config.model,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "kvroute",
+                    "max_model_len": config.max_model_len,
+                }
+            ],
+        }
+
+    async def handle(request: Request, chat: bool) -> Response:
+        check_auth(request)
+        body = _loads_body(await request.body(), config.max_body_bytes)
+        try:
+            req: ChatCompletionRequest | CompletionRequest = (
+                ChatCompletionRequest.model_validate(body)
+                if chat
+                else CompletionRequest.model_validate(body)
+            )
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        check_model(req.model)
+        if isinstance(req, CompletionRequest) and req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        ctx = propagate.extract(dict(request.headers))
+        with tracer.start_as_current_span("kvroute.ingress", context=ctx) as span:
+            routed = prepare(request, req)
+            span.set_attribute("kvroute.prompt_tokens", len(routed.request.prompt_token_ids))
+            builder = ResponseBuilder(
+                req,
+                chat,
+                tokenizer,
+                routed.request.request_id,
+                len(routed.request.prompt_token_ids),
+            )
+            ticket = await dispatcher.state.admission.acquire()
+            try:
+                with tracer.start_as_current_span("kvroute.placement") as ps:
+                    first = dispatcher.place(dispatcher.placement_request(routed), set())
+                    if first is not None:
+                        ps.set_attribute("kvroute.instance", first.instance_id)
+                        ps.set_attribute("kvroute.cached_blocks", first.cached_blocks)
+                        metrics.placed(first)
+                if req.stream:
+                    return StreamingResponse(
+                        sse(routed, first, builder, ticket),
+                        media_type="text/event-stream",
+                        background=BackgroundTask(ticket.release),
+                    )
+                async for placement, out in dispatcher.stream(routed, first):
+                    builder.add(out, placement.instance_id)
+                metrics.finished(builder)
+                return JSONResponse(builder.final())
+            finally:
+                if not req.stream:
+                    ticket.release()
+
+    async def sse(
+        routed: RoutedRequest, first: Any, builder: ResponseBuilder, ticket: Ticket
+    ) -> AsyncIterator[bytes]:
+        try:
+            with tracer.start_as_current_span("kvroute.engine_call"):
+                async for placement, out in dispatcher.stream(routed, first):
+                    for chunk in builder.chunks(out, placement.instance_id):
+                        yield f"data: {json.dumps(chunk)}\n\n".encode()
+            if builder.include_usage:
+                yield f"data: {json.dumps(builder.usage_chunk())}\n\n".encode()
+            metrics.finished(builder)
+        except Exception as e:  # the client already has a 200: end the stream with an error
+            metrics.errors.labels("stream").inc()
+            kind = "engine failed mid-stream" if isinstance(e, StreamBroken) else "stream aborted"
+            err = APIError(500, f"{kind}: {e}", type_="server_error")
+            yield f"data: {json.dumps(err.body())}\n\n".encode()
+        finally:
+            ticket.release()
+        yield b"data: [DONE]\n\n"
+
+    def prepare(request: Request, req: ChatCompletionRequest | CompletionRequest) -> RoutedRequest:
+        if isinstance(req, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = tokenizer.chat(messages)
+            text = "".join(m["content"] for m in messages)
+            turn = sum(1 for m in req.messages if m.role == "user")
+        elif isinstance(req.prompt, str):
+            ids, text, turn = tokenizer.encode(req.prompt), req.prompt, 1
+        else:
+            ids = list(req.prompt)  # type: ignore[arg-type]
+            if max(ids) >= tokenizer.vocab_size:
+                raise APIError(
+                    400,
+                    f"token id {max(ids)} is outside the vocabulary (size {tokenizer.vocab_size})",
+                    param="prompt",
+                )
+            text, turn = " ".join(map(str, ids[:256])), 1
+        if not ids:
+            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+        room = config.max_model_len - len(ids)
+        if room < 1:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {config.max_model_len} "
+                f"tokens; the prompt has {len(ids)}",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
+        max_tokens = req.output_limit(default=room)
+        if max_tokens > room:
+            raise APIError(
+                400,
+                f"max_tokens {max_tokens} + prompt {len(ids)} tokens exceeds the "
+                f"context length {config.max_model_len}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        kind = request.headers.get(config.category_header) or req.kvroute_category or "text"
+        category = f"{kind}_{turn}"
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                seed=req.seed,
+                ignore_eos=req.ignore_eos,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        rid = (
+            "chatcmpl-" if isinstance(req, ChatCompletionRequest) else "cmpl-"
+        ) + uuid.uuid4().hex
+        engine_req = EngineRequest(
+            rid,
+            ids,
+            sampling,
+            kv_transfer_params={"kvroute": {"category": category, "turn": turn}},
+            cache_salt=req.cache_salt,
+        )
+        session = request.headers.get(config.session_header) or req.user
+        routed = RoutedRequest(
+            engine_req,
+            text,
+            hasher(ids, cache_salt=req.cache_salt),
+            session_key=session,
+            category=category,
+        )
+        return routed
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _guard(request, True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _guard(request, False)
+
+    async def _guard(request: Request, chat: bool) -> Response:
+        try:
+            return await handle(request, chat)
+        except Rejected as e:
+            metrics.errors.labels("429").inc()
+            err = APIError(
+                429,
+                e.reason,
+                type_="rate_limit_error",
+                code="overloaded",
+                headers={"Retry-After": e.retry_after_header},
+            )
+            return JSONResponse(err.body(), status_code=429, headers=err.headers)
+
+    return app

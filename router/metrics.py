@@ -1,0 +1,68 @@
+"""Prometheus metrics of one router replica (its own registry, so several apps can coexist in
+one process, as in tests)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from router.placement import Placement
+
+if TYPE_CHECKING:
+    from router.responses import ResponseBuilder
+    from router.state import RouterState
+
+
+class RouterMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("kvroute_requests", "Requests completed", ["instance"], registry=r)
+        self.errors = Counter("kvroute_errors", "Client-visible errors", ["status"], registry=r)
+        self.prompt_tokens = Counter("kvroute_prompt_tokens", "Prompt tokens", registry=r)
+        self.cached_tokens = Counter(
+            "kvroute_cached_prompt_tokens", "Prompt tokens served from cache", registry=r
+        )
+        self.predicted_cached_blocks = Histogram(
+            "kvroute_placement_cached_blocks",
+            "Leading cached blocks at the chosen instance",
+            buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+            registry=r,
+        )
+        self.estimated_ttft = Histogram(
+            "kvroute_estimated_ttft_seconds",
+            "Placement TTFT estimate",
+            registry=r,
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.cache_map_blocks = Gauge("kvroute_cache_map_blocks", "Blocks in the map", registry=r)
+        self.in_flight = Gauge("kvroute_in_flight", "Requests in flight", registry=r)
+        self.queued = Gauge("kvroute_admission_queued", "Requests waiting", registry=r)
+        self.failovers = Gauge("kvroute_failovers", "Retries on another engine", registry=r)
+        self.bus_errors = Gauge("kvroute_bus_errors", "Event bus read errors", registry=r)
+        self.resync_pending = Gauge(
+            "kvroute_resync_pending", "Instances awaiting resync", registry=r
+        )
+
+    def placed(self, p: Placement) -> None:
+        self.predicted_cached_blocks.observe(p.cached_blocks)
+        if p.estimated_ttft_s is not None:
+            self.estimated_ttft.observe(p.estimated_ttft_s)
+
+    def finished(self, b: ResponseBuilder) -> None:
+        self.requests.labels(b.instance_id or "").inc()
+        self.prompt_tokens.inc(b.prompt_tokens)
+        self.cached_tokens.inc(b.cached_tokens)
+
+    def observe_state(self, state: RouterState) -> None:
+        self.cache_map_blocks.set(len(state.cache_map))
+        self.in_flight.set(state.load.in_flight())
+        self.queued.set(state.admission.queued)
+        self.bus_errors.set(state.bus_errors)
+        self.resync_pending.set(len(state.needs_resync()))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

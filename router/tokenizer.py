@@ -1,0 +1,64 @@
+"""Tokenization at the ingress, done once per request: the served model's HF tokenizer and chat
+template. The token ids go to the engine as they are, and the block hashes are computed from
+them, so the router and the engine agree on every block."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class PromptTokenizer:
+    def __init__(self, path: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.path = str(path)
+        self._tok = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        if getattr(self._tok, "chat_template", None) is None:
+            raise ValueError(f"tokenizer at {self.path} has no chat template")
+        self.eos_token_id: int | None = self._tok.eos_token_id
+
+    def chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Apply the chat template with the generation prompt and tokenize."""
+        out = self._tok.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True
+        )
+        ids = out["input_ids"] if not isinstance(out, list) else out
+        return [int(t) for t in ids]
+
+    def chat_text(self, messages: Sequence[dict[str, Any]]) -> str:
+        text: str = self._tok.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=False
+        )
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self._tok.encode(text, add_special_tokens=False)]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        text: str = self._tok.decode(list(token_ids), skip_special_tokens=True)
+        return text
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+
+class IncrementalDetokenizer:
+    """Streams text deltas for engines that return token ids only (the sim engine): decodes the
+    whole sequence and emits what is new, holding back a trailing replacement character (an
+    incomplete UTF-8 sequence across token boundaries)."""
+
+    def __init__(self, tokenizer: PromptTokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._sent = 0
+
+    def push(self, token_ids: Sequence[int], final: bool = False) -> str:
+        self._ids.extend(token_ids)
+        text = self._tok.decode(self._ids)
+        end = len(text) if final or not text.endswith("\ufffd") else len(text) - 1
+        delta = text[self._sent : end]
+        self._sent = max(self._sent, end)
+        return delta
