@@ -11,6 +11,14 @@ import sys
 # name: (module path, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("deploy.serve", "run the OpenAI-compatible endpoint with its engines"),
+    "loadgen": (
+        "loadgen.cli",
+        "replay traces or synthetic workloads against an OpenAI-compatible endpoint",
+    ),
+    "cachesim": (
+        "loadgen.cachesim_cmd",
+        "replay a trace through eviction policies and report hit rates",
+    ),
 }
 
 
