@@ -115,3 +115,23 @@ class Engine(ABC):
     @abstractmethod
     def kv_events_endpoint(self) -> str | None:
         """ZMQ endpoint where the engine publishes vLLM-format KV events, if any."""
+
+    @property
+    def kv_events_replay_endpoint(self) -> str | None:
+        """ZMQ ROUTER endpoint serving vLLM's replay protocol for missed batches, if any."""
+        return None
+
+
+class RoutedRequest(msgspec.Struct):
+    """What the ingress sends through the engine deployment's handle: the engine request plus
+    what request routers look at. ``prompt`` is the prompt text (Ray's PrefixCacheAffinityRouter
+    reads ``.prompt``); ``block_hashes`` are kvroute's chained hashes of the prompt tokens;
+    ``target_instance`` is the placement already chosen by the ingress (the request router honours
+    it while that instance is a healthy candidate, and places the request itself otherwise)."""
+
+    request: EngineRequest
+    prompt: str
+    block_hashes: list[int] = msgspec.field(default_factory=list)
+    session_key: str | None = None
+    category: str = "all"
+    target_instance: str | None = None

@@ -23,8 +23,8 @@ class Linear:
     tok_s: float = 10_000.0
     load_tok_s: float = 200_000.0
 
-    def prefill_s(self, new_tokens: int, context_tokens: int) -> float:
-        return new_tokens / self.tok_s
+    def prefill_s(self, uncached_tokens: int, context: int = 0) -> float:
+        return uncached_tokens / self.tok_s
 
     def load_s(self, tokens: int) -> float:
         return tokens / self.load_tok_s
