@@ -1,0 +1,84 @@
+"""A single-process kvroute: engines, forwarders, in-process buses, router state and the
+OpenAI app in one asyncio process, no Ray. The same pieces as the Serve deployment, wired
+directly; used by the router-overhead benchmark and HTTP-layer tests, and fine for one box."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from fastapi import FastAPI
+
+from cachemap.bus import InProcessBus
+from cachemap.ingest import EngineEventTranslator
+from engines.base import Engine
+from engines.forwarder import KvEventForwarder
+from router.admission import Admission
+from router.dispatch import Dispatcher
+from router.ingress import IngressConfig, build_app
+from router.local_client import LocalEngineClient
+from router.placement import LatencyModel, Scorer
+from router.state import RouterState
+from router.tokenizer import PromptTokenizer
+
+
+class LocalStack:
+    def __init__(
+        self,
+        engines: Mapping[str, Engine],
+        *,
+        model: str,
+        block_size: int,
+        max_model_len: int,
+        latency: LatencyModel,
+        tokenizer: PromptTokenizer,
+        scorer: Scorer | str = "kv_ttft",
+        kv_capacity_blocks: int = 0,
+        admission: Admission | None = None,
+        api_keys: frozenset[str] = frozenset(),
+    ) -> None:
+        self.engines = dict(engines)
+        self.model, self.block_size = model, block_size
+        self.kv_bus, self.load_bus = InProcessBus(), InProcessBus()
+        self.state = RouterState(
+            scorer,
+            latency,
+            block_size,
+            kv_capacity_blocks,
+            kv_bus=self.kv_bus,
+            load_bus=self.load_bus,
+            admission=admission,
+        )
+        self.client = LocalEngineClient(self.engines)
+        self.dispatcher = Dispatcher(self.state, self.client)
+        self.forwarders: list[KvEventForwarder] = []
+        self.app: FastAPI = build_app(
+            IngressConfig(model, max_model_len, block_size, api_keys=api_keys),
+            self.dispatcher,
+            tokenizer,
+        )
+
+    async def start(self) -> None:
+        for iid, engine in self.engines.items():
+            await engine.start()
+            endpoint = engine.kv_events_endpoint
+            if endpoint is None:
+                raise ValueError(f"engine {iid}: KV events must be on")
+            fwd = KvEventForwarder(
+                EngineEventTranslator(iid, self.model, self.block_size),
+                self.kv_bus,
+                endpoint,
+                replay_endpoint=engine.kv_events_replay_endpoint,
+                load_bus=self.load_bus,
+                load_fn=engine.load,
+            )
+            fwd.start()
+            self.forwarders.append(fwd)
+        self.state.sync_instances(self.engines)
+        self.state.start()
+
+    async def stop(self) -> None:
+        self.state.stop()
+        for fwd in self.forwarders:
+            fwd.stop(gone=True)
+        for engine in self.engines.values():
+            await engine.stop()

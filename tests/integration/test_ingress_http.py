@@ -1,0 +1,202 @@
+"""The OpenAI endpoint over real HTTP (uvicorn) in one process: two real sim engines, their KV
+events through real forwarders and an in-process bus into the router's cache map, and the
+official ``openai`` client. (The Ray Serve deployment of the same app: test_serve_app.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from deploy.local import LocalStack
+from engines.sim import LatencyProfile
+from engines.sim.engine import SimEngine
+from engines.tiny_model import build_tiny_model
+from router.admission import Admission
+from router.tokenizer import PromptTokenizer
+from tests.integration.conftest import free_port
+
+MODEL = "tiny-sim"
+KEY = "sk-test"
+
+
+class Server:
+    def __init__(self, stack: LocalStack, port: int) -> None:
+        self.stack, self.port = stack, port
+        self.server = uvicorn.Server(
+            uvicorn.Config(stack.app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(self.stack.start())
+        try:
+            loop.run_until_complete(self.server.serve())
+        finally:
+            loop.run_until_complete(self.stack.stop())
+            loop.close()
+
+    def __enter__(self) -> Server:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    tok = PromptTokenizer(build_tiny_model())
+    profile = LatencyProfile.load("cpu-tiny-llama")
+    engines = {
+        f"sim-{i}": SimEngine(
+            f"sim-{i}",
+            profile,
+            block_size=32,
+            time_scale=0.05,
+            vocab_size=tok.vocab_size,
+            token_offset=10,
+            max_model_len=2048,
+        )
+        for i in range(2)
+    }
+    stack = LocalStack(
+        engines,
+        model=MODEL,
+        block_size=32,
+        max_model_len=2048,
+        latency=profile,
+        tokenizer=tok,
+        api_keys=frozenset({KEY}),
+        admission=Admission(max_in_flight=64, max_queue=64),
+    )
+    with Server(stack, free_port()) as s:
+        yield s
+
+
+@pytest.fixture()
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
+
+
+LONG = "You are a careful assistant. " * 60
+
+
+def test_models_and_health(client: openai.OpenAI, server: Server) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    r = httpx.get(f"http://127.0.0.1:{server.port}/health")
+    assert r.status_code == 200 and r.json()["instances"] == 2
+
+
+def test_chat_completion_and_cached_tokens_on_the_same_instance(client: openai.OpenAI) -> None:
+    msgs = [{"role": "system", "content": LONG}, {"role": "user", "content": "hello"}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8)
+    assert first.choices[0].message.role == "assistant"
+    assert first.usage.completion_tokens == 8 and first.choices[0].finish_reason == "length"
+    time.sleep(0.3)  # KV events reach the router's map
+    again = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32
+
+
+def test_streaming_chat_with_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "stream please"}],
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+
+
+def test_completions_text_and_token_ids(client: openai.OpenAI) -> None:
+    text = client.completions.create(model=MODEL, prompt="once upon a time", max_tokens=5)
+    assert text.usage.completion_tokens == 5 and isinstance(text.choices[0].text, str)
+    ids = client.completions.create(model=MODEL, prompt=list(range(40, 140)), max_tokens=3)
+    assert ids.usage.prompt_tokens == 100
+    streamed = list(
+        client.completions.create(model=MODEL, prompt="stream", max_tokens=4, stream=True)
+    )
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def _error(
+    server: Server, path: str, body: bytes | dict, headers: dict | None = None
+) -> httpx.Response:
+    h = {"authorization": f"Bearer {KEY}", "content-type": "application/json", **(headers or {})}
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"http://127.0.0.1:{server.port}{path}", content=data, headers=h)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+        (b"{not json", 400, None),
+        ({"model": MODEL, "messages": []}, 400, "messages"),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
+            400,
+            "max_tokens",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 9},
+            400,
+            "temperature",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}]},
+            400,
+            "messages",
+        ),
+        (
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 5000},
+            400,
+            "max_tokens",
+        ),
+    ],
+)
+def test_client_errors_are_openai_shaped(server: Server, body, status: int, param) -> None:
+    r = _error(server, "/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+
+
+def test_body_limit_auth_and_sdk_errors(server: Server, client: openai.OpenAI) -> None:
+    big = {"model": MODEL, "prompt": "x" * (5 << 20)}
+    assert _error(server, "/v1/completions", big).status_code == 413
+    r = httpx.get(f"http://127.0.0.1:{server.port}/v1/models")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=[10**9], max_tokens=2)
+    bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_metrics_expose_router_state(server: Server, client: openai.OpenAI) -> None:
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=2)
+    body = httpx.get(f"http://127.0.0.1:{server.port}/metrics").text
+    assert "kvroute_requests_total" in body and "kvroute_cache_map_blocks" in body
