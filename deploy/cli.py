@@ -15,6 +15,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "loadgen.cli",
         "replay traces or synthetic workloads against an OpenAI-compatible endpoint",
     ),
+    "profile": (
+        "engines.profile_cmd",
+        "measure a real engine and write a latency profile for the sim engine",
+    ),
     "cachesim": (
         "loadgen.cachesim_cmd",
         "replay a trace through eviction policies and report hit rates",

@@ -1,0 +1,40 @@
+"""Base for policies that keep one priority per block in a ``KeyedMinHeap``."""
+
+from __future__ import annotations
+
+from collections.abc import Set
+
+from policies.base import NO_PROTECTION, EvictionPolicy, Key
+from policies.keyed_heap import KeyedMinHeap
+
+
+class ScoredPolicy(EvictionPolicy):
+    """Lowest priority is evicted first; ties go oldest-update first. Subclasses set priorities."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        super().__init__(capacity_blocks)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._heap = KeyedMinHeap()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._heap
+
+    def remove(self, key: Key) -> None:
+        self._heap.discard(key)
+
+    def evict(self, n: int, protected: Set[Key] = NO_PROTECTION) -> list[Key] | None:
+        if n <= 0:
+            return []
+        popped = self._heap.pop_n(n, protected)
+        if popped is None:
+            return None
+        self._on_evicted(popped)
+        return [key for key, _ in popped]
+
+    def _on_evicted(self, popped: list[tuple[Key, float]]) -> None:
+        """Hook: the evicted keys and their priorities, lowest first."""

@@ -1,0 +1,180 @@
+# mypy: disallow-subclassing-any=False, warn-return-any=False
+"""Every kvroute policy as a vLLM 0.32 out-of-tree CPU-tier ``CachePolicy``.
+
+Load one with the offloading connector's extra config::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"cpu_bytes_to_use": 8000000000, "block_size": 64,
+        "eviction_policy": "KvrouteS3FIFO",
+        "cache_policy_module_path": "policies.vllm_adapter",
+        "offload_prompt_only": false}}'
+
+vLLM builds the policy with only ``cache_capacity`` (chunks); the request category comes from
+``ReqContext.kv_transfer_params["kvroute"]`` (``category``, ``turn``, ``session_id``,
+``parent_id``, ``continuation_p``, ``now_s``), which the router sets per request.
+
+This is the shell around the pure policies: vLLM's contract carries no time, so the adapter
+reads ``now_s`` from the request when the router sends one and otherwise its clock
+(``time.monotonic``, replaceable per class for tests). It owns the chunks and pinning (a chunk
+with ``ref_cnt != 0`` is in transfer and never a victim); the wrapped policy owns the order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence, Set
+from typing import Any, ClassVar, cast
+
+from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
+
+from policies.base import EvictionPolicy, RequestInfo
+from policies.registry import create_policy
+
+# vLLM class name -> kvroute policy name (Belady needs the future and is not deployable).
+CLASS_NAMES: dict[str, str] = {
+    "KvrouteLRU": "lru",
+    "KvrouteFIFO": "fifo",
+    "KvrouteLFU": "lfu",
+    "KvrouteARC": "arc",
+    "KvrouteS3FIFO": "s3-fifo",
+    "KvrouteGDSF": "gdsf",
+    "KvrouteAgingLFU": "aging-lfu",
+    "KvrouteWA": "wa",
+    "KvrouteLPC": "lpc",
+    "KvroutePrefixReuse": "prefix-reuse",
+}
+
+
+def request_info(req_context: ReqContext | None) -> RequestInfo:
+    """The kvroute request fields from ``kv_transfer_params["kvroute"]`` (defaults if absent)."""
+    params: Any = (req_context.kv_transfer_params or {}) if req_context is not None else {}
+    ours = params.get("kvroute") if isinstance(params, dict) else None
+    if not isinstance(ours, dict):
+        return RequestInfo()
+    p = ours.get("continuation_p")
+    return RequestInfo(
+        category=str(ours.get("category", "all")),
+        turn=int(ours.get("turn", 1)),
+        session_id=ours.get("session_id"),
+        parent_id=ours.get("parent_id"),
+        continuation_p=float(p) if p is not None else None,
+    )
+
+
+class _Pinned(Set[OffloadKey]):
+    """Caller-protected keys plus chunks in transfer, without copying either."""
+
+    def __init__(self, a: Set[OffloadKey], b: Set[OffloadKey]) -> None:
+        self._a, self._b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._a or key in self._b
+
+    def __iter__(self) -> Any:
+        yield from self._a
+        yield from (k for k in self._b if k not in self._a)
+
+    def __len__(self) -> int:
+        return len(self._a) + sum(1 for k in self._b if k not in self._a)
+
+
+class KvrouteCachePolicy(CachePolicy):
+    """A vLLM ``CachePolicy`` delegating the eviction order to a kvroute ``EvictionPolicy``."""
+
+    policy_name: ClassVar[str] = "lru"
+    clock: ClassVar[Callable[[], float]] = time.monotonic
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.policy: EvictionPolicy = create_policy(self.policy_name, max(1, cache_capacity))
+        self.chunks: dict[OffloadKey, ChunkStatus] = {}
+        self._pinned: set[OffloadKey] = set()
+        self._current: ReqContext | None = None
+        self._now = 0.0
+
+    def _begin(self, req_context: ReqContext) -> RequestInfo:
+        info = req_context.get_state(RequestInfo)
+        if info is None:
+            info = request_info(req_context)
+            req_context.set_state(info)
+        params = (req_context.kv_transfer_params or {}).get("kvroute") or {}
+        now = params.get("now_s") if isinstance(params, dict) else None
+        self._now = max(self._now, float(now) if now is not None else type(self).clock())
+        if req_context is not self._current:
+            self._current = req_context
+            self.policy.begin_request(info, self._now)
+        return info
+
+    def get(self, key: OffloadKey) -> ChunkStatus | None:
+        return self.chunks.get(key)
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus) -> None:
+        self.chunks[key] = chunk
+        if chunk.ref_cnt != 0:
+            self._pinned.add(key)
+        self.policy.insert(key, self._now)
+
+    def remove(self, key: OffloadKey) -> None:
+        del self.chunks[key]
+        self._pinned.discard(key)
+        self.policy.remove(key)
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        self._begin(req_context)
+        for key in keys:
+            if key in self.chunks:
+                self.policy.touch(key, self._now)
+
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        self._begin(req_context)  # the stores that follow are on this request's behalf
+
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]],
+        insertion_only_keys: set[OffloadKey],
+        reused_keys: set[OffloadKey],
+        req_context: ReqContext,
+    ) -> None:
+        info = self._begin(req_context)
+        keys = [k for k in order_request_keys(key_groups, req_context) if k in self.chunks]
+        reused = [k for k in keys if k in reused_keys]
+        self.policy.end_request(info, keys, reused, self._now)
+        self._current = None
+
+    def evict(
+        self, n: int, protected: set[OffloadKey]
+    ) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        victims = self.policy.evict(n, _Pinned(protected, self._pinned))
+        if victims is None:
+            return None
+        return [(key, self.chunks.pop(key)) for key in cast(list[OffloadKey], victims)]
+
+    def clear(self) -> None:
+        self.chunks.clear()
+        self._pinned.clear()
+        self.policy.clear()
+        self._current = None
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        self._pinned.discard(key)
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        self._pinned.add(key)
+
+
+def _subclass(class_name: str, policy_name: str) -> type[KvrouteCachePolicy]:
+    return type(
+        class_name,
+        (KvrouteCachePolicy,),
+        {
+            "policy_name": policy_name,
+            "__doc__": (f"kvroute's {policy_name!r} eviction order as a vLLM CachePolicy."),
+        },
+    )
+
+
+for _cls_name, _policy in CLASS_NAMES.items():
+    globals()[_cls_name] = _subclass(_cls_name, _policy)
+
+__all__ = ["CLASS_NAMES", "KvrouteCachePolicy", "request_info", *CLASS_NAMES]
