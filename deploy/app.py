@@ -7,7 +7,6 @@ cache map fed by the event bus, and shares it with the request router in its pro
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -54,7 +53,6 @@ class IngressDeployment:
         ecfg = cfg.engines.engine
         profile = latency_profile(cfg)
         kv_bus, load_bus = open_buses(cfg.engines.bus)
-        self._kv_bus = kv_bus
         pre_place = cfg.router.scorer != RAY_PREFIX_ROUTER
         self.state = RouterState(
             scorer=cfg.router.scorer if pre_place else "least_loaded",
@@ -74,19 +72,6 @@ class IngressDeployment:
         self.state.start()
         self.tokenizer = PromptTokenizer(_tokenizer_path(cfg))
         self.dispatcher = Dispatcher(self.state, ServeEngineClient(engine), pre_place=pre_place)
-        self._engine = engine
-        self._resync_task = asyncio.get_event_loop().create_task(self._resync_loop())
-
-    async def _resync_loop(self) -> None:
-        """Ask instances whose event sequence had a gap for a full snapshot."""
-        request = getattr(self._kv_bus, "request_resync", None)
-        while request is not None:
-            for instance in self.state.needs_resync():
-                try:
-                    request(instance)
-                except Exception as e:  # degrade: retried next round
-                    log.warning("resync request for %s failed: %s", instance, e)
-            await asyncio.sleep(1.0)
 
     def __serve_build_asgi_app__(self) -> Any:
         ecfg = self.cfg.engines.engine

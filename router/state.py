@@ -2,8 +2,10 @@
 bus), live load (load bus + own accounting), the scorer and admission.
 
 The ingress and the Serve request router of one process share one ``RouterState``; a pump
-thread applies bus messages every few milliseconds. Bus trouble degrades routing quality (stale
-map, local-only load) but never fails a request: errors are logged once and counted.
+thread runs an ``EngineWatcher`` over the buses every few milliseconds. Instances are known
+from Serve's replica set (``sync_instances``) and from live load samples; one whose samples stop
+is dropped. Bus trouble degrades routing quality (stale map, local-only load) but never fails a
+request: errors are logged once and counted.
 """
 
 from __future__ import annotations
@@ -13,12 +15,10 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
-import msgspec
-
 from cachemap import CacheMap
-from cachemap.bus import BusConsumer, EventBus
+from cachemap.bus import EventBus
 from cachemap.ingest import CacheMapIngestor
-from engines.base import LoadSnapshot
+from engines.liveness import EngineWatcher
 from router.admission import Admission
 from router.load import LoadTracker
 from router.placement import (
@@ -31,7 +31,6 @@ from router.placement import (
 )
 
 log = logging.getLogger(__name__)
-_load_decoder = msgspec.msgpack.Decoder(LoadSnapshot)
 
 
 class RouterState:
@@ -46,6 +45,8 @@ class RouterState:
         admission: Admission | None = None,
         stale_after_s: float = 2.0,
     ) -> None:
+        """``kv_bus`` and ``load_bus`` come together (or neither: tests drive the state by hand);
+        an instance silent on the load bus for ``stale_after_s`` is dropped."""
         self.scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
         self.latency = latency
         self.block_size = block_size
@@ -55,9 +56,19 @@ class RouterState:
         self.load = LoadTracker(stale_after_s)
         self.admission = admission or Admission()
         self._lock = threading.Lock()
-        self._kv = BusConsumer(kv_bus, self.ingestor) if kv_bus is not None else None
-        self._load_bus = load_bus
-        self._load_cursor = 0
+        if (kv_bus is None) != (load_bus is None):
+            raise ValueError("kv_bus and load_bus go together: give both or neither")
+        self.watcher = (
+            EngineWatcher(
+                kv_bus,
+                load_bus,
+                self.ingestor,
+                timeout_s=stale_after_s,
+                request_resync=getattr(kv_bus, "request_resync", None),
+            )
+            if kv_bus is not None and load_bus is not None
+            else None
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.bus_errors = 0
@@ -72,48 +83,51 @@ class RouterState:
         with self._lock:
             have = set(self.load.instance_ids())
             for iid in want - have:
-                if self.latency is None:
-                    raise RuntimeError("RouterState needs a latency model to add instances")
-                self.load.register(iid, self.block_size, self.latency, self.kv_capacity_blocks)
+                self._add(iid)
             for iid in have - want:
-                self.load.remove(iid)
-                self.cache_map.drop_instance(iid)
+                self._remove(iid)
 
-    # -- the bus ---------------------------------------------------------------------------------
+    def _add(self, iid: str) -> None:
+        if self.latency is None:
+            raise RuntimeError("RouterState needs a latency model to add instances")
+        self.load.register(iid, self.block_size, self.latency, self.kv_capacity_blocks)
 
-    def pump(self, max_items: int = 4096) -> int:
-        """Apply what the buses hold now; returns the number of messages read."""
-        n = 0
+    def _remove(self, iid: str) -> None:
+        self.load.remove(iid)
+        self.cache_map.drop_instance(iid)
+        if self.watcher is not None:
+            self.watcher.forget(iid)
+
+    # -- the buses -------------------------------------------------------------------------------
+
+    def pump(self, now: float | None = None) -> None:
+        """Apply what the buses hold now: events, load samples, liveness, resync requests."""
+        if self.watcher is None:
+            return
+        now = time.time() if now is None else now
         try:
-            if self._kv is not None:
-                with self._lock:
-                    n += self._kv.pump(max_items)
-            if self._load_bus is not None:
-                got = self._load_bus.read(self._load_cursor, max_items)
-                self._load_cursor = got.cursor
-                with self._lock:
-                    for payload in got.items:
-                        try:
-                            self.load.on_snapshot(_load_decoder.decode(payload))
-                        except (msgspec.DecodeError, msgspec.ValidationError):
-                            self.bus_errors += 1
-                n += len(got.items)
+            with self._lock:
+                dropped = self.watcher.pump(now)
+                for iid in dropped:
+                    self.load.remove(iid)
+                known = set(self.load.instance_ids())
+                for iid, sample in self.watcher.loads.items():
+                    if iid not in known:
+                        self._add(iid)
+                    self.load.on_snapshot(sample)
         except Exception as e:  # a broken bus must not stop routing
             if not self.bus_errors:
                 log.warning("event bus read failed; routing on stale state: %s", e)
             self.bus_errors += 1
-        return n
 
     def start(self, interval_s: float = 0.005) -> None:
-        if self._thread is not None:
+        if self._thread is not None or self.watcher is None:
             return
-        if self._load_bus is not None:
-            self._load_cursor = self._load_bus.end()  # only fresh load samples matter
 
         def run() -> None:
             while not self._stop.is_set():
-                if self.pump() == 0:
-                    self._stop.wait(interval_s)
+                self.pump()
+                self._stop.wait(interval_s)
 
         self._thread = threading.Thread(target=run, name="kvroute-bus-pump", daemon=True)
         self._thread.start()

@@ -1,0 +1,126 @@
+"""Configuration of engine deployments (pydantic): which engine, its cache, its resources, its bus.
+
+Every error names the field (pydantic's ``loc``) and the valid range. ``EngineDeploymentConfig``
+is what ``engines.deployment.build_engine_app`` takes; it round-trips through ``model_dump`` so
+it can cross into Ray Serve replicas as a plain dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engines.tiny_model import TINY_MODEL
+
+EngineKind = Literal["sim", "vllm"]
+BusBackend = Literal["ray", "redis"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineConfig(_Strict):
+    """One engine instance. Fields a kind does not use are ignored by it."""
+
+    kind: EngineKind = "sim"
+    model: str = Field(TINY_MODEL, description="HF model directory, or 'tiny' for the tiny model")
+    served_model_name: str | None = Field(
+        None, description="the name hashed into block hashes; default: model"
+    )
+    block_size: int = Field(32, gt=0, le=1024, description="tokens per KV block")
+    kv_space_gib: int | None = Field(
+        1, ge=1, description="vLLM CPU build: VLLM_CPU_KVCACHE_SPACE in whole GiB"
+    )
+    kv_blocks: int | None = Field(
+        None, gt=0, description="cap the KV cache at this many blocks (num_gpu_blocks_override)"
+    )
+    max_model_len: int = Field(4096, gt=0, description="the router and the engine both use it")
+    # None: the engine's default (vLLM's, or the sim profile's)
+    max_num_seqs: int | None = Field(None, gt=0)
+    max_num_batched_tokens: int | None = Field(None, gt=0)
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    seed: int = 0
+    profile: str | None = Field(
+        None, description="sim: latency profile name (engines/profiles) or JSON path"
+    )
+    sim_options: dict[str, Any] = Field(
+        default_factory=dict, description="sim: extra keyword arguments for the sim engine"
+    )
+    on_gpu: bool = Field(False, description="vllm: the GPU build (block size any multiple of 16)")
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineConfig:
+        if self.kind == "vllm" and not self.on_gpu and self.block_size % 32:
+            raise ValueError(
+                f"block_size: the vLLM CPU backend needs a multiple of 32, got {self.block_size}"
+            )
+        if self.kind == "vllm" and self.block_size % 16:
+            raise ValueError(f"block_size: vLLM needs a multiple of 16, got {self.block_size}")
+        if self.kind == "vllm" and self.sim_options:
+            raise ValueError("sim_options: only for kind 'sim'")
+        if (
+            self.max_num_batched_tokens is not None
+            and self.max_num_batched_tokens < self.block_size
+        ):
+            raise ValueError(
+                f"max_num_batched_tokens: must be >= block_size ({self.block_size}), "
+                f"got {self.max_num_batched_tokens}"
+            )
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The model name the router and the translator hash with."""
+        return self.served_model_name or self.model
+
+
+class ReplicaResources(_Strict):
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+
+
+class BusConfig(_Strict):
+    backend: BusBackend = "ray"
+    name: str = Field("kvroute", min_length=1, description="hub actor / stream name prefix")
+    maxlen: int = Field(100_000, ge=1, description="KV-event log length (entries)")
+    load_maxlen: int = Field(10_000, ge=1, description="load-sample log length (entries)")
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    detached: bool = Field(
+        True,
+        description="ray: hubs outlive their creator; False ties them to the handles the "
+        "driver keeps from open_buses (Ray collects an unreferenced non-detached actor)",
+    )
+
+    @property
+    def events_name(self) -> str:
+        return f"{self.name}-kv-events"
+
+    @property
+    def loads_name(self) -> str:
+        return f"{self.name}-loads"
+
+
+class EngineDeploymentConfig(_Strict):
+    """A pool of identical engine instances behind one Serve deployment."""
+
+    name: str = Field("engine", min_length=1, description="Serve deployment name")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    instances: int = Field(1, ge=1, le=1024, description="replicas, one engine instance each")
+    resources: ReplicaResources = Field(default_factory=ReplicaResources)
+    bus: BusConfig = Field(default_factory=BusConfig)
+    load_interval_s: float = Field(0.1, gt=0, le=10)
+    max_ongoing_requests: int = Field(256, ge=1)
+    health_check_period_s: float = Field(5.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineDeploymentConfig:
+        tp = self.engine.tensor_parallel_size
+        if self.engine.on_gpu and self.resources.num_gpus < tp:
+            raise ValueError(
+                f"resources.num_gpus: tensor_parallel_size {tp} needs >= {tp} GPUs per replica, "
+                f"got {self.resources.num_gpus}"
+            )
+        return self

@@ -1,0 +1,226 @@
+"""One Ray Serve deployment class hosting either engine (sim or vLLM), chosen by config.
+
+Each replica is one engine instance. Its instance id is the Serve replica's unique id (stable for
+the replica's life, unique in the cluster, and what a Serve ``RequestRouter`` sees as
+``replica_id.unique_id``, so the router can map cache-map answers to replicas). The replica
+starts the engine, then a ``KvEventForwarder`` putting its KV events and load samples on the
+configured buses; Serve's health checks call the engine's. A clean shutdown (scale-down,
+``serve.delete``) publishes ``InstanceGone``; a crash publishes nothing, and consumers drop the
+instance when its load samples stop (``engines.liveness.EngineWatcher``).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Application
+
+from cachemap.bus import EventBus
+from cachemap.ingest import EngineEventTranslator
+from engines.base import (
+    Engine,
+    EngineError,
+    EngineOutput,
+    EngineRequest,
+    LoadSnapshot,
+    RoutedRequest,
+)
+from engines.config import BusConfig, EngineConfig, EngineDeploymentConfig
+from engines.forwarder import KvEventForwarder
+from engines.tiny_model import resolve_model
+
+log = logging.getLogger(__name__)
+
+
+def _vllm_engine(cfg: EngineConfig, instance_id: str) -> Engine:
+    from engines.vllm_engine import VllmEngine
+
+    limits = {
+        k: v
+        for k, v in (("max_model_len", cfg.max_model_len), ("max_num_seqs", cfg.max_num_seqs))
+        if v is not None
+    }
+    return VllmEngine(
+        resolve_model(cfg.model),
+        instance_id,
+        block_size=cfg.block_size,
+        kv_space_gib=None if cfg.on_gpu else cfg.kv_space_gib,
+        kv_blocks=cfg.kv_blocks,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        **limits,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        seed=cfg.seed,
+        served_model_name=cfg.model_name,
+    )
+
+
+def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:
+    from engines.sim.engine import SimEngine
+
+    try:
+        return SimEngine(
+            instance_id,
+            cfg.profile or "cpu-tiny-llama",
+            model=cfg.model_name,
+            block_size=cfg.block_size,
+            num_gpu_blocks=cfg.kv_blocks,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+            **cfg.sim_options,
+        )
+    except TypeError as e:  # an unknown key in sim_options
+        raise ValueError(f"sim_options: {e}") from None
+
+
+# kind -> factory(config, instance_id); the config validates kind, so a lookup cannot miss.
+ENGINE_FACTORIES: dict[str, Callable[[EngineConfig, str], Engine]] = {
+    "vllm": _vllm_engine,
+    "sim": _sim_engine,
+}
+
+
+def build_engine(cfg: EngineConfig, instance_id: str) -> Engine:
+    """An engine of ``cfg.kind``, not started."""
+    return ENGINE_FACTORIES[cfg.kind](cfg, instance_id)
+
+
+def open_buses(cfg: BusConfig, create: bool = True) -> tuple[EventBus, EventBus]:
+    """The (KV-event bus, load bus) pair named by ``cfg``. Ray: the driver creates the hubs
+    (``create=True``, as ``build_engine_app`` does), replicas only connect."""
+    if cfg.backend == "ray":
+        from engines.bus_ray import RayEventBus
+
+        kw: dict[str, Any] = {"detached": cfg.detached, "create": create}
+        return (
+            RayEventBus(cfg.events_name, maxlen=cfg.maxlen, **kw),
+            RayEventBus(cfg.loads_name, maxlen=cfg.load_maxlen, **kw),
+        )
+    from engines.bus_redis import RedisStreamBus
+
+    return (
+        RedisStreamBus(cfg.redis_url, stream=f"{cfg.events_name}", maxlen=cfg.maxlen),
+        RedisStreamBus(cfg.redis_url, stream=f"{cfg.loads_name}", maxlen=cfg.load_maxlen),
+    )
+
+
+def replica_instance_id() -> str:
+    """This Serve replica's unique id (a random id outside Serve)."""
+    try:
+        return str(serve.get_replica_context().replica_tag)
+    except Exception:  # not inside a replica
+        return f"engine-{uuid.uuid4().hex[:8]}"
+
+
+@serve.deployment(name="engine")
+class EngineDeployment:
+    """One engine instance. Call ``generate`` with ``handle.options(stream=True)``."""
+
+    async def __init__(self, config: dict[str, Any]) -> None:
+        self.config = EngineDeploymentConfig.model_validate(config)
+        ecfg = self.config.engine
+        self.instance_id = replica_instance_id()
+        self.engine = build_engine(ecfg, self.instance_id)
+        await self.engine.start()
+        try:
+            self.forwarder = self._forwarder()
+        except BaseException:
+            await self.engine.stop()
+            raise
+        self.forwarder.start()
+        log.info("engine replica %s (%s) ready", self.instance_id, ecfg.kind)
+
+    def _forwarder(self) -> KvEventForwarder:
+        ecfg = self.config.engine
+        events, loads = open_buses(self.config.bus, create=False)
+        endpoint = self.engine.kv_events_endpoint
+        if endpoint is None:
+            raise EngineError(f"engine {self.instance_id} publishes no KV events")
+        take = getattr(events, "take_resync", None)
+        return KvEventForwarder(
+            EngineEventTranslator(self.instance_id, ecfg.model_name, ecfg.block_size),
+            events,
+            endpoint,
+            replay_endpoint=self.engine.kv_events_replay_endpoint,
+            load_bus=loads,
+            load_fn=self.engine.load,
+            load_interval_s=self.config.load_interval_s,
+            resync_poll=(lambda: take(self.instance_id)) if take is not None else None,
+        )
+
+    async def generate(
+        self, request: EngineRequest | RoutedRequest | dict[str, Any]
+    ) -> AsyncIterator[EngineOutput]:
+        """Stream one request; a ``RoutedRequest`` (what the ingress sends through the request
+        router) runs its ``request``."""
+        if isinstance(request, RoutedRequest):
+            request = request.request
+        elif not isinstance(request, EngineRequest):
+            request = msgspec.convert(request, EngineRequest)
+        async for out in self.engine.generate(request):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def instance(self) -> str:
+        return self.instance_id
+
+    def identity(self) -> tuple[str, str]:
+        """(instance id, Ray actor name in namespace ``serve``), for operators and tests."""
+        return self.instance_id, str(serve.get_replica_context().replica_id.to_full_id_str())
+
+    def load(self) -> LoadSnapshot:
+        return self.engine.load()
+
+    def resync(self) -> None:
+        """Publish a full residency ``Snapshot`` of this instance on the event bus."""
+        self.forwarder.publish_snapshot()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+        if not self.forwarder.alive:
+            raise EngineError(f"engine {self.instance_id}: KV-event forwarder thread died")
+
+    async def __del__(self) -> None:
+        fwd = getattr(self, "forwarder", None)
+        if fwd is not None:
+            fwd.stop(gone=True)
+            flush = getattr(fwd.bus, "flush", None)
+            if flush is not None:
+                flush()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            await engine.stop()
+
+
+def build_engine_app(
+    config: EngineDeploymentConfig | dict[str, Any],
+    request_router_config: RequestRouterConfig | dict[str, Any] | None = None,
+) -> Application:
+    """The Serve application for one engine pool (``serve.run(build_engine_app(cfg))``).
+
+    Call it with Ray initialised (the driver): it creates the bus hubs the replicas connect to.
+    ``request_router_config``: Serve's request router for the pool (e.g. kvroute's
+    ``KvRequestRouter``); None keeps Serve's default.
+    """
+    cfg = EngineDeploymentConfig.model_validate(config)
+    open_buses(cfg.bus, create=True)
+    extra: dict[str, Any] = {}
+    if request_router_config is not None:
+        extra["request_router_config"] = request_router_config
+    return EngineDeployment.options(
+        name=cfg.name,
+        num_replicas=cfg.instances,
+        ray_actor_options={"num_cpus": cfg.resources.num_cpus, "num_gpus": cfg.resources.num_gpus},
+        max_ongoing_requests=cfg.max_ongoing_requests,
+        health_check_period_s=cfg.health_check_period_s,
+        health_check_timeout_s=cfg.health_check_timeout_s,
+        **extra,
+    ).bind(cfg.model_dump())

@@ -1,0 +1,219 @@
+"""The KV-event forwarder: one thread per engine, from the engine's ZMQ socket to the event bus.
+
+It subscribes to the engine's vLLM-format publisher (frames ``(topic, seq as 8 big-endian bytes,
+msgpack KVEventBatch)``; vLLM and the sim engine alike), feeds every batch to an
+``EngineEventTranslator`` and publishes the stamped ``InstanceEvents`` on the bus. When vLLM's
+sequence skips (a slow-joining subscriber, a full high-water mark), it asks the engine's replay
+ROUTER for the missing batches (vLLM's protocol: send ``(b"", start seq)``, receive
+``(b"", topic, seq, payload)`` per buffered batch and ``(b"", b"", -1, b"")`` at the end). It
+publishes a ``Snapshot`` of the instance's residency on demand (a router's resync), the engine's
+``LoadSnapshot`` every ``load_interval_s`` on a separate load bus, and ``InstanceGone`` when it is
+stopped cleanly.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from cachemap.bus import EventBus
+from cachemap.events import InstanceGone, encode_message
+from cachemap.ingest import EngineEventTranslator
+from engines.base import LoadSnapshot
+
+log = logging.getLogger(__name__)
+END_SEQ = -1
+_load_encoder = msgspec.msgpack.Encoder()
+_load_decoder = msgspec.msgpack.Decoder(LoadSnapshot)
+
+
+def encode_load(snapshot: LoadSnapshot) -> bytes:
+    return _load_encoder.encode(snapshot)
+
+
+def decode_load(payload: bytes) -> LoadSnapshot:
+    """Raises ``msgspec.DecodeError``/``ValidationError`` on a malformed payload."""
+    return _load_decoder.decode(payload)
+
+
+class KvEventForwarder:
+    """Forwards one engine's KV events (and load) to the buses, on its own daemon thread.
+
+    ``resync_poll`` (optional, called about once a second from the thread) returns True when a
+    consumer asked for a snapshot of this instance, e.g. ``RayEventBus.take_resync``.
+    """
+
+    def __init__(
+        self,
+        translator: EngineEventTranslator,
+        bus: EventBus,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: bytes = b"",
+        load_bus: EventBus | None = None,
+        load_fn: Callable[[], LoadSnapshot] | None = None,
+        load_interval_s: float = 0.1,
+        resync_poll: Callable[[], bool] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if load_interval_s <= 0:
+            raise ValueError(f"load_interval_s must be > 0, got {load_interval_s}")
+        if (load_bus is None) != (load_fn is None):
+            raise ValueError("load_bus and load_fn go together: give both or neither")
+        self.translator = translator
+        self.instance = translator.instance
+        self.bus, self.load_bus, self.load_fn = bus, load_bus, load_fn
+        self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
+        self.load_interval_s = load_interval_s
+        self.resync_poll = resync_poll
+        self.clock = clock
+        self.next_engine_seq = 0  # vLLM's next expected frame sequence number
+        self.batches = 0  # engine batches received (live or replayed)
+        self.replayed = 0  # batches recovered through the replay endpoint
+        self.published = 0  # bus messages published (events, snapshots)
+        self.load_samples = 0
+        self.errors = 0
+        self._lock = threading.Lock()  # translator + bus publish order
+        self._snapshot_wanted = threading.Event()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ctx = zmq.Context.instance()
+
+    # -- control -----------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 5.0) -> None:
+        """Start the thread; returns once the subscription socket is connected."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._run, name=f"kv-forwarder-{self.instance}", daemon=True
+        )
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise RuntimeError(f"forwarder for {self.instance} did not start in {timeout_s} s")
+
+    def stop(self, gone: bool = True, timeout_s: float = 5.0) -> None:
+        """Stop the thread; with ``gone``, publish ``InstanceGone`` (a clean scale-down)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        if gone:
+            with self._lock:
+                self.bus.publish(encode_message(InstanceGone(self.instance)))
+                self.published += 1
+
+    @property
+    def alive(self) -> bool:
+        """The thread is running (False before ``start`` and after ``stop`` or a crash)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def request_snapshot(self) -> None:
+        """Ask the thread to publish a ``Snapshot`` soon (thread-safe, non-blocking)."""
+        self._snapshot_wanted.set()
+
+    def publish_snapshot(self) -> int:
+        """Publish a ``Snapshot`` of everything this instance holds now; returns its offset."""
+        with self._lock:
+            offset = self.bus.publish(encode_message(self.translator.snapshot()))
+            self.published += 1
+            return offset
+
+    # -- thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        self._ready.set()
+        next_load = next_resync_poll = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                wait_ms = max(0, int((next_load - now) * 1000)) if self.load_fn else 50
+                if sub.poll(min(wait_ms, 50)):
+                    while True:
+                        try:
+                            frames = sub.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                if self._snapshot_wanted.is_set():
+                    self._snapshot_wanted.clear()
+                    self._guard(self.publish_snapshot)
+                now = time.monotonic()
+                if self.resync_poll is not None and now >= next_resync_poll:
+                    next_resync_poll = now + 1.0
+                    if self._guard(self.resync_poll):
+                        self._guard(self.publish_snapshot)
+                if self.load_fn is not None and now >= next_load:
+                    next_load = now + self.load_interval_s
+                    self._guard(self._publish_load)
+        finally:
+            sub.close(0)
+
+    def _guard(self, fn: Callable[[], object]) -> object:
+        try:
+            return fn()
+        except Exception:
+            if not self.errors:
+                log.exception("forwarder %s: error (logged once)", self.instance)
+            self.errors += 1
+            return None
+
+    def _publish_load(self) -> None:
+        assert self.load_fn is not None and self.load_bus is not None
+        self.load_bus.publish(encode_load(self.load_fn()))
+        self.load_samples += 1
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.errors += 1
+            return
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        if seq > self.next_engine_seq and self.replay_endpoint is not None:
+            self._guard(lambda: self._replay(self.next_engine_seq))
+        self._feed(frames[2], seq)
+
+    def _feed(self, payload: bytes, seq: int) -> None:
+        self.batches += 1
+        if seq >= self.next_engine_seq:
+            self.next_engine_seq = seq + 1
+        with self._lock:
+            msg = self.translator.feed(payload, seq, self.clock())
+            if msg is not None:
+                self.bus.publish(encode_message(msg))
+                self.published += 1
+
+    def _replay(self, start: int, timeout_ms: int = 1000) -> None:
+        assert self.replay_endpoint is not None
+        log.info("forwarder %s: replaying engine batches from %d", self.instance, start)
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(self.replay_endpoint)
+            dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            while dealer.poll(timeout_ms):
+                frames = dealer.recv_multipart()
+                if len(frames) != 4:
+                    self.errors += 1
+                    continue
+                _, _, seq_bytes, payload = frames
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if seq == END_SEQ:
+                    return
+                if seq >= self.next_engine_seq:
+                    self.replayed += 1
+                    self._feed(payload, seq)
+            log.warning("forwarder %s: replay timed out", self.instance)
+        finally:
+            dealer.close(0)

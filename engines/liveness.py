@@ -1,0 +1,92 @@
+"""The consumer side of the engine buses: cache-map events, live load, and engine liveness.
+
+``EngineWatcher`` runs in every router replica. ``pump(now)`` applies new event-bus messages to
+its ``CacheMapIngestor``, keeps the latest ``LoadSnapshot`` per instance from the load bus, asks
+for a resync of every instance the ingestor flagged (through ``request_resync``, e.g.
+``RayEventBus.request_resync``), and drops an instance whose load samples stopped for
+``timeout_s``: a crashed replica publishes no ``InstanceGone``, so silence is the signal.
+``from_start`` applies to the event bus; the load bus is always read from its tail.
+
+The drop is local (each replica decides from the same samples); if the instance was only slow,
+its next event batch arrives with a sequence gap, which flags a resync and restores it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import msgspec
+
+from cachemap.bus import BusConsumer, EventBus
+from cachemap.events import InstanceGone
+from cachemap.ingest import CacheMapIngestor
+from engines.base import LoadSnapshot
+from engines.forwarder import decode_load
+
+log = logging.getLogger(__name__)
+
+
+class EngineWatcher:
+    """Pumps an event bus and a load bus; ``now`` is the caller's clock in seconds."""
+
+    def __init__(
+        self,
+        events: EventBus,
+        loads: EventBus,
+        ingestor: CacheMapIngestor,
+        *,
+        timeout_s: float = 2.0,
+        resync_interval_s: float = 1.0,
+        request_resync: Callable[[str], None] | None = None,
+        from_start: bool = True,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.consumer = BusConsumer(events, ingestor, from_start=from_start)
+        self.ingestor = ingestor
+        self.loads_bus = loads
+        # NOTE: load samples only matter live: history would make long-gone instances look alive.
+        self.load_cursor = loads.end()
+        self.timeout_s, self.resync_interval_s = timeout_s, resync_interval_s
+        self.request_resync = request_resync
+        self.loads: dict[str, LoadSnapshot] = {}  # latest sample per live instance
+        self.last_seen: dict[str, float] = {}  # our clock at its latest sample
+        self._resync_asked: dict[str, float] = {}
+        self.dropped = 0
+        self.malformed_loads = 0
+
+    def pump(self, now: float) -> list[str]:
+        """Apply what is new; returns the instances dropped as silent by this call."""
+        self.consumer.pump()
+        got = self.loads_bus.read(self.load_cursor)
+        self.load_cursor = got.cursor
+        for payload in got.items:
+            try:
+                sample = decode_load(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                self.malformed_loads += 1
+                continue
+            self.loads[sample.instance_id] = sample
+            self.last_seen[sample.instance_id] = now
+        dropped = [i for i, t in self.last_seen.items() if now - t > self.timeout_s]
+        for inst in dropped:
+            log.warning("instance %s: no load sample for %.1f s, dropping it", inst, self.timeout_s)
+            self.forget(inst)
+            self.dropped += 1
+        if self.request_resync is not None:
+            for inst in self.ingestor.needs_resync:
+                if now - self._resync_asked.get(inst, -1e18) >= self.resync_interval_s:
+                    self._resync_asked[inst] = now
+                    self.request_resync(inst)
+        return dropped
+
+    def forget(self, instance: str) -> None:
+        """Drop ``instance`` from the cache map and the load table."""
+        self.ingestor.apply(InstanceGone(instance))
+        self.loads.pop(instance, None)
+        self.last_seen.pop(instance, None)
+        self._resync_asked.pop(instance, None)
+
+    def live(self) -> list[str]:
+        return sorted(self.last_seen)

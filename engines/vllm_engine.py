@@ -1,0 +1,318 @@
+"""The vLLM engine: one ``AsyncLLM`` behind ``engines.base.Engine``.
+
+Prefix caching and ZMQ KV events are always on. The publisher binds a free port on every
+interface (vLLM binds only endpoints with ``*``) and its replay ROUTER a free port on loopback;
+``kv_events_endpoint``/``kv_events_replay_endpoint`` give the loopback addresses the forwarder in
+the same replica connects to. Load comes from vLLM's scheduler stats (a custom stat logger) where
+they are fresh, and from this adapter's own request accounting otherwise.
+
+Any script that starts one needs an ``if __name__ == "__main__"`` guard: vLLM spawns its engine
+core process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engines.base import (
+    Engine,
+    EngineError,
+    EngineOutput,
+    EngineRequest,
+    LoadSnapshot,
+    SamplingParams,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
+_FINISH_REASONS = {"stop", "length", "abort", "error"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the usual small race is accepted)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(slots=True)
+class _InFlight:
+    prompt_tokens: int
+    generated: int = 0
+    started: bool = False  # first output seen: prefill done
+
+
+@dataclass(slots=True)
+class _EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    ts: float = 0.0
+
+
+class VllmEngine(Engine):
+    """One vLLM ``AsyncLLM``.
+
+    ``kv_space_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` (CPU build; whole GiB); ``kv_blocks`` caps
+    the KV cache at that many blocks (vLLM's ``num_gpu_blocks_override``), for small-cache tests.
+    ``block_size`` must be a multiple of 32 on the CPU backend.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        instance_id: str,
+        *,
+        block_size: int = 32,
+        kv_space_gib: int | None = 1,
+        kv_blocks: int | None = None,
+        max_model_len: int = 4096,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        tensor_parallel_size: int = 1,
+        seed: int = 0,
+        served_model_name: str | None = None,
+        extra_engine_args: dict[str, Any] | None = None,
+    ) -> None:
+        if block_size <= 0 or block_size % 16:
+            raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
+        if kv_space_gib is not None and kv_space_gib < 1:
+            raise ValueError(f"kv_space_gib must be >= 1 (whole GiB), got {kv_space_gib}")
+        self.model = str(model)
+        self.instance_id = instance_id
+        self.block_size = block_size
+        self.served_model_name = served_model_name or self.model
+        self._kv_space_gib = kv_space_gib
+        self._args: dict[str, Any] = dict(
+            model=self.model,
+            served_model_name=self.served_model_name,
+            block_size=block_size,
+            enable_prefix_caching=True,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            tensor_parallel_size=tensor_parallel_size,
+            num_gpu_blocks_override=kv_blocks,
+            seed=seed,
+            enforce_eager=True,
+            **(extra_engine_args or {}),
+        )
+        self._llm: Any = None
+        self._pub_port = 0
+        self._replay_port = 0
+        self._inflight: dict[str, _InFlight] = {}
+        self._stats = _EngineStats()
+        self.num_gpu_blocks: int | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        from vllm import AsyncEngineArgs
+        from vllm.config import KVEventsConfig
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if self._kv_space_gib is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self._kv_space_gib)
+        self._pub_port, self._replay_port = free_port(), free_port()
+        events = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"tcp://*:{self._pub_port}",
+            replay_endpoint=f"tcp://127.0.0.1:{self._replay_port}",
+            topic="kv-events",
+        )
+        args = AsyncEngineArgs(kv_events_config=events, **self._args)
+        try:
+            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory])
+        except Exception as e:
+            raise EngineError(f"vLLM engine {self.instance_id} failed to start: {e}") from e
+        self.num_gpu_blocks = self._llm.vllm_config.cache_config.num_gpu_blocks
+        log.info(
+            "vLLM engine %s up: %s blocks of %d tokens, KV events on %s",
+            self.instance_id,
+            self.num_gpu_blocks,
+            self.block_size,
+            self.kv_events_endpoint,
+        )
+
+    async def stop(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        if self._inflight:
+            await llm.abort(list(self._inflight))
+        llm.shutdown()
+        self._inflight.clear()
+
+    def _stat_logger_factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        stats = self._stats
+
+        class _Sampler(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *a: Any, **k: Any) -> None:
+                if scheduler_stats is not None:
+                    stats.running = scheduler_stats.num_running_reqs
+                    stats.waiting = scheduler_stats.num_waiting_reqs
+                    stats.kv_usage = scheduler_stats.kv_cache_usage
+                    stats.ts = time.monotonic()
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Sampler(vllm_config, engine_index)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _sampling(self, request: EngineRequest) -> Any:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s: SamplingParams = request.sampling
+        extra = None
+        if request.kv_transfer_params is not None:
+            extra = {"kv_transfer_params": dict(request.kv_transfer_params)}
+        return VllmSamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            stop_token_ids=list(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+            min_tokens=s.min_tokens,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra,
+        )
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        llm = self._llm
+        if llm is None:
+            raise EngineError(f"engine {self.instance_id} is not running")
+        if request.lora_name is not None:
+            raise ValueError(f"lora_name {request.lora_name!r}: no LoRA adapters are loaded")
+        if request.request_id in self._inflight:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        from vllm.inputs import TokensPrompt
+
+        prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
+        st = self._inflight[request.request_id] = _InFlight(len(request.prompt_token_ids))
+        completion = 0
+        try:
+            async for out in llm.generate(prompt, self._sampling(request), request.request_id):
+                c = out.outputs[0] if out.outputs else None
+                ids = list(c.token_ids) if c is not None else []
+                completion += len(ids)
+                st.started, st.generated = True, completion
+                reason = c.finish_reason if c is not None else None
+                if out.finished and reason not in _FINISH_REASONS:
+                    reason = "stop"
+                yield EngineOutput(
+                    request_id=request.request_id,
+                    token_ids=ids,
+                    text=c.text if c is not None else None,
+                    finished=out.finished,
+                    finish_reason=reason if out.finished else None,
+                    usage=Usage(st.prompt_tokens, completion, out.num_cached_tokens or 0)
+                    if out.finished
+                    else None,
+                    kv_transfer_params=out.kv_transfer_params if out.finished else None,
+                )
+        except (ValueError, EngineError):
+            raise
+        except Exception as e:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            if isinstance(e, EngineDeadError):
+                raise EngineError(f"engine {self.instance_id} is dead: {e}") from e
+            raise EngineError(f"request {request.request_id} failed: {e}") from e
+        finally:
+            self._inflight.pop(request.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    # -- load and health ---------------------------------------------------------------------
+
+    def load(self) -> LoadSnapshot:
+        inflight = list(self._inflight.values())
+        queued = sum(r.prompt_tokens for r in inflight if not r.started)
+        context = sum(r.prompt_tokens + r.generated for r in inflight if r.started)
+        s = self._stats
+        if inflight and s.ts:
+            # NOTE: vLLM reports stats only while it steps; with nothing in flight they are
+            # stale, so our own accounting (zero) wins then.
+            waiting, running, kv = s.waiting, s.running, s.kv_usage
+        else:
+            started = sum(r.started for r in inflight)
+            waiting, running, kv = len(inflight) - started, started, 0.0
+        return LoadSnapshot(
+            instance_id=self.instance_id,
+            ts=time.time(),
+            waiting=waiting,
+            running=running,
+            gpu_kv_usage=float(kv),
+            cpu_kv_usage=0.0,
+            queued_prefill_tokens=queued,
+            running_context_tokens=context,
+        )
+
+    async def check_health(self) -> None:
+        llm = self._llm
+        if llm is None:
+            raise EngineError(f"engine {self.instance_id} is not running")
+        try:
+            await llm.check_health()
+        except Exception as e:
+            raise EngineError(f"engine {self.instance_id} is unhealthy: {e}") from e
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        return f"tcp://127.0.0.1:{self._pub_port}" if self._pub_port else None
+
+    @property
+    def kv_events_replay_endpoint(self) -> str | None:
+        return f"tcp://127.0.0.1:{self._replay_port}" if self._replay_port else None
+
+    def engine_info(self) -> dict[str, int]:
+        """The limits vLLM resolved at start (KV blocks, batching, lengths, KV bytes/token)."""
+        if self._llm is None:
+            raise EngineError(f"engine {self.instance_id} is not running")
+        vc = self._llm.vllm_config
+        mc = vc.model_config
+        layers = mc.get_num_layers(vc.parallel_config)
+        itemsize = mc.dtype.itemsize if hasattr(mc.dtype, "itemsize") else 2
+        return {
+            "num_gpu_blocks": int(vc.cache_config.num_gpu_blocks or 0),
+            "max_num_batched_tokens": int(vc.scheduler_config.max_num_batched_tokens),
+            "max_num_seqs": int(vc.scheduler_config.max_num_seqs),
+            "max_model_len": int(mc.max_model_len),
+            "kv_bytes_per_token": 2
+            * layers
+            * mc.get_total_num_kv_heads()
+            * mc.get_head_size()
+            * int(itemsize),
+            "vocab_size": int(mc.get_vocab_size()),
+        }
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine_info()["vocab_size"]
+
+    @property
+    def tokenizer(self) -> Any:
+        """vLLM's tokenizer for the served model (None before ``start``)."""
+        return self._llm.get_tokenizer() if self._llm is not None else None

@@ -1,0 +1,104 @@
+"""The Ray-actor event bus: the EventBus contract across processes, ordering, trimming, resync."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("ray")
+
+import ray
+
+from cachemap.bus import BusConsumer
+from cachemap.events import InstanceEvents, Stored, encode_message
+from cachemap.hashing import BlockHasher
+from cachemap.ingest import CacheMapIngestor
+from cachemap.map import CacheMap
+from engines.bus_ray import RayEventBus
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture
+def bus(ray_cluster, request) -> Iterator[RayEventBus]:
+    b = RayEventBus(f"test-{request.node.name}", maxlen=5)
+    yield b
+    b.kill()
+
+
+def test_publish_read_end_and_trim(bus: RayEventBus) -> None:
+    assert bus.end() == 0
+    assert bus.read(0) == ([], 0, 0)
+    assert bus.publish_sync(b"a") == 0
+    for p in (b"b", b"c"):
+        assert bus.publish(p) == -1  # fire-and-forget
+    bus.flush()
+    assert bus.end() == 3
+    assert bus.read(1) == ([b"b", b"c"], 3, 0)
+    assert bus.read(0, max_items=2) == ([b"a", b"b"], 2, 0)
+    for i in range(4):
+        bus.publish(b"x%d" % i)
+    bus.flush()
+    got = bus.read(0)  # maxlen 5: offsets 0 and 1 are gone
+    assert got.lost == 2 and got.cursor == 7 and got.items[0] == b"c"
+
+
+def test_remote_publisher_keeps_order_and_the_client_pickles(bus: RayEventBus) -> None:
+    @ray.remote(num_cpus=0)
+    def publish(b: RayEventBus, n: int) -> None:
+        for i in range(n):
+            b.publish(str(i).encode())
+        b.flush()
+
+    clone = pickle.loads(pickle.dumps(bus))
+    assert clone.name == bus.name
+    ray.get(publish.remote(bus, 5))
+    assert bus.read(0).items == [b"0", b"1", b"2", b"3", b"4"]
+
+
+def test_messages_from_another_process_reach_a_cache_map(ray_cluster) -> None:
+    bus = RayEventBus("test-map", maxlen=1000)
+    try:
+        hashes = BlockHasher("m", 4)(list(range(12)))
+
+        @ray.remote(num_cpus=0)
+        def engine_side(b: RayEventBus) -> None:
+            b.publish(
+                encode_message(InstanceEvents("i1", 0, 0.0, [Stored("GPU", hashes, None, 0)]))
+            )
+            b.flush()
+
+        ray.get(engine_side.remote(bus))
+        ingestor = CacheMapIngestor(CacheMap())
+        assert BusConsumer(bus, ingestor).pump() == 1
+        assert ingestor.map.match(hashes)["i1"].gpu_blocks == 3
+    finally:
+        bus.kill()
+
+
+def test_a_sync_client_returns_offsets(ray_cluster) -> None:
+    bus = RayEventBus("test-sync", maxlen=10, sync=True)
+    try:
+        assert [bus.publish(b"%d" % i) for i in range(3)] == [0, 1, 2]
+        assert pickle.loads(pickle.dumps(bus)).publish(b"x") == 3
+    finally:
+        bus.kill()
+
+
+def test_resync_requests_are_taken_once(bus: RayEventBus) -> None:
+    assert not bus.take_resync("i1")
+    bus.request_resync("i1")
+    assert bus.take_resync("i1")
+    assert not bus.take_resync("i1")

@@ -1,0 +1,79 @@
+"""``EngineWatcher``: load samples keep instances alive, silence drops them, gaps ask a resync."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachemap.bus import InProcessBus
+from cachemap.events import InstanceEvents, Stored, encode_message
+from cachemap.hashing import BlockHasher
+from cachemap.ingest import CacheMapIngestor
+from cachemap.map import CacheMap
+from engines.base import LoadSnapshot
+from engines.forwarder import encode_load
+from engines.liveness import EngineWatcher
+
+pytestmark = pytest.mark.integration
+
+HASHES = BlockHasher("m", 4)(list(range(8)))
+
+
+def _load(inst: str, running: int = 0) -> bytes:
+    return encode_load(LoadSnapshot(inst, 0.0, 0, running, 0.1, 0.0, 0))
+
+
+def _stored(inst: str, seq: int) -> bytes:
+    return encode_message(InstanceEvents(inst, seq, 0.0, [Stored("GPU", HASHES, None, 0)]))
+
+
+def test_silent_instances_are_dropped_and_live_ones_kept() -> None:
+    events, loads = InProcessBus(), InProcessBus()
+    w = EngineWatcher(events, loads, CacheMapIngestor(CacheMap()), timeout_s=2.0)
+    for inst in ("a", "b"):
+        events.publish(_stored(inst, 0))
+        loads.publish(_load(inst))
+    assert w.pump(0.0) == []
+    assert w.live() == ["a", "b"] and set(w.ingestor.map.match(HASHES)) == {"a", "b"}
+    loads.publish(_load("a", running=3))
+    assert w.pump(1.5) == []
+    assert w.loads["a"].running == 3
+    assert w.pump(2.5) == ["b"]  # b's last sample was read at 0.0
+    assert w.live() == ["a"] and set(w.ingestor.map.match(HASHES)) == {"a"}
+    assert "b" not in w.loads and w.dropped == 1
+    # b comes back (it was only slow): its next batch has a gap, so a resync is due.
+    loads.publish(_load("b"))
+    events.publish(_stored("b", 1))
+    assert w.pump(3.0) == []
+    assert "b" in w.live() and "b" in w.ingestor.needs_resync
+
+
+def test_gaps_ask_for_a_resync_at_most_once_per_interval() -> None:
+    events, loads = InProcessBus(), InProcessBus()
+    asked: list[str] = []
+    w = EngineWatcher(
+        events,
+        loads,
+        CacheMapIngestor(CacheMap()),
+        resync_interval_s=1.0,
+        request_resync=asked.append,
+    )
+    events.publish(_stored("a", 5))  # expected seq 0: a gap
+    w.pump(0.0)
+    w.pump(0.5)
+    assert asked == ["a"]
+    w.pump(1.2)
+    assert asked == ["a", "a"]
+
+
+def test_malformed_load_samples_are_counted_and_skipped() -> None:
+    events, loads = InProcessBus(), InProcessBus()
+    w = EngineWatcher(events, loads, CacheMapIngestor(CacheMap()))
+    loads.publish(b"\xc1junk")
+    loads.publish(_load("a"))
+    w.pump(0.0)
+    assert w.malformed_loads == 1 and w.live() == ["a"]
+
+
+def test_timeout_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        EngineWatcher(InProcessBus(), InProcessBus(), CacheMapIngestor(CacheMap()), timeout_s=0)
