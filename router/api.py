@@ -110,6 +110,6 @@ class CompletionRequest(_Common):
             v = v[0]
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and any(t < 0 for t in v):
+        if isinstance(v, list) and min(v) < 0:  # type: ignore[type-var]
             raise ValueError("token ids must be non-negative")
         return v  # type: ignore[no-any-return]
