@@ -15,9 +15,9 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
 from deploy.config import RAY_PREFIX_ROUTER, ServeConfig
-from engines.config import TINY_MODEL
 from engines.deployment import build_engine_app, open_buses
 from engines.sim.profile import LatencyProfile
+from engines.tiny_model import resolve_model
 from router.admission import Admission
 from router.dispatch import Dispatcher
 from router.ingress import IngressConfig, build_app
@@ -31,13 +31,7 @@ DEFAULT_CPU_PROFILE = "cpu-tiny-llama"
 
 
 def _tokenizer_path(cfg: ServeConfig) -> str:
-    if cfg.tokenizer:
-        return cfg.tokenizer
-    if cfg.engines.engine.model == TINY_MODEL:
-        from engines.tiny_model import build_tiny_model
-
-        return str(build_tiny_model())
-    return cfg.engines.engine.model
+    return cfg.tokenizer or str(resolve_model(cfg.engines.engine.model))
 
 
 def latency_profile(cfg: ServeConfig) -> LatencyProfile:

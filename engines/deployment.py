@@ -31,7 +31,7 @@ from engines.base import (
     LoadSnapshot,
     RoutedRequest,
 )
-from engines.config import BusConfig, EngineConfig, EngineDeploymentConfig
+from engines.config import TINY_MODEL, BusConfig, EngineConfig, EngineDeploymentConfig
 from engines.forwarder import KvEventForwarder
 from engines.tiny_model import resolve_model
 
@@ -63,20 +63,24 @@ def _vllm_engine(cfg: EngineConfig, instance_id: str) -> Engine:
 def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:
     from engines.sim.engine import SimEngine
 
-    try:
-        return SimEngine(
-            instance_id,
-            cfg.profile or "cpu-tiny-llama",
-            model=cfg.model_name,
-            block_size=cfg.block_size,
-            num_gpu_blocks=cfg.kv_blocks,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len,
-            **cfg.sim_options,
-        )
-    except TypeError as e:  # an unknown key in sim_options
-        raise ValueError(f"sim_options: {e}") from None
+    opts: dict[str, Any] = {}
+    if cfg.model == TINY_MODEL:
+        # Output tokens the tiny tokenizer can decode, past its special tokens.
+        from engines.tiny_model import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
+
+        opts.update(vocab_size=DEFAULT_VOCAB_SIZE, token_offset=len(SPECIAL_TOKENS))
+    opts.update(cfg.sim_options)
+    return SimEngine(
+        instance_id,
+        cfg.profile or "cpu-tiny-llama",
+        model=cfg.model_name,
+        block_size=cfg.block_size,
+        num_gpu_blocks=cfg.kv_blocks,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        **opts,
+    )
 
 
 # kind -> factory(config, instance_id); the config validates kind, so a lookup cannot miss.

@@ -17,6 +17,7 @@ TINY_MODEL = "tiny"  # the model name that means "this tiny model" in configs an
 TINY_MODEL_VERSION = 1  # bump when the recipe changes; a stale cache is rebuilt
 DEFAULT_CACHE_DIR = Path(tempfile.gettempdir()) / "kvroute-models"
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
+DEFAULT_VOCAB_SIZE = 512
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -87,7 +88,7 @@ def _write_model(out: Path, vocab_size: int, max_position: int, seed: int) -> No
 def build_tiny_model(
     path: str | os.PathLike[str] | None = None,
     *,
-    vocab_size: int = 512,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
     max_position: int = 8192,
     seed: int = 0,
 ) -> Path:
