@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
-from numba import njit
+
+from cachemap.jit import jit
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
@@ -22,7 +23,7 @@ TOMBSTONE = -2
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-@njit(cache=True, nogil=True)
+@jit
 def _find(tk, tv, shift, mask, keys, out, stop_at_miss):  # type: ignore[no-untyped-def]
     """Fill ``out`` with each key's value (-1: absent); returns how many entries were filled
     (all, or with ``stop_at_miss`` the length of the leading run of present keys)."""
@@ -44,7 +45,7 @@ def _find(tk, tv, shift, mask, keys, out, stop_at_miss):  # type: ignore[no-unty
     return keys.shape[0]
 
 
-@njit(cache=True, nogil=True)
+@jit
 def _insert(tk, tv, shift, mask, keys, vals):  # type: ignore[no-untyped-def]
     """Place absent, distinct ``keys``; returns how many EMPTY (not tombstone) cells were used."""
     fresh = 0
@@ -60,7 +61,7 @@ def _insert(tk, tv, shift, mask, keys, vals):  # type: ignore[no-untyped-def]
     return fresh
 
 
-@njit(cache=True, nogil=True)
+@jit
 def _delete(tk, tv, shift, mask, keys):  # type: ignore[no-untyped-def]
     removed = 0
     for i in range(keys.shape[0]):

@@ -19,10 +19,10 @@ from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-from numba import njit
 
 from cachemap.hashing import BlockHash, InstanceId, Tier
 from cachemap.index import HashIndex
+from cachemap.jit import jit
 
 _TIERS: tuple[Tier, ...] = tuple(Tier)
 
@@ -375,7 +375,7 @@ class CacheMap:
         return self._index.nbytes + arrays + self._free.nbytes
 
 
-@njit(cache=True, nogil=True)
+@jit
 def _leading_runs(gpu, cpu, idx, n_gpu, n_any):  # type: ignore[no-untyped-def]
     """For every instance bit, the leading run of rows ``idx`` holding it on GPU (into
     ``n_gpu``) and on GPU or CPU (into ``n_any``). Returns whether any bit has a run."""

@@ -25,6 +25,7 @@ from router.serve_client import ServeEngineClient
 from router.serve_router import register_state, unregister_state
 from router.state import RouterState
 from router.tokenizer import PromptTokenizer
+from router.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 DEFAULT_CPU_PROFILE = "cpu-tiny-llama"
@@ -44,6 +45,7 @@ def latency_profile(cfg: ServeConfig) -> LatencyProfile:
 class IngressDeployment:
     def __init__(self, engine: Any, config: dict[str, Any]) -> None:
         self.cfg = cfg = ServeConfig.model_validate(config)
+        setup_tracing()
         ecfg = cfg.engines.engine
         profile = latency_profile(cfg)
         kv_bus, load_bus = open_buses(cfg.engines.bus)

@@ -225,7 +225,7 @@ async def _profile(args: argparse.Namespace) -> dict[str, Any]:
         sources=("engines/profile_cmd.py",),
     )
     data = profile.to_dict()
-    # Not (yet) read by LatencyProfile: TTFT = request_overhead_ms + the prefill step(s).
+    # TTFT = request_overhead_ms + the prefill step(s) (LatencyProfile reads it).
     data["request_overhead_ms"] = f["request_overhead_ms"]
     data["fit"] = {k: f[k] for k in ("prefill_median_rel_err", "decode_median_rel_err")}
     data["measurements"] = {"prefill": m.prefill, "decode": m.decode}

@@ -200,3 +200,29 @@ def test_metrics_expose_router_state(server: Server, client: openai.OpenAI) -> N
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=2)
     body = httpx.get(f"http://127.0.0.1:{server.port}/metrics").text
     assert "kvroute_requests_total" in body and "kvroute_cache_map_blocks" in body
+
+
+def test_spans_join_the_callers_trace(server: Server) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    if trace.get_tracer_provider() is not provider:
+        pytest.skip("another tracer provider is already installed in this process")
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    r = _error(
+        server,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "traced", "max_tokens": 2},
+        headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+    )
+    assert r.status_code == 200
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert {"kvroute.ingress", "kvroute.placement"} <= set(spans)
+    assert format(spans["kvroute.ingress"].context.trace_id, "032x") == trace_id
+    assert spans["kvroute.placement"].attributes["kvroute.instance"].startswith("sim-")

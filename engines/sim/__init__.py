@@ -1,0 +1,45 @@
+"""The sim engine: vLLM-like paged KV blocks, prefix caching and continuous batching without a
+model, timed by a latency profile. Real time (``SimEngine``, asyncio) or virtual time
+(``VirtualInstance``/``VirtualCluster``, discrete events)."""
+
+from engines.sim.blocks import KVBlockManager
+from engines.sim.profile import LatencyProfile
+from engines.sim.request import SimRequest, make_request
+from engines.sim.scheduler import Scheduler, SchedulerConfig
+from engines.sim.virtual import (
+    RequestRecord,
+    VirtualCluster,
+    VirtualInstance,
+    expand_trace_hashes,
+    least_loaded,
+    prefix_affinity,
+    round_robin,
+    trace_arrival,
+)
+
+__all__ = [
+    "KVBlockManager",
+    "LatencyProfile",
+    "RequestRecord",
+    "Scheduler",
+    "SchedulerConfig",
+    "SimEngine",
+    "SimRequest",
+    "VirtualCluster",
+    "VirtualInstance",
+    "expand_trace_hashes",
+    "least_loaded",
+    "make_request",
+    "prefix_affinity",
+    "round_robin",
+    "trace_arrival",
+]
+
+
+def __getattr__(name: str) -> object:
+    # NOTE: the real-time engine needs pyzmq; virtual time (capacity planning) does not.
+    if name == "SimEngine":
+        from engines.sim.engine import SimEngine
+
+        return SimEngine
+    raise AttributeError(f"module 'engines.sim' has no attribute {name!r}")

@@ -1,0 +1,270 @@
+"""The real-time sim engine: ``engines.base.Engine`` over the sim scheduler, on asyncio.
+
+One background task runs the step loop: schedule, sleep for the step's profiled duration
+(times ``time_scale``), sample, stream outputs. KV events go out after every step on a ZMQ PUB
+socket exactly as vLLM's ``ZmqEventPublisher`` sends them: frames ``(topic, sequence number as
+8 big-endian bytes starting at 0, msgpack KVEventBatch)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+
+from cachemap.events import KVEventBatch, encode_vllm_batch
+from engines.base import Engine, EngineError, EngineOutput, EngineRequest, LoadSnapshot, Usage
+from engines.sim.blocks import KVBlockManager
+from engines.sim.profile import LatencyProfile
+from engines.sim.request import SimRequest, Status, make_request
+from engines.sim.scheduler import Scheduler, SchedulerConfig
+from policies.base import EvictionPolicy, RequestInfo
+
+log = logging.getLogger(__name__)
+
+
+def request_info(params: dict[str, Any] | None) -> RequestInfo | None:
+    """kvroute's policy hints (``kv_transfer_params["kvroute"]``) as a policy ``RequestInfo``."""
+    hints = (params or {}).get("kvroute")
+    if not isinstance(hints, dict):
+        return None
+    cont = hints.get("continuation")
+    return RequestInfo(
+        category=str(hints.get("category", "all")),
+        turn=int(hints.get("turn", 1)),
+        session_id=hints.get("session_id"),
+        parent_id=hints.get("parent_id"),
+        continuation_p=float(cont) if cont is not None else None,
+    )
+
+
+class SimEngine(Engine):
+    """A model-free engine that schedules, caches and times requests like vLLM.
+
+    ``kv_events_endpoint``: where to bind the PUB socket (``tcp://127.0.0.1:*`` picks a free
+    port; the bound address is the ``kv_events_endpoint`` property after ``start``); None turns
+    events off. ``time_scale`` multiplies every step's duration (0: as fast as possible).
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        profile: LatencyProfile | str = "cpu-tiny-llama",
+        *,
+        model: str = "sim",
+        block_size: int | None = None,
+        num_gpu_blocks: int | None = None,
+        cpu_capacity_blocks: int = 0,
+        cpu_policy: str | EvictionPolicy = "lru",
+        kv_events_endpoint: str | None = "tcp://127.0.0.1:*",
+        kv_events_topic: str = "",
+        time_scale: float = 1.0,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        max_model_len: int | None = None,
+        vocab_size: int = 32_000,
+        token_offset: int = 1_000,
+    ) -> None:
+        if time_scale < 0:
+            raise ValueError(f"time_scale must be >= 0, got {time_scale}")
+        self.profile = (
+            profile if isinstance(profile, LatencyProfile) else LatencyProfile.load(profile)
+        )
+        self.instance_id = instance_id
+        self.model = model
+        self.block_size = block_size or self.profile.block_size
+        n_blocks = num_gpu_blocks or self.profile.kv_capacity_tokens // self.block_size + 1
+        self.blocks = KVBlockManager(
+            n_blocks,
+            self.block_size,
+            cpu_capacity_blocks=cpu_capacity_blocks,
+            cpu_policy=cpu_policy,
+            enable_events=kv_events_endpoint is not None,
+        )
+        mml = max_model_len or min(self.profile.max_model_len, (n_blocks - 1) * self.block_size)
+        self.config = SchedulerConfig.from_profile(
+            self.profile,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=mml,
+            vocab_size=vocab_size,
+            token_offset=token_offset,
+        )
+        self.scheduler = Scheduler(self.blocks, self.profile, self.config)
+        self.time_scale = time_scale
+        self._bind = kv_events_endpoint
+        self._topic = kv_events_topic.encode()
+        self._endpoint: str | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._pub: zmq.Socket[bytes] | None = None
+        self._seq = 0
+        self._requests: dict[str, SimRequest] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        if self._bind is not None:
+            self._ctx = zmq.Context()
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.SNDHWM, 100_000)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.bind(self._bind)
+            self._endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._task = asyncio.create_task(self._run(), name=f"sim-engine-{self.instance_id}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for req in list(self._requests.values()):
+            self._abort(req)
+        if self._pub is not None:
+            self._pub.close(linger=0)
+            self._pub = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        return self._endpoint
+
+    async def check_health(self) -> None:
+        if self._failure is not None:
+            raise EngineError(f"sim engine {self.instance_id} failed: {self._failure!r}")
+        if self._task is None or self._task.done():
+            raise EngineError(f"sim engine {self.instance_id} is not running")
+
+    def load(self) -> LoadSnapshot:
+        s = self.scheduler
+        return LoadSnapshot(
+            instance_id=self.instance_id,
+            ts=time.time(),
+            waiting=len(self._requests) - len(s.running),  # queued or in the request overhead
+            running=len(s.running),
+            gpu_kv_usage=self.blocks.gpu_usage(),
+            cpu_kv_usage=self.blocks.cpu_usage(),
+            queued_prefill_tokens=s.queued_prefill_tokens(),
+            running_context_tokens=sum(r.num_computed for r in s.running),
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        await self.check_health()
+        if request.request_id in self._requests:
+            raise EngineError(f"request id {request.request_id!r} is already running")
+        sp = request.sampling
+        queue: asyncio.Queue[EngineOutput] = asyncio.Queue()
+        try:
+            req = make_request(
+                request.request_id,
+                block_size=self.block_size,
+                max_tokens=sp.max_tokens,
+                prompt_token_ids=request.prompt_token_ids,
+                model=self.model,
+                lora_name=request.lora_name,
+                cache_salt=request.cache_salt,
+                seed=sp.seed,
+                stop_token_ids=sp.stop_token_ids,
+                min_tokens=sp.min_tokens,
+                max_model_len=self.config.max_model_len,
+                vocab_size=self.config.vocab_size,
+                token_offset=self.config.token_offset,
+                arrival_s=time.monotonic(),
+                info=request_info(request.kv_transfer_params),
+                tag=queue,
+            )
+            self.scheduler.check(req)
+        except ValueError as e:
+            raise EngineError(f"request {request.request_id}: {e}") from e
+        self._requests[req.request_id] = req
+        finished = False
+        try:
+            overhead_s = self.profile.request_overhead_ms / 1e3 * self.time_scale
+            if overhead_s > 0:
+                await asyncio.sleep(overhead_s)  # input processing, IPC to the engine core
+            if req.status != Status.FINISHED:  # not aborted meanwhile
+                self.scheduler.add(req)
+                self._wake.set()
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._abort(req)
+
+    async def abort(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is not None:
+            self._abort(req)
+
+    def _abort(self, req: SimRequest) -> None:
+        self._requests.pop(req.request_id, None)
+        if req.status == Status.FINISHED:
+            return
+        if not self.scheduler.abort(req):  # not at the scheduler yet (its request overhead)
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+        req.tag.put_nowait(self._final(req, []))
+        self._publish()
+
+    def _final(self, req: SimRequest, tokens: list[int]) -> EngineOutput:
+        usage = Usage(req.prompt_len, req.num_output, max(req.cached_tokens, 0))
+        return EngineOutput(req.request_id, tokens, None, True, req.finish_reason, usage)
+
+    # -- the step loop ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        sched = self.scheduler
+        try:
+            while True:
+                if sched.idle:
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                start = time.monotonic()
+                step = sched.schedule(start)
+                self._publish()
+                delay = step.duration_s * self.time_scale - (time.monotonic() - start)
+                await asyncio.sleep(max(delay, 0.0))
+                for req, tokens in sched.complete(step, time.monotonic()):
+                    if req.status == Status.FINISHED:
+                        self._requests.pop(req.request_id, None)
+                        req.tag.put_nowait(self._final(req, tokens))
+                    else:
+                        req.tag.put_nowait(EngineOutput(req.request_id, tokens))
+                self._publish()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug: fail every request instead of hanging them
+            log.exception("sim engine %s: step loop failed", self.instance_id)
+            self._failure = e
+            for req in list(self._requests.values()):
+                self._requests.pop(req.request_id, None)
+                req.tag.put_nowait(EngineOutput(req.request_id, [], None, True, "error", None))
+
+    def _publish(self) -> None:
+        events = self.blocks.take_events()
+        if not events or self._pub is None:
+            return
+        payload = encode_vllm_batch(KVEventBatch(ts=time.time(), events=events))
+        try:
+            self._pub.send_multipart(
+                (self._topic, self._seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
+            )
+        except zmq.Again:
+            log.warning("sim engine %s: KV event batch %d dropped", self.instance_id, self._seq)
+        self._seq += 1

@@ -1,0 +1,176 @@
+"""Latency profile of one engine instance: how long a scheduler step takes.
+
+A step runs one forward pass over every token the scheduler picked (vLLM v1 mixes prefill
+chunks and decodes in one batch). The model, in milliseconds:
+
+    step_ms = base_ms
+            + sum over prefill chunks of  prefill_token_ms * n + prefill_attn_ms * n * (c + n / 2)
+            + decode_seq_ms * batch + decode_ctx_ms * context      (if any request decodes)
+            + KV bytes loaded from the CPU tier / cpu_load_gbps
+
+where a chunk computes ``n`` new tokens after ``c`` already in the KV cache (the attention term
+is the quadratic cost of attending to the prefix), ``batch`` is the number of decoding requests
+and ``context`` the tokens they attend to in total. Hence
+
+    prefill_ms(uncached, context) = base_ms + prefill_token_ms * uncached
+                                    + prefill_attn_ms * uncached * (context + uncached / 2)
+    decode_step_ms(batch, context) = base_ms + decode_seq_ms * batch + decode_ctx_ms * context
+
+A request also waits ``request_overhead_ms`` (input processing, IPC to the engine core) between
+its arrival and the scheduler, so an unloaded TTFT is that plus its prefill steps.
+
+Affine in every term, so a run of pure decode steps has a closed-form duration (what lets the
+virtual-time engine skip ahead instead of stepping one token at a time).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+_NON_NEGATIVE = (
+    "request_overhead_ms",
+    "base_ms",
+    "prefill_token_ms",
+    "prefill_attn_ms",
+    "decode_seq_ms",
+    "decode_ctx_ms",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyProfile:
+    """One engine's latency model and the scheduler limits it was measured with.
+
+    ``kv_capacity_tokens``: GPU KV cache size in tokens (vLLM's ``num_gpu_blocks * block_size``);
+    ``kv_bytes_per_token``: bytes of KV per token (all layers), used for CPU->GPU load time;
+    ``cpu_load_gbps``: CPU->GPU copy bandwidth in GB/s (1e9 bytes per second);
+    ``request_overhead_ms``: per-request latency outside the engine's steps (input processing,
+    IPC to the engine core): a request reaches the scheduler this long after it arrives.
+    """
+
+    name: str
+    model: str
+    hardware: str
+    block_size: int
+    kv_capacity_tokens: int
+    kv_bytes_per_token: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    base_ms: float
+    prefill_token_ms: float
+    prefill_attn_ms: float
+    decode_seq_ms: float
+    decode_ctx_ms: float
+    cpu_load_gbps: float
+    request_overhead_ms: float = 0.0
+    notes: str = ""
+    sources: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_capacity_tokens", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"profile {self.name!r}: {name} must be > 0")
+        for name in ("max_num_seqs", "max_model_len", "kv_bytes_per_token"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"profile {self.name!r}: {name} must be > 0")
+        for name in _NON_NEGATIVE:
+            if getattr(self, name) < 0:
+                raise ValueError(f"profile {self.name!r}: {name} must be >= 0")
+        if self.cpu_load_gbps <= 0:
+            raise ValueError(f"profile {self.name!r}: cpu_load_gbps must be > 0")
+
+    # -- the model ---------------------------------------------------------------------------
+
+    def chunk_ms(self, new_tokens: int, context: int) -> float:
+        """Cost of one prefill chunk inside a step (no ``base_ms``)."""
+        return new_tokens * (
+            self.prefill_token_ms + self.prefill_attn_ms * (context + new_tokens / 2)
+        )
+
+    def prefill_s(self, uncached_tokens: int, context: int = 0) -> float:
+        """A step that only prefills ``uncached_tokens`` after ``context`` cached ones."""
+        return (self.base_ms + self.chunk_ms(uncached_tokens, context)) / 1e3
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        """A step that only decodes: ``batch`` requests attending ``context_tokens`` in total."""
+        if batch <= 0:
+            return 0.0
+        return (
+            self.base_ms + self.decode_seq_ms * batch + self.decode_ctx_ms * context_tokens
+        ) / 1e3
+
+    def load_s(self, tokens: int) -> float:
+        """Time to copy ``tokens`` of KV from the CPU tier to the GPU."""
+        return tokens * self.kv_bytes_per_token / (self.cpu_load_gbps * 1e9)
+
+    def ttft_s(self, prompt_tokens: int, cached_tokens: int = 0, cpu_tokens: int = 0) -> float:
+        """Unloaded TTFT: the request overhead, then one step per ``max_num_batched_tokens``
+        chunk of the uncached tokens, plus the CPU-tier load."""
+        done, left = cached_tokens + cpu_tokens, prompt_tokens - cached_tokens - cpu_tokens
+        total = self.request_overhead_ms / 1e3
+        while left > 0:
+            n = min(left, self.max_num_batched_tokens)
+            total += self.prefill_s(n, done)
+            done, left = done + n, left - n
+        return total + self.load_s(cpu_tokens)
+
+    # -- I/O ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LatencyProfile:
+        """Build from the JSON layout (``prefill``/``decode`` sections, see the shipped files)."""
+        try:
+            pre, dec = data["prefill"], data["decode"]
+            return cls(
+                name=data["name"],
+                model=data["model"],
+                hardware=data["hardware"],
+                block_size=int(data["block_size"]),
+                kv_capacity_tokens=int(data["kv_capacity_tokens"]),
+                kv_bytes_per_token=int(data["kv_bytes_per_token"]),
+                max_num_batched_tokens=int(data["max_num_batched_tokens"]),
+                max_num_seqs=int(data["max_num_seqs"]),
+                max_model_len=int(data["max_model_len"]),
+                base_ms=float(data["base_ms"]),
+                prefill_token_ms=float(pre["token_ms"]),
+                prefill_attn_ms=float(pre["attn_ms"]),
+                decode_seq_ms=float(dec["seq_ms"]),
+                decode_ctx_ms=float(dec["ctx_ms"]),
+                cpu_load_gbps=float(data["cpu_load_gbps"]),
+                request_overhead_ms=float(data.get("request_overhead_ms", 0.0)),
+                notes=str(data.get("notes", "")),
+                sources=tuple(str(s) for s in data.get("sources", ())),
+            )
+        except KeyError as e:
+            raise ValueError(f"profile: missing field {e.args[0]!r}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if not f.name.startswith(("prefill_", "decode_")) and f.name != "sources"
+        }
+        out["prefill"] = {"token_ms": self.prefill_token_ms, "attn_ms": self.prefill_attn_ms}
+        out["decode"] = {"seq_ms": self.decode_seq_ms, "ctx_ms": self.decode_ctx_ms}
+        out["sources"] = list(self.sources)
+        return out
+
+    @classmethod
+    def load(cls, name_or_path: str | Path) -> LatencyProfile:
+        """Load a shipped profile by name (``h100-llama3.1-8b``) or a JSON file by path."""
+        path = Path(name_or_path)
+        if path.suffix != ".json" and len(path.parts) == 1:
+            path = PROFILES_DIR / f"{name_or_path}.json"
+        if not path.is_file():
+            shipped = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.json")))
+            raise ValueError(f"profile: no file {str(path)!r}; shipped profiles: {shipped}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
