@@ -97,7 +97,7 @@ def wa_vs_lru(sessions: int, seeds: list[int], capacities: list[int]) -> list[di
         reqs = synthetic_bailian(sessions=sessions, seed=seed)
         for cap in capacities:
             row: dict[str, object] = {"sessions": sessions, "seed": seed, "capacity_blocks": cap}
-            for name in ("lru", "s3-fifo", "wa", "lpc", "prefix-reuse", "belady"):
+            for name in ("lru", "s3-fifo", "wa", "lpc", "prefix-reuse", "prefix-odds", "belady"):
                 row[name] = round(replay(reqs, create_policy(name, cap)).hit_rate, 4)
             rows.append(row)
     return rows

@@ -19,6 +19,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "wa": ("policies.wa", "WAPolicy"),
     "lpc": ("policies.lpc", "LPCPolicy"),
     "prefix-reuse": ("policies.prefix_reuse", "PrefixReusePolicy"),
+    "prefix-odds": ("policies.prefix_odds", "PrefixOddsPolicy"),
     "belady": ("policies.belady", "BeladyPolicy"),
 }
 

@@ -43,6 +43,7 @@ CLASS_NAMES: dict[str, str] = {
     "KvrouteWA": "wa",
     "KvrouteLPC": "lpc",
     "KvroutePrefixReuse": "prefix-reuse",
+    "KvroutePrefixOdds": "prefix-odds",
 }
 
 
