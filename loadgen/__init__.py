@@ -1,4 +1,7 @@
-"""Traces, synthetic workloads, the open-loop HTTP runner, metrics, reports, the cluster simulator
-and the capacity planner."""
+"""Traces (Mooncake, Qwen-Bailian), synthetic workloads, the open-loop HTTP runner, metrics and
+reports (``kvroute loadgen``), and the trace-driven cache simulator (``kvroute cachesim``).
+The HTTP runner imports nothing of kvroute's but ``cachemap.hashing``."""
 
-__all__: list[str] = []
+from loadgen.traces import Trace, TraceFormatError, TraceRequest, load_trace
+
+__all__ = ["Trace", "TraceFormatError", "TraceRequest", "load_trace"]

@@ -1,0 +1,241 @@
+"""``kvroute loadgen``: replay a trace or a synthetic workload against an OpenAI-compatible
+endpoint, then print the summary and write ``--json`` / ``--report`` outputs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+_SYNTH_FLAGS: dict[str, tuple[str, type, str]] = {
+    # flag: (SynthParams field, type, help)
+    "--turns-mean": ("turns_mean", float, "to-c: mean turns per session (geometric)"),
+    "--think-time-s": ("think_time_s", float, "to-c: mean think time between turns (exp.)"),
+    "--user-tokens": ("user_tokens", int, "to-c: median tokens of a new user message"),
+    "--output-tokens": ("output_tokens", int, "to-c/random: median (random: exact) reply tokens"),
+    "--length-sigma": ("length_sigma", float, "log-normal sigma of message lengths"),
+    "--programs": ("programs", int, "to-b: API programs, each with its own system prompt"),
+    "--zipf": ("zipf_s", float, "to-b: Zipf exponent of program popularity"),
+    "--system-prompt-tokens": ("system_prompt_tokens", int, "to-b: median system prompt"),
+    "--api-user-tokens": ("api_user_tokens", int, "to-b: median user part"),
+    "--api-output-tokens": ("api_output_tokens", int, "to-b: median reply tokens"),
+    "--to-b-fraction": ("to_b_fraction", float, "mix: fraction of requests from to-b"),
+    "--input-tokens": ("input_tokens", int, "random: prompt tokens"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from loadgen.synthetic import SynthParams
+
+    defaults = {f.name: f.default for f in fields(SynthParams)}
+    t = p.add_argument_group("target")
+    t.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    t.add_argument("--model", help="model name (default: first of GET /v1/models)")
+    t.add_argument(
+        "--api", default="completions", help="completions (token-id prompts) | chat (text prompts)"
+    )
+    t.add_argument("--no-stream", action="store_true", help="plain JSON responses (no TTFT)")
+    t.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos=true")
+    t.add_argument("--extra-body", default="{}", help="JSON object merged into every body")
+    t.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", help="JSONL trace file (Mooncake or Bailian)")
+    w.add_argument("--format", default="auto", help="auto | mooncake | bailian")
+    w.add_argument("--skip-invalid", action="store_true", help="count and skip bad trace lines")
+    w.add_argument("--workload", help="synthetic: to-c | to-b | mix | random")
+    w.add_argument(
+        "--sessions",
+        default="recorded",
+        help="recorded (prompts from hash ids) | live (each turn carries the real previous reply; "
+        "text prompts)",
+    )
+    w.add_argument("--time-scale", type=float, default=1.0, help="multiply trace gaps (0.5 = 2x)")
+    w.add_argument(
+        "--rate", type=float, help="req/s: replaces trace timing; synthetic workload rate [5]"
+    )
+    w.add_argument("--arrival", default="poisson", help="poisson | constant (with --rate)")
+    w.add_argument(
+        "--duration", type=float, help="seconds of schedule to send (synthetic default 60)"
+    )
+    w.add_argument("--max-requests", type=int, help="send at most this many requests")
+    w.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
+    w.add_argument("--vocab-size", type=int, default=30_000, help="synthesized token id range")
+    s = p.add_argument_group("synthetic workload parameters")
+    for flag, (name, typ, help_text) in _SYNTH_FLAGS.items():
+        default = defaults[name]
+        shown = f"{default:.4g}" if isinstance(default, float) else default
+        s.add_argument(
+            flag,
+            dest=f"synth_{name}",
+            type=typ,
+            default=None,
+            metavar="N" if typ is int else "X",
+            help=f"{help_text} [{shown}]",
+        )
+    r = p.add_argument_group("runner")
+    r.add_argument("--concurrency", type=int, help="closed loop with N workers")
+    r.add_argument("--max-inflight", type=int, help="cap concurrent requests (open loop)")
+    r.add_argument(
+        "--max-connections", type=int, default=4096, help="HTTP connection pool size [4096]"
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--slo-ttft-ms", type=float, help="goodput: TTFT SLO")
+    o.add_argument("--slo-itl-ms", type=float, help="goodput: mean ITL SLO")
+    o.add_argument("--json", dest="json_path", help="write summary + per-request records")
+    o.add_argument("--report", help="directory for CSV files and PNG plots")
+    o.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+def _choice(value: str, flag: str, valid: tuple[str, ...]) -> str:
+    if value not in valid:
+        raise ValueError(f"{flag} must be one of {', '.join(valid)}; got {value!r}")
+    return value
+
+
+def _positive(value: float | None, flag: str) -> None:
+    if value is not None and not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{flag} must be > 0, got {value}")
+
+
+def _plan(args: argparse.Namespace) -> tuple[list[Any], int, str]:
+    from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
+    from loadgen.traces import load_trace
+    from loadgen.workloads import build_schedule
+
+    if (args.trace is None) == (args.workload is None):
+        raise ValueError("give exactly one of --trace FILE or --workload NAME")
+    if args.trace is not None:
+        try:
+            trace = load_trace(args.trace, args.format, args.skip_invalid)
+        except OSError as e:
+            raise ValueError(f"--trace: cannot read {args.trace}: {e.strerror}") from None
+        if trace.skipped:
+            print(f"loadgen: skipped {trace.skipped} invalid trace lines", file=sys.stderr)
+        plan = build_schedule(
+            trace.requests,
+            time_scale=args.time_scale,
+            rate=args.rate,
+            arrival=args.arrival,
+            duration_s=args.duration,
+            max_requests=args.max_requests,
+            seed=args.seed,
+        )
+        return plan, trace.block_size, f"trace {args.trace} ({trace.format})"
+    params = SynthParams(seed=args.seed, max_requests=args.max_requests)
+    if args.rate is not None:
+        params.rate = args.rate
+    if args.duration is not None:
+        params.duration_s = args.duration
+    for name, _typ, _help in _SYNTH_FLAGS.values():
+        value = getattr(args, f"synth_{name}")
+        if value is not None:
+            setattr(params, name, value)
+    reqs = generate(args.workload, params)
+    rate = params.rate if args.workload == "random" else None
+    plan = build_schedule(
+        reqs, time_scale=args.time_scale, rate=rate, arrival=args.arrival, seed=args.seed
+    )
+    return plan, SYNTH_BLOCK_SIZE, f"synthetic {args.workload}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from loadgen.client import discover_model, loop_factory
+    from loadgen.metrics import summarize
+    from loadgen.prompts import PromptSynth
+    from loadgen.report import print_summary, write_json, write_report
+    from loadgen.runner import RunConfig, Runner
+    from loadgen.workloads import ARRIVALS, ideal_hit_rate
+
+    api = _choice(args.api, "--api", ("completions", "chat"))
+    sessions = _choice(args.sessions, "--sessions", ("recorded", "live"))
+    _choice(args.arrival, "--arrival", ARRIVALS)
+    _choice(args.format, "--format", ("auto", "mooncake", "bailian"))
+    for value, flag in (
+        (args.timeout_s, "--timeout-s"),
+        (args.slo_ttft_ms, "--slo-ttft-ms"),
+        (args.slo_itl_ms, "--slo-itl-ms"),
+        (args.concurrency, "--concurrency"),
+        (args.max_inflight, "--max-inflight"),
+        (args.vocab_size, "--vocab-size"),
+        (args.max_connections, "--max-connections"),
+    ):
+        _positive(value, flag)
+    try:
+        extra = json.loads(args.extra_body)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--extra-body is not valid JSON: {e}") from None
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    if args.json_path and not Path(args.json_path).resolve().parent.is_dir():
+        raise ValueError(f"--json: directory of {args.json_path} does not exist")
+    if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
+        raise ValueError(f"--report: {args.report} exists and is not a directory")
+    plan, block_size, source = _plan(args)
+    if not plan:
+        raise ValueError("the workload has no requests (check --duration / --max-requests)")
+    synth = PromptSynth(block_size, seed=args.seed, vocab_size=args.vocab_size)
+    ideal = ideal_hit_rate((p.req for p in plan), block_size)
+
+    async def main() -> Any:
+        model = args.model or await discover_model(args.url, args.timeout_s)
+        config = RunConfig(
+            args.url,
+            model,
+            synth,
+            api=api,  # type: ignore[arg-type]
+            stream=not args.no_stream,
+            ignore_eos=not args.no_ignore_eos,
+            timeout_s=args.timeout_s,
+            max_inflight=args.max_inflight,
+            concurrency=args.concurrency,
+            max_connections=args.max_connections,
+            sessions=sessions,  # type: ignore[arg-type]
+            extra_body=extra,
+        )
+        runner = Runner(config, plan)
+        if args.no_progress or not sys.stderr.isatty():
+            return await runner.run()
+        from loadgen.progress import show_progress
+
+        stop = asyncio.Event()
+        shown = asyncio.create_task(show_progress(runner.stats, stop))
+        try:
+            return await runner.run()
+        finally:
+            stop.set()
+            await shown
+
+    with asyncio.Runner(loop_factory=loop_factory()) as loop:
+        result = loop.run(main())
+    summary = summarize(
+        result.records,
+        duration_s=result.duration_s,
+        requested_span_s=result.requested_span_s,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_itl_ms=args.slo_itl_ms,
+        ideal_hit_rate=ideal,
+    )
+    meta = {
+        "source": source,
+        "url": result.config.endpoint,
+        "model": result.config.model,
+        "api": api,
+        "mode": result.mode,
+        "sessions": sessions,
+        "interrupted": result.interrupted,
+        "argv": sys.argv[1:],
+    }
+    stopped = " - interrupted, partial results" if result.interrupted else ""
+    print(f"loadgen: {source} -> {meta['url']} ({result.mode} loop){stopped}")
+    print_summary(summary)
+    if args.json_path:
+        write_json(args.json_path, summary, result.records, meta)
+    if args.report:
+        write_report(args.report, summary, result.records, meta)
+    return 0 if summary["completed"] else 1

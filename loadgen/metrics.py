@@ -1,0 +1,151 @@
+"""Summary statistics of a run: rates, latency percentiles, goodput, cache hit rates, errors.
+
+All latencies are measured from each request's intended send time. ITL percentiles pool every
+inter-token gap of every successful request; goodput counts successful requests whose TTFT and
+mean ITL (time per output token after the first) meet the SLOs, per second of run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from loadgen.client import RequestRecord
+
+PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)
+
+
+def percentiles_ms(values_s: Sequence[float] | np.ndarray) -> dict[str, float | None]:
+    arr = np.asarray(values_s, dtype=np.float64)
+    arr = arr[~np.isnan(arr)]
+    keys = ["mean", *(f"p{p:g}" for p in PERCENTILES), "max"]
+    if arr.size == 0:
+        return dict.fromkeys(keys, None)
+    vals = [arr.mean(), *np.percentile(arr, PERCENTILES), arr.max()]
+    return {k: round(float(v) * 1e3, 4) for k, v in zip(keys, vals, strict=True)}
+
+
+def mean_itl_s(rec: RequestRecord) -> float:
+    return float(np.mean(rec.itl_s)) if rec.itl_s else math.nan
+
+
+def _rate(times: np.ndarray) -> float | None:
+    """Events per second over their span: (n - 1) / (last - first)."""
+    if times.size < 2:
+        return None
+    span = float(times.max() - times.min())
+    return (times.size - 1) / span if span > 0 else None
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    *,
+    duration_s: float,
+    requested_span_s: float,
+    slo_ttft_ms: float | None = None,
+    slo_itl_ms: float | None = None,
+    ideal_hit_rate: tuple[float, float] | None = None,
+) -> dict[str, Any]:
+    n = len(records)
+    sent = [r for r in records if not math.isnan(r.sent_s)]
+    ok = [r for r in records if r.ok]
+    intended = np.array([r.intended_s for r in sent])
+    sent_at = np.array([r.sent_s for r in sent])
+    requested_rate = (n - 1) / requested_span_s if n > 1 and requested_span_s > 0 else None
+    errors = Counter(r.error for r in records if r.error is not None)
+    unsent = n - len(sent)
+    if unsent:
+        errors["not_sent"] += unsent
+    examples: dict[str, str] = {}
+    for r in records:
+        if r.error is not None and r.error_detail and r.error not in examples:
+            examples[r.error] = r.error_detail
+    ttft = [r.ttft_s for r in ok]
+    itl = [g for r in ok for g in r.itl_s]
+    out_tokens = sum(r.output_tokens for r in ok)
+    good = ok
+    if slo_ttft_ms is not None:
+        good = [r for r in good if r.ttft_s * 1e3 <= slo_ttft_ms]
+    if slo_itl_ms is not None:
+        good = [r for r in good if not r.itl_s or mean_itl_s(r) * 1e3 <= slo_itl_ms]
+    with_usage = [r for r in ok if r.prompt_tokens and r.cached_tokens is not None]
+    prompt_sum = sum(r.prompt_tokens or 0 for r in with_usage)
+    cached_sum = sum(r.cached_tokens or 0 for r in with_usage)
+    summary: dict[str, Any] = {
+        "requests": n,
+        "sent": len(sent),
+        "completed": len(ok),
+        "failed": n - len(ok),
+        "duration_s": round(duration_s, 4),
+        "requested_rate": requested_rate,
+        "achieved_rate": _rate(sent_at),
+        "scheduled_rate": _rate(intended),
+        "completed_rate": len(ok) / duration_s if duration_s > 0 else None,
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / duration_s if duration_s > 0 else None,
+        "ttft_ms": percentiles_ms(ttft),
+        "itl_ms": percentiles_ms(itl),
+        "e2e_ms": percentiles_ms([r.e2e_s for r in ok]),
+        "send_lag_ms": percentiles_ms(sent_at - intended),
+        "cap_delayed": sum(r.cap_delayed for r in records),
+        "slo_ttft_ms": slo_ttft_ms,
+        "slo_itl_ms": slo_itl_ms,
+        "good_requests": len(good),
+        "goodput_rps": len(good) / duration_s if duration_s > 0 else None,
+        "server_hit_rate": cached_sum / prompt_sum if prompt_sum else None,
+        "server_hit_rate_requests": len(with_usage),
+        "ideal_hit_rate_blocks": ideal_hit_rate[0] if ideal_hit_rate else None,
+        "ideal_hit_rate_tokens": ideal_hit_rate[1] if ideal_hit_rate else None,
+        "errors": dict(sorted(errors.items())),
+        "error_examples": examples,
+    }
+    return summary
+
+
+def timeseries(records: Sequence[RequestRecord], bin_s: float = 1.0) -> list[dict[str, Any]]:
+    """Per-bin counts: requests sent, completed, output tokens, server-side hit rate."""
+    done = [r for r in records if r.ok]
+    end = max((r.done_s for r in done), default=0.0)
+    end = max(end, max((r.sent_s for r in records if not math.isnan(r.sent_s)), default=0.0))
+    bins = max(1, math.ceil(end / bin_s))
+    sent = np.zeros(bins, dtype=np.int64)
+    completed = np.zeros(bins, dtype=np.int64)
+    tokens = np.zeros(bins, dtype=np.int64)
+    prompt = np.zeros(bins, dtype=np.int64)
+    cached = np.zeros(bins, dtype=np.int64)
+    errors = np.zeros(bins, dtype=np.int64)
+    for r in records:
+        if not math.isnan(r.sent_s):
+            sent[min(bins - 1, max(0, int(r.sent_s // bin_s)))] += 1
+        if math.isnan(r.done_s):
+            continue
+        b = min(bins - 1, max(0, int(r.done_s // bin_s)))
+        if r.error is not None:
+            errors[b] += 1
+            continue
+        completed[b] += 1
+        tokens[b] += r.output_tokens
+        if r.prompt_tokens and r.cached_tokens is not None:
+            prompt[b] += r.prompt_tokens
+            cached[b] += r.cached_tokens
+    rows = []
+    for i in range(bins):
+        # NOTE: the last bin is partial; rates divide by its real width
+        width = max(min(bin_s, end - i * bin_s), bin_s / 100)
+        rows.append(
+            {
+                "t_s": round(i * bin_s, 6),
+                "sent": int(sent[i]),
+                "completed": int(completed[i]),
+                "sent_per_s": float(sent[i] / width),
+                "completed_per_s": float(completed[i] / width),
+                "output_tokens_per_s": float(tokens[i] / width),
+                "errors": int(errors[i]),
+                "server_hit_rate": float(cached[i] / prompt[i]) if prompt[i] else None,
+            }
+        )
+    return rows

@@ -1,0 +1,258 @@
+"""Run outputs: ``--json FILE`` (summary + per-request records), ``--report DIR`` (CSV files and
+PNG plots) and the summary table on the terminal."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadgen.client import RequestRecord
+from loadgen.metrics import mean_itl_s, timeseries
+
+RECORD_FIELDS: tuple[str, ...] = (
+    "index",
+    "category",
+    "chat_id",
+    "input_tokens",
+    "max_tokens",
+    "intended_s",
+    "sent_s",
+    "first_token_s",
+    "done_s",
+    "ttft_ms",
+    "e2e_ms",
+    "itl_mean_ms",
+    "send_lag_ms",
+    "output_tokens",
+    "prompt_tokens",
+    "cached_tokens",
+    "status",
+    "error",
+    "cap_delayed",
+    "error_detail",
+)
+PLOTS: tuple[str, ...] = (
+    "ttft_cdf.png",
+    "itl_cdf.png",
+    "throughput.png",
+    "hit_rate.png",
+    "send_lag.png",
+)
+
+
+def _ms(x: float) -> float | None:
+    return None if math.isnan(x) else round(x * 1e3, 4)
+
+
+def _s(x: float) -> float | None:
+    return None if math.isnan(x) else round(x, 6)
+
+
+def record_row(r: RequestRecord) -> dict[str, Any]:
+    return {
+        "index": r.index,
+        "category": r.category,
+        "chat_id": r.chat_id,
+        "input_tokens": r.input_tokens,
+        "max_tokens": r.max_tokens,
+        "intended_s": _s(r.intended_s),
+        "sent_s": _s(r.sent_s),
+        "first_token_s": _s(r.first_token_s),
+        "done_s": _s(r.done_s),
+        "ttft_ms": _ms(r.ttft_s) if r.ok else None,
+        "e2e_ms": _ms(r.e2e_s) if r.ok else None,
+        "itl_mean_ms": _ms(mean_itl_s(r)),
+        "send_lag_ms": _ms(r.send_lag_s),
+        "output_tokens": r.output_tokens,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "status": r.status,
+        "error": r.error,
+        "cap_delayed": r.cap_delayed,
+        "error_detail": r.error_detail,
+    }
+
+
+def write_json(
+    path: str | Path,
+    summary: dict[str, Any],
+    records: Sequence[RequestRecord],
+    meta: dict[str, Any],
+) -> None:
+    rows = []
+    for r in records:
+        row = record_row(r)
+        row["itl_ms"] = [round(g * 1e3, 4) for g in r.itl_s]
+        rows.append(row)
+    doc = {"meta": meta, "summary": summary, "records": rows}
+    Path(path).write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+
+
+def write_report(
+    directory: str | Path,
+    summary: dict[str, Any],
+    records: Sequence[RequestRecord],
+    meta: dict[str, Any],
+) -> list[Path]:
+    """Write summary.json, requests.csv, timeseries.csv and the PNG plots; returns the paths."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "summary.json", out / "requests.csv", out / "timeseries.csv"]
+    written[0].write_text(json.dumps({"meta": meta, "summary": summary}, indent=1) + "\n")
+    _write_csv(written[1], [record_row(r) for r in records], RECORD_FIELDS)
+    series = timeseries(records)
+    _write_csv(written[2], series, tuple(series[0]) if series else ("t_s",))
+    written += _plots(out, records, series, summary)
+    return written
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]], fields: Sequence[str]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(fields))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _cdf(ax: Any, values_ms: np.ndarray, label: str) -> None:
+    if values_ms.size:
+        xs = np.sort(values_ms)
+        ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=label)
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.01)
+    ax.grid(alpha=0.3)
+
+
+def _plots(
+    out: Path,
+    records: Sequence[RequestRecord],
+    series: list[dict[str, Any]],
+    summary: dict[str, Any],
+) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if r.ok]
+    sent = [r for r in records if not math.isnan(r.sent_s)]
+    t = np.array([row["t_s"] for row in series])
+    paths = [out / name for name in PLOTS]
+
+    def save(fig: Any, path: Path, title: str) -> None:
+        fig.axes[0].set_title(title)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _cdf(ax, np.array([r.ttft_s * 1e3 for r in ok]), "TTFT")
+    ax.set_xlabel("TTFT from intended send (ms)")
+    if summary.get("slo_ttft_ms"):
+        ax.axvline(summary["slo_ttft_ms"], color="red", ls="--", label="SLO")
+    save(fig, paths[0], "Time to first token, CDF")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _cdf(ax, np.array([g * 1e3 for r in ok for g in r.itl_s]), "ITL")
+    ax.set_xlabel("inter-token latency (ms)")
+    if summary.get("slo_itl_ms"):
+        ax.axvline(summary["slo_itl_ms"], color="red", ls="--", label="SLO")
+    save(fig, paths[1], "Inter-token latency, CDF")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(t, [row["sent_per_s"] for row in series], label="sent req/s")
+    ax.plot(t, [row["completed_per_s"] for row in series], label="completed req/s")
+    ax2 = ax.twinx()
+    ax2.plot(t, [row["output_tokens_per_s"] for row in series], color="gray", alpha=0.6)
+    ax2.set_ylabel("output tokens/s")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("requests/s")
+    ax.legend(loc="upper left")
+    ax.grid(alpha=0.3)
+    save(fig, paths[2], "Throughput over time")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    hr = [row["server_hit_rate"] for row in series]
+    ax.plot(t, [np.nan if h is None else h for h in hr], label="server (usage.cached_tokens)")
+    if summary.get("ideal_hit_rate_tokens") is not None:
+        ax.axhline(summary["ideal_hit_rate_tokens"], color="green", ls="--", label="trace ideal")
+    ax.set_ylim(0, 1.01)
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("prompt tokens cached")
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+    save(fig, paths[3], "Cache hit rate over time")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r.intended_s for r in sent], [r.send_lag_s * 1e3 for r in sent], ".", ms=2)
+    ax.set_xlabel("intended send time (s)")
+    ax.set_ylabel("send lag (ms)")
+    ax.grid(alpha=0.3)
+    save(fig, paths[4], "Send lag (actual - intended)")
+    return paths
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    return f"{v:,}"
+
+
+def print_summary(summary: dict[str, Any], file: Any = None) -> None:
+    """The terminal table (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file, width=100)
+    s = summary
+    head = Table(show_header=False, box=None, pad_edge=False)
+    head.add_row("requests", f"{s['sent']:,} sent / {s['requests']:,} planned")
+    head.add_row("completed / failed", f"{s['completed']:,} / {s['failed']:,}")
+    head.add_row(
+        "rate req/s",
+        f"{_fmt(s['achieved_rate'], 2)} achieved vs {_fmt(s['requested_rate'], 2)} requested",
+    )
+    head.add_row(
+        "throughput",
+        f"{_fmt(s['completed_rate'], 2)} req/s, {_fmt(s['output_tokens_per_s'], 0)} output tok/s",
+    )
+    slo = [
+        f"TTFT <= {s['slo_ttft_ms']} ms" if s["slo_ttft_ms"] is not None else "",
+        f"ITL <= {s['slo_itl_ms']} ms" if s["slo_itl_ms"] is not None else "",
+    ]
+    slo_text = ", ".join(x for x in slo if x) or "no SLO"
+    head.add_row("goodput", f"{_fmt(s['goodput_rps'], 2)} req/s ({slo_text})")
+    hit = s["server_hit_rate"]
+    ideal = s["ideal_hit_rate_tokens"]
+    head.add_row(
+        "cache hit rate",
+        f"server {_fmt(hit and hit * 100)}%  vs  trace ideal "
+        f"{_fmt(ideal and ideal * 100)}% (infinite cache)",
+    )
+    if s["cap_delayed"]:
+        head.add_row("in-flight cap", f"delayed {s['cap_delayed']:,} sends")
+    errs = ", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none"
+    head.add_row("errors", errs)
+    console.print(head)
+    table = Table(title=None)
+    table.add_column("ms")
+    for col in ("mean", "p50", "p90", "p99", "p99.9", "max"):
+        table.add_column(col, justify="right")
+    for name, key in (
+        ("TTFT", "ttft_ms"),
+        ("ITL", "itl_ms"),
+        ("E2E", "e2e_ms"),
+        ("send lag", "send_lag_ms"),
+    ):
+        row = s[key]
+        table.add_row(
+            name, *(_fmt(row[c], 2) for c in ("mean", "p50", "p90", "p99", "p99.9", "max"))
+        )
+    console.print(table)
