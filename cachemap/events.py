@@ -76,6 +76,7 @@ class _LenientBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+_strict_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _batch_decoder = msgspec.msgpack.Decoder(_LenientBatch)
 _event_decoder = msgspec.msgpack.Decoder(VllmEvent)
 _vllm_encoder = msgspec.msgpack.Encoder()
@@ -91,6 +92,11 @@ def decode_vllm_batch(payload: bytes) -> tuple[float, list[VllmEvent | msgspec.D
 
     Raises ``msgspec.DecodeError`` only if the batch envelope itself is unreadable.
     """
+    try:  # fast path: a well-formed batch decodes in one call
+        strict = _strict_decoder.decode(payload)
+        return strict.ts, list(strict.events)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        pass
     batch = _batch_decoder.decode(payload)
     out: list[VllmEvent | msgspec.DecodeError] = []
     for raw in batch.events:
