@@ -12,8 +12,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from engines.base import EngineError, EngineOutput, RoutedRequest
-from router.admission import Rejected
-from router.placement import NoInstanceError, Placement, PlacementRequest
+from router.placement import Placement, PlacementRequest
 from router.state import RouterState
 
 log = logging.getLogger(__name__)
@@ -61,13 +60,11 @@ class Dispatcher:
         return request_for_placement(routed)
 
     def place(self, preq: PlacementRequest, exclude: set[str]) -> Placement | None:
-        """Place and apply the SLO gate (raises ``Rejected``); None without pre-placement."""
+        """Place and apply the SLO gate (raises ``Rejected``, or ``NoInstanceError`` when no
+        engine is left to try); None without pre-placement."""
         if not self.pre_place:
             return None
-        try:
-            placement = self.state.place(preq, exclude=exclude)
-        except NoInstanceError:
-            raise Rejected("no engine instance is available", 1.0) from None
+        placement = self.state.place(preq, exclude=exclude)
         self.state.admission.check_slo(placement.estimated_ttft_s)
         return placement
 
@@ -81,29 +78,30 @@ class Dispatcher:
         attempt = 0
         while True:
             attempt += 1
-            routed.target_instance = placement.instance_id
-            self.state.assigned(preq, placement)
+            # NOTE: without pre-placement the handle's own router picks; we learn nothing of it.
+            where = placement.instance_id if placement is not None else "?"
+            routed.target_instance = placement.instance_id if placement is not None else None
+            if placement is not None:
+                self.state.assigned(preq, placement)
             started = False
             try:
                 async for out in self.client.stream(routed):
                     if not started:
                         started = True
                         self.state.first_token(preq.request_id)
-                    yield placement, out
+                    yield placement or Placement(where), out
                 return
             except (EngineError, ConnectionError, OSError) as e:
-                self.state.failed(placement.instance_id)
+                if placement is not None:
+                    self.state.failed(placement.instance_id)
                 if started:
-                    raise StreamBroken(f"engine {placement.instance_id} failed: {e}") from e
-                tried.add(placement.instance_id)
+                    raise StreamBroken(f"engine {where} failed: {e}") from e
+                tried.add(where)
                 if attempt >= self.max_attempts:
                     raise
-                log.warning(
-                    "engine %s failed before the first token, retrying: %s",
-                    placement.instance_id,
-                    e,
-                )
+                log.warning("engine %s failed before the first token, retrying: %s", where, e)
                 self.failovers += 1
                 placement = self.place(preq, tried)
             finally:
-                self.state.finished(preq, placement.instance_id)
+                if placement is not None:
+                    self.state.finished(preq, placement.instance_id)

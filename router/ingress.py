@@ -5,6 +5,7 @@ stream. Every client mistake is an OpenAI-shaped 4xx; nothing accepted is droppe
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -19,15 +20,17 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from cachemap import BlockHasher
-from engines.base import EngineRequest, RoutedRequest, SamplingParams
+from engines.base import EngineError, EngineRequest, RoutedRequest, SamplingParams
 from router.admission import Rejected, Ticket
 from router.api import APIError, ChatCompletionRequest, CompletionRequest
 from router.dispatch import Dispatcher, StreamBroken
 from router.metrics import RouterMetrics
+from router.placement import NoInstanceError
 from router.responses import ResponseBuilder
 from router.tokenizer import PromptTokenizer
 
 tracer = trace.get_tracer("kvroute.router")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,6 +76,28 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
         metrics.errors.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(NoInstanceError)
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, e: Exception) -> JSONResponse:
+        # Every attempt failed before a token was sent: the client may retry.
+        return await _api_error(
+            _,
+            APIError(
+                503,
+                f"no engine could serve the request: {e}",
+                type_="server_error",
+                code="engine_unavailable",
+                headers={"Retry-After": "1"},
+            ),
+        )
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return await _api_error(
+            _, APIError(500, f"internal error: {type(e).__name__}", type_="server_error")
+        )
 
     def check_auth(request: Request) -> None:
         if not config.api_keys:

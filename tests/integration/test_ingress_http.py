@@ -36,7 +36,7 @@ class Server:
         self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        loop = asyncio.new_event_loop()
+        self.loop = loop = asyncio.new_event_loop()
         loop.run_until_complete(self.stack.start())
         try:
             loop.run_until_complete(self.server.serve())
@@ -226,3 +226,26 @@ def test_spans_join_the_callers_trace(server: Server) -> None:
     assert {"kvroute.ingress", "kvroute.placement"} <= set(spans)
     assert format(spans["kvroute.ingress"].context.trace_id, "032x") == trace_id
     assert spans["kvroute.placement"].attributes["kvroute.instance"].startswith("sim-")
+
+
+def test_all_engines_down_is_a_clean_503() -> None:
+    tok = PromptTokenizer(build_tiny_model())
+    profile = LatencyProfile.load("cpu-tiny-llama")
+    engine = SimEngine("only", profile, block_size=32, vocab_size=tok.vocab_size, token_offset=10)
+    stack = LocalStack(
+        {"only": engine},
+        model=MODEL,
+        block_size=32,
+        max_model_len=2048,
+        latency=profile,
+        tokenizer=tok,
+    )
+    with Server(stack, free_port()) as s:
+        asyncio.run_coroutine_threadsafe(engine.stop(), s.loop).result(timeout=30)
+        r = httpx.post(
+            f"http://127.0.0.1:{s.port}/v1/completions",
+            json={"model": MODEL, "prompt": "anyone there?", "max_tokens": 2},
+        )
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "engine_unavailable"
+        assert r.headers["retry-after"] == "1"
