@@ -64,6 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--max-requests", type=int, help="send at most this many requests")
     w.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
     w.add_argument("--vocab-size", type=int, default=30_000, help="synthesized token id range")
+    w.add_argument(
+        "--token-offset",
+        type=int,
+        default=1_000,
+        help="lowest synthesized token id (ids are offset..offset+vocab-size-1; keep them clear "
+        "of the model's special tokens and inside its vocabulary)",
+    )
     s = p.add_argument_group("synthetic workload parameters")
     for flag, (name, typ, help_text) in _SYNTH_FLAGS.items():
         default = defaults[name]
@@ -179,7 +186,11 @@ def run(args: argparse.Namespace) -> int:
     plan, block_size, source = _plan(args)
     if not plan:
         raise ValueError("the workload has no requests (check --duration / --max-requests)")
-    synth = PromptSynth(block_size, seed=args.seed, vocab_size=args.vocab_size)
+    if args.token_offset < 0:
+        raise ValueError(f"--token-offset must be >= 0, got {args.token_offset}")
+    synth = PromptSynth(
+        block_size, seed=args.seed, vocab_size=args.vocab_size, token_offset=args.token_offset
+    )
     ideal = ideal_hit_rate((p.req for p in plan), block_size)
 
     async def main() -> Any:

@@ -4,6 +4,7 @@ them, so the router and the engine agree on every block."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,11 @@ class PromptTokenizer:
         if getattr(self._tok, "chat_template", None) is None:
             raise ValueError(f"tokenizer at {self.path} has no chat template")
         self.eos_token_id: int | None = self._tok.eos_token_id
+        # Token-id prompts are valid up to the model's embedding size, which can exceed the
+        # tokenizer's own vocabulary (padded embeddings, or a BPE that learned fewer merges).
+        config = Path(self.path) / "config.json"
+        model_vocab = json.loads(config.read_text()).get("vocab_size", 0) if config.is_file() else 0
+        self._vocab_size = max(len(self._tok), int(model_vocab or 0))
 
     def chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Apply the chat template with the generation prompt and tokenize."""
@@ -42,7 +48,8 @@ class PromptTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return len(self._tok)
+        """Token ids below this are valid prompt tokens for the served model."""
+        return self._vocab_size
 
 
 class IncrementalDetokenizer:
