@@ -14,7 +14,7 @@ from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.traces import TraceFormatError, TraceRequest, load_trace
 from loadgen.workloads import arrival_offsets, build_schedule, ideal_hit_rate, link_sessions
 
-MOONCAKE = Path("/work/shared/traces/mooncake_conversation.jsonl")
+MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation.jsonl"
 
 
 def write_jsonl(path: Path, rows: list[Any]) -> Path:
