@@ -61,15 +61,13 @@ def serve_config(router: str, port: int) -> Any:
     })  # fmt: skip
 
 
-def run_router(router: str, rate: float, duration: float) -> dict[str, Any]:
+def run_router(router: str, rate: float, duration: float, port: int) -> dict[str, Any]:
     from ray import serve
 
     from deploy.app import build_serve_app
     from engines.deployment import open_buses
 
-    port = free_port()
     cfg = serve_config(router, port)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -124,16 +122,17 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of schedule")
     args = ap.parse_args()
     import ray
+    from ray import serve
 
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})  # one proxy for every run
     results: dict[str, Any] = {}
     try:
         for router in args.routers.split(","):
-            results[router] = run_router(router, args.rate, args.duration)
+            results[router] = run_router(router, args.rate, args.duration, port)
             print(f"{router}: {results[router]}", file=sys.stderr, flush=True)
     finally:
-        from ray import serve
-
         serve.shutdown()
         ray.shutdown()
     print(
