@@ -31,7 +31,8 @@ class EventBus(ABC):
 
     @abstractmethod
     def publish(self, payload: bytes) -> int:
-        """Append ``payload``; returns its offset."""
+        """Append ``payload``; returns its offset, or -1 from a fire-and-forget backend that
+        does not know it yet (``RayEventBus`` unless ``sync``)."""
 
     @abstractmethod
     def read(self, cursor: int, max_items: int = 4096) -> BusRead:

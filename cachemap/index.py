@@ -101,10 +101,6 @@ class HashIndex:
     def __len__(self) -> int:
         return self._live
 
-    @property
-    def nbytes(self) -> int:
-        return int(self._keys.nbytes + self._vals.nbytes)
-
     def get(self, keys: U64) -> I64:
         """Value of each key, or -1 where absent."""
         out = np.empty(len(keys), np.int64)

@@ -368,12 +368,6 @@ class CacheMap:
         if stray:
             raise RuntimeError("a bit of a dropped or unknown instance is set")
 
-    def nbytes(self) -> int:
-        """Memory held by the index and the per-slot columns."""
-        arrays = self._hash.nbytes + self._parent.nbytes + self._has_parent.nbytes
-        arrays += self._depth.nbytes + sum(m.nbytes for m in self._mask.values())
-        return self._index.nbytes + arrays + self._free.nbytes
-
 
 @jit
 def _leading_runs(gpu, cpu, idx, n_gpu, n_any):  # type: ignore[no-untyped-def]

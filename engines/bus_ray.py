@@ -35,12 +35,6 @@ class BusHub:
     def publish(self, payload: bytes) -> int:
         return self._bus.publish(payload)
 
-    def publish_many(self, payloads: list[bytes]) -> int:
-        off = -1
-        for p in payloads:
-            off = self._bus.publish(p)
-        return off
-
     def read(self, cursor: int, max_items: int) -> tuple[list[bytes], int, int]:
         return tuple(self._bus.read(cursor, max_items))  # type: ignore[return-value]
 
@@ -122,10 +116,6 @@ class RayEventBus(EventBus):
 
     def read(self, cursor: int, max_items: int = 4096) -> BusRead:
         return BusRead(*ray.get(self._hub.read.remote(cursor, max_items)))
-
-    async def read_async(self, cursor: int, max_items: int = 4096) -> BusRead:
-        """``read`` for asyncio callers (a router replica's event loop)."""
-        return BusRead(*(await self._hub.read.remote(cursor, max_items)))
 
     def end(self) -> int:
         return int(ray.get(self._hub.end.remote()))

@@ -80,7 +80,6 @@ class KvEventForwarder:
         self.load_samples = 0
         self.errors = 0
         self._lock = threading.Lock()  # translator + bus publish order
-        self._snapshot_wanted = threading.Event()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -115,10 +114,6 @@ class KvEventForwarder:
         """The thread is running (False before ``start`` and after ``stop`` or a crash)."""
         return self._thread is not None and self._thread.is_alive()
 
-    def request_snapshot(self) -> None:
-        """Ask the thread to publish a ``Snapshot`` soon (thread-safe, non-blocking)."""
-        self._snapshot_wanted.set()
-
     def publish_snapshot(self) -> int:
         """Publish a ``Snapshot`` of everything this instance holds now; returns its offset."""
         with self._lock:
@@ -147,9 +142,6 @@ class KvEventForwarder:
                         except zmq.Again:
                             break
                         self._on_frames(frames)
-                if self._snapshot_wanted.is_set():
-                    self._snapshot_wanted.clear()
-                    self._guard(self.publish_snapshot)
                 now = time.monotonic()
                 if self.resync_poll is not None and now >= next_resync_poll:
                     next_resync_poll = now + 1.0

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 
 class Rejected(Exception):
@@ -96,15 +94,6 @@ class Admission:
                 self._waiters.remove(fut)
         # NOTE: the releasing request handed its slot over; _running was not decremented.
         return Ticket(self)
-
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Hold one slot for the duration of the block."""
-        ticket = await self.acquire()
-        try:
-            yield
-        finally:
-            ticket.release()
 
     def _release(self) -> None:
         while self._waiters:

@@ -127,7 +127,7 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        metrics.observe_state(dispatcher.state)
+        metrics.observe(dispatcher)
         return Response(metrics.render(), media_type=metrics.content_type)
 
     @app.get("/v1/models")

@@ -11,8 +11,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from router.placement import Placement
 
 if TYPE_CHECKING:
+    from router.dispatch import Dispatcher
     from router.responses import ResponseBuilder
-    from router.state import RouterState
 
 
 class RouterMetrics:
@@ -57,7 +57,9 @@ class RouterMetrics:
         self.prompt_tokens.inc(b.prompt_tokens)
         self.cached_tokens.inc(b.cached_tokens)
 
-    def observe_state(self, state: RouterState) -> None:
+    def observe(self, dispatcher: Dispatcher) -> None:
+        state = dispatcher.state
+        self.failovers.set(dispatcher.failovers)
         self.cache_map_blocks.set(len(state.cache_map))
         self.in_flight.set(state.load.in_flight())
         self.queued.set(state.admission.queued)

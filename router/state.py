@@ -72,7 +72,6 @@ class RouterState:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.bus_errors = 0
-        self.decisions = 0
 
     # -- membership ------------------------------------------------------------------------------
 
@@ -162,7 +161,6 @@ class RouterState:
                 raise NoInstanceError("no engine instance available")
             match = self.cache_map.match(request.block_hashes)
             placement = self.scorer.place(request, views, match)
-            self.decisions += 1
         return placement
 
     def assigned(self, request: PlacementRequest, placement: Placement) -> None:

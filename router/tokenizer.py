@@ -33,12 +33,6 @@ class PromptTokenizer:
         ids = out["input_ids"] if not isinstance(out, list) else out
         return [int(t) for t in ids]
 
-    def chat_text(self, messages: Sequence[dict[str, Any]]) -> str:
-        text: str = self._tok.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
-        )
-        return text
-
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self._tok.encode(text, add_special_tokens=False)]
 

@@ -170,12 +170,17 @@ def test_admission_slo_and_bounded_queue() -> None:
 
         async def worker(name: str, hold: bool) -> None:
             try:
-                async with adm.slot():
-                    log.append(f"{name} in")
-                    if hold:
-                        await gate.wait()
+                ticket = await adm.acquire()
             except Rejected as r:
                 log.append(f"{name} rejected: {r.reason}")
+                return
+            try:
+                log.append(f"{name} in")
+                if hold:
+                    await gate.wait()
+            finally:
+                ticket.release()
+                ticket.release()  # idempotent: streams release from several exits
 
         t1 = asyncio.create_task(worker("a", True))
         await asyncio.sleep(0)
