@@ -84,7 +84,10 @@ class BusConsumer:
 
     def pump(self, max_items: int = 4096) -> int:
         """Apply what is available (up to ``max_items``); returns how many entries were read."""
-        got = self.bus.read(self.cursor, max_items)
+        return self.apply(self.bus.read(self.cursor, max_items))
+
+    def apply(self, got: BusRead) -> int:
+        """Apply a ``read`` made from ``self.cursor`` (lets callers do the I/O outside a lock)."""
         self.cursor = got.cursor
         if got.lost:
             self.ingestor.lost()

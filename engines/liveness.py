@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from cachemap.bus import BusConsumer, EventBus
+from cachemap.bus import BusConsumer, BusRead, EventBus
 from cachemap.events import InstanceGone
 from cachemap.ingest import CacheMapIngestor
 from engines.base import LoadSnapshot
@@ -58,8 +58,17 @@ class EngineWatcher:
 
     def pump(self, now: float) -> list[str]:
         """Apply what is new; returns the instances dropped as silent by this call."""
-        self.consumer.pump()
-        got = self.loads_bus.read(self.load_cursor)
+        return self.apply(self.fetch(), now)
+
+    def fetch(self) -> tuple[BusRead, BusRead]:
+        """Read both buses (the I/O half of ``pump``: no shared state is touched)."""
+        events = self.consumer.bus.read(self.consumer.cursor)
+        return events, self.loads_bus.read(self.load_cursor)
+
+    def apply(self, fetched: tuple[BusRead, BusRead], now: float) -> list[str]:
+        """Apply what ``fetch`` read; returns the instances dropped as silent."""
+        events, got = fetched
+        self.consumer.apply(events)
         self.load_cursor = got.cursor
         for payload in got.items:
             try:

@@ -103,10 +103,13 @@ class RouterState:
         """Apply what the buses hold now: events, load samples, liveness, resync requests."""
         if self.watcher is None:
             return
-        now = time.time() if now is None else now
         try:
+            # NOTE: bus reads (a Ray actor call, a Redis round trip) happen outside the lock
+            # that placement needs; only applying them holds it.
+            fetched = self.watcher.fetch()
+            now = time.time() if now is None else now
             with self._lock:
-                dropped = self.watcher.pump(now)
+                dropped = self.watcher.apply(fetched, now)
                 for iid in dropped:
                     self.load.remove(iid)
                 known = set(self.load.instance_ids())
