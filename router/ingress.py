@@ -44,13 +44,23 @@ class IngressConfig:
     session_header: str = "x-session-id"
 
 
-def _loads_body(raw: bytes, limit: int) -> dict[str, Any]:
-    if len(raw) > limit:
-        raise APIError(
-            413, f"request body is {len(raw)} bytes; the limit is {limit}", code="request_too_large"
-        )
+async def _read_json_body(request: Request, limit: int) -> dict[str, Any]:
+    """The body as a JSON object; 413 as soon as it is known to exceed ``limit`` bytes (from
+    Content-Length, or while streaming it in), so an oversized body is never held whole."""
+    too_large = APIError(
+        413, f"request body exceeds the limit of {limit} bytes", code="request_too_large"
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
     try:
-        body = json.loads(raw)
+        body = json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}") from None
     if not isinstance(body, dict):
@@ -148,7 +158,7 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
 
     async def handle(request: Request, chat: bool) -> Response:
         check_auth(request)
-        body = _loads_body(await request.body(), config.max_body_bytes)
+        body = await _read_json_body(request, config.max_body_bytes)
         try:
             req: ChatCompletionRequest | CompletionRequest = (
                 ChatCompletionRequest.model_validate(body)

@@ -185,6 +185,19 @@ def test_client_errors_are_openai_shaped(server: Server, body, status: int, para
 def test_body_limit_auth_and_sdk_errors(server: Server, client: openai.OpenAI) -> None:
     big = {"model": MODEL, "prompt": "x" * (5 << 20)}
     assert _error(server, "/v1/completions", big).status_code == 413
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: the limit applies while streaming
+        yield b'{"model": "' + MODEL.encode() + b'", "prompt": "'
+        for _ in range(6):
+            yield b"x" * (1 << 20)
+        yield b'"}'
+
+    r = httpx.post(
+        f"http://127.0.0.1:{server.port}/v1/completions",
+        content=chunked(),
+        headers={"authorization": f"Bearer {KEY}"},
+    )
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     r = httpx.get(f"http://127.0.0.1:{server.port}/v1/models")
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     with pytest.raises(openai.NotFoundError):
