@@ -18,8 +18,7 @@ from engines.tiny_model import build_tiny_model
 from engines.vllm_engine import VllmEngine
 from router.placement import create_scorer
 from router.tokenizer import PromptTokenizer
-from tests.integration.conftest import free_port
-from tests.integration.test_ingress_http import Server
+from tests.support import Server, free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from deploy.local import LocalStack
 from engines.sim import LatencyProfile
@@ -21,41 +19,10 @@ from engines.sim.engine import SimEngine
 from engines.tiny_model import build_tiny_model
 from router.admission import Admission
 from router.tokenizer import PromptTokenizer
-from tests.integration.conftest import free_port
+from tests.support import Server, free_port
 
 MODEL = "tiny-sim"
 KEY = "sk-test"
-
-
-class Server:
-    def __init__(self, stack: LocalStack, port: int) -> None:
-        self.stack, self.port = stack, port
-        self.server = uvicorn.Server(
-            uvicorn.Config(stack.app, host="127.0.0.1", port=port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        self.loop = loop = asyncio.new_event_loop()
-        loop.run_until_complete(self.stack.start())
-        try:
-            loop.run_until_complete(self.server.serve())
-        finally:
-            loop.run_until_complete(self.stack.stop())
-            loop.close()
-
-    def __enter__(self) -> Server:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.05)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

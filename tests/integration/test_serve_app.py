@@ -20,7 +20,7 @@ from deploy.app import build_serve_app
 from deploy.config import ServeConfig
 from engines.bus_ray import RayEventBus
 from engines.deployment import open_buses
-from tests.integration.conftest import free_port
+from tests.support import free_port
 
 pytestmark = [pytest.mark.slow]
 

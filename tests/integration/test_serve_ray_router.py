@@ -15,7 +15,7 @@ from ray import serve
 from deploy.app import build_serve_app
 from deploy.config import ServeConfig
 from engines.deployment import open_buses
-from tests.integration.conftest import free_port
+from tests.support import free_port
 
 pytestmark = [pytest.mark.slow]
 pytest.importorskip("pyarrow")
