@@ -16,7 +16,7 @@ from ray.serve.deployment import Application
 
 from deploy.config import RAY_PREFIX_ROUTER, ServeConfig
 from engines.deployment import build_engine_app, open_buses
-from engines.sim.profile import LatencyProfile
+from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.tiny_model import resolve_model
 from router.admission import Admission
 from router.dispatch import Dispatcher
@@ -28,7 +28,6 @@ from router.tokenizer import PromptTokenizer
 from router.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
-DEFAULT_CPU_PROFILE = "cpu-tiny-llama"
 
 
 def _tokenizer_path(cfg: ServeConfig) -> str:
@@ -36,7 +35,7 @@ def _tokenizer_path(cfg: ServeConfig) -> str:
 
 
 def latency_profile(cfg: ServeConfig) -> LatencyProfile:
-    name = cfg.router.profile or cfg.engines.engine.profile or DEFAULT_CPU_PROFILE
+    name = cfg.router.profile or cfg.engines.engine.profile or DEFAULT_PROFILE
     return LatencyProfile.load(name)
 
 

@@ -62,6 +62,7 @@ def _vllm_engine(cfg: EngineConfig, instance_id: str) -> Engine:
 
 def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:
     from engines.sim.engine import SimEngine
+    from engines.sim.profile import DEFAULT_PROFILE
 
     opts: dict[str, Any] = {}
     if cfg.model == TINY_MODEL:
@@ -72,7 +73,7 @@ def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:
     opts.update(cfg.sim_options)
     return SimEngine(
         instance_id,
-        cfg.profile or "cpu-tiny-llama",
+        cfg.profile or DEFAULT_PROFILE,
         model=cfg.model_name,
         block_size=cfg.block_size,
         num_gpu_blocks=cfg.kv_blocks,

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from engines.sim.profile import DEFAULT_PROFILE
+
 GRIDS: dict[str, dict[str, Any]] = {
     # (uncached tokens, cached context) and (batch, prompt tokens)
     "full": {
@@ -50,7 +52,7 @@ GRIDS: dict[str, dict[str, Any]] = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="HF model dir, or 'tiny' (default)")
-    p.add_argument("--name", default="cpu-tiny-llama", help="profile name (default: %(default)s)")
+    p.add_argument("--name", default=DEFAULT_PROFILE, help="profile name (default: %(default)s)")
     p.add_argument("--out", default=None, help="output JSON path (default: ./<name>.json)")
     p.add_argument("--block-size", type=int, default=32, help="KV block size (default: 32)")
     p.add_argument("--kv-space-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (GiB)")

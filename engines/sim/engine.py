@@ -20,7 +20,7 @@ import zmq
 from cachemap.events import KVEventBatch, encode_vllm_batch
 from engines.base import Engine, EngineError, EngineOutput, EngineRequest, LoadSnapshot, Usage
 from engines.sim.blocks import KVBlockManager
-from engines.sim.profile import LatencyProfile
+from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.sim.request import SimRequest, Status, make_request
 from engines.sim.scheduler import Scheduler, SchedulerConfig
 from policies.base import EvictionPolicy, RequestInfo
@@ -54,7 +54,7 @@ class SimEngine(Engine):
     def __init__(
         self,
         instance_id: str,
-        profile: LatencyProfile | str = "cpu-tiny-llama",
+        profile: LatencyProfile | str = DEFAULT_PROFILE,
         *,
         model: str = "sim",
         block_size: int | None = None,
