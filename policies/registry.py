@@ -21,6 +21,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "prefix-reuse": ("policies.prefix_reuse", "PrefixReusePolicy"),
     "prefix-odds": ("policies.prefix_odds", "PrefixOddsPolicy"),
     "belady": ("policies.belady", "BeladyPolicy"),
+    "reuse-oracle": ("policies.reuse_oracle", "ReuseOraclePolicy"),
 }
 
 

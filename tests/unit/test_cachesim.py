@@ -115,6 +115,19 @@ def test_belady_reproduces_the_shared_traces_reference_figures(
     assert _figures(shared_trace, "belady") == [0.179, 0.290, 0.352, 0.366]
 
 
+@needs_trace
+@pytest.mark.slow
+def test_reuse_oracle_lies_between_the_best_online_policy_and_belady(
+    shared_trace: list[TraceRequest],
+) -> None:
+    """Knowing only whether a block is reused beats every online policy but not Belady."""
+    rates = {
+        r.policy: r.hit_rate
+        for r in simulate(shared_trace, ["prefix-odds", "reuse-oracle", "belady"], [6000])
+    }
+    assert rates["prefix-odds"] < rates["reuse-oracle"] < rates["belady"]
+
+
 def test_synthetic_bailian_round_trips_through_the_loader(tmp_path: Path) -> None:
     reqs = synthetic_bailian(sessions=50, seed=3)
     path = tmp_path / "bailian.jsonl"

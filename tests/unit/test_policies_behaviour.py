@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from policies import RequestInfo, create_policy
 from policies.arc import ARCPolicy
 from policies.belady import BeladyPolicy
 from policies.lpc import HistoryPredictor, LPCPolicy
 from policies.prefix_reuse import PrefixReusePolicy
+from policies.reuse_oracle import ReuseOraclePolicy
 from policies.s3fifo import S3FIFOPolicy
 from policies.wa import WAPolicy
 
@@ -115,6 +118,38 @@ def test_belady_evicts_furthest_next_use_and_needs_the_index() -> None:
         assert "index" in str(e)
     else:
         raise AssertionError("belady accepted a request without an index")
+
+
+def _reuse_oracle_after(label_error: float) -> ReuseOraclePolicy:
+    """Request 0 stores [1, 2, 3], request 1 stores [4]; only block 1 is used again (request 2)."""
+    oracle = ReuseOraclePolicy(10, label_error=label_error)
+    oracle.load_future([[1, 2, 3], [4], [1]])
+    for index, keys in enumerate([[1, 2, 3], [4]]):
+        info = RequestInfo(index=index)
+        oracle.begin_request(info, float(index))
+        for off, k in enumerate(keys):
+            oracle.insert(k, float(index), keys[off - 1] if off else None, off)
+        oracle.end_request(info, keys, [], float(index))
+    return oracle
+
+
+def test_reuse_oracle_evicts_never_again_blocks_before_older_live_ones() -> None:
+    # Dead blocks go first, oldest first and a prompt tail first; the older live 1 goes last.
+    assert _reuse_oracle_after(0.0).evict(4) == [3, 2, 4, 1]
+    # Every label inverted: the live block is the first victim, the dead ones follow as LRU.
+    assert _reuse_oracle_after(1.0).evict(4) == [1, 3, 2, 4]
+
+
+def test_reuse_oracle_validates_its_options_and_needs_the_index() -> None:
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="label_error"):
+            ReuseOraclePolicy(10, label_error=bad)
+    oracle = ReuseOraclePolicy(10)
+    oracle.load_future([[1]])
+    with pytest.raises(ValueError, match="index"):
+        oracle.begin_request(RequestInfo(), 0.0)
+    with pytest.raises(ValueError, match="beyond the loaded future"):
+        oracle.begin_request(RequestInfo(index=1), 0.0)
 
 
 def _wa_trained() -> WAPolicy:
