@@ -22,8 +22,7 @@ from router.admission import Admission
 from router.dispatch import Dispatcher
 from router.ingress import IngressConfig, build_app
 from router.serve_client import ServeEngineClient
-from router.serve_router import register_state, unregister_state
-from router.state import RouterState
+from router.state import RouterState, register_state, unregister_state
 from router.tokenizer import PromptTokenizer
 from router.tracing import setup_tracing
 
@@ -83,7 +82,7 @@ class IngressDeployment:
         )
 
     def __del__(self) -> None:
-        unregister_state(self.cfg.app_name)
+        unregister_state(self.cfg.app_name, self.state)
         self.state.stop()
 
 

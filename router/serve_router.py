@@ -6,13 +6,24 @@ checks, replica membership and back-pressure (``max_ongoing_requests``) while kv
 replica. It runs in the caller's process (the ingress replica) and shares that process's
 ``RouterState`` (registered under ``state_key``): the map the ingress's pump thread keeps.
 
-The answer is ranked: the chosen instance first, then every other candidate; Serve moves to the
-second rank only when the chosen replica is at its ``max_ongoing_requests`` (back-pressure).
+NOTE: Serve ships this class to the caller pickled *by value* (``RequestRouterConfig`` registers
+this module with cloudpickle), so a module-level global here would be a fresh copy in the
+ingress process, never the one the ingress registered into. The registry therefore lives in
+``router.state``, which is pickled by reference.
+
+For the first ``sticky_attempts`` tries of a request the answer is the chosen replica alone;
+after that it is ranked: the chosen replica first, then every other candidate. Serve moves to a
+lower rank whenever the chosen replica does not take the request at once: it is at its
+``max_ongoing_requests`` (back-pressure), or it did not answer Serve's queue-length probe within
+``RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S`` (0.1 s). On a CPU-starved box the probe deadline
+alone sent ~20% of requests away from the replica holding their prefix; the sticky attempts
+wait through Serve's backoff (probe deadlines 0.1, 0.2, 0.4 s) before giving up the cache.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -20,20 +31,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from engines.base import RoutedRequest
 from router.dispatch import request_for_placement
 from router.placement import NoInstanceError
-from router.state import RouterState
+from router.state import RouterState, registered_state
 
 log = logging.getLogger(__name__)
-
-_STATES: dict[str, RouterState] = {}
-
-
-def register_state(key: str, state: RouterState) -> None:
-    """Make ``state`` the one request routers with ``state_key=key`` use in this process."""
-    _STATES[key] = state
-
-
-def unregister_state(key: str) -> None:
-    _STATES.pop(key, None)
 
 
 def _routed(pending: PendingRequest | None) -> RoutedRequest | None:
@@ -46,12 +46,27 @@ def _routed(pending: PendingRequest | None) -> RoutedRequest | None:
 
 
 class KvRequestRouter(RequestRouter):
-    def initialize_state(self, state_key: str = "default", **_: Any) -> None:
+    def initialize_state(
+        self, state_key: str = "default", sticky_attempts: int = 3, **_: Any
+    ) -> None:
+        if sticky_attempts < 1:
+            raise ValueError(f"sticky_attempts must be >= 1, got {sticky_attempts}")
         self._state_key = state_key
+        self._sticky_attempts = sticky_attempts
+        # internal request id -> choose_replicas calls so far (bounded: oldest dropped)
+        self._attempts: OrderedDict[str, int] = OrderedDict()
+
+    def _attempt(self, pending: PendingRequest) -> int:
+        key = pending.metadata.internal_request_id
+        n = self._attempts.pop(key, 0) + 1
+        self._attempts[key] = n
+        if len(self._attempts) > 4096:
+            self._attempts.popitem(last=False)
+        return n
 
     @property
     def state(self) -> RouterState | None:
-        return _STATES.get(self._state_key)
+        return registered_state(self._state_key)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -83,11 +98,14 @@ class KvRequestRouter(RequestRouter):
         if target not in by_id:
             try:
                 state.sync_instances(r.replica_id.unique_id for r in self._replicas.values())
-                target = state.place(
-                    request_for_placement(routed), candidates=list(by_id)
-                ).instance_id
+                placement = state.place(request_for_placement(routed), candidates=list(by_id))
             except NoInstanceError:
                 return [candidate_replicas]
-            routed.target_instance = target
+            target = routed.target_instance = placement.instance_id
+            routed.request.expected_cached_tokens = placement.cached_blocks * state.block_size
         rest = [r for iid, r in by_id.items() if iid != target]
-        return [[by_id[target]], rest] if rest else [[by_id[target]]]
+        if not rest or (
+            pending_request and self._attempt(pending_request) <= self._sticky_attempts
+        ):
+            return [[by_id[target]]]
+        return [[by_id[target]], rest]

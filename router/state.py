@@ -6,22 +6,29 @@ thread runs an ``EngineWatcher`` over the buses every few milliseconds. Instance
 from Serve's replica set (``sync_instances``) and from live load samples; one whose samples stop
 is dropped. Bus trouble degrades routing quality (stale map, local-only load) but never fails a
 request: errors are logged once and counted.
+
+Setting ``KVROUTE_PLACEMENT_LOG`` to a file path appends one JSON line per placement (the
+request, every candidate's load view and cached blocks, the choice and its estimate): the
+record to read when routing looks wrong.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from cachemap import CacheMap
+from cachemap import CacheMap, Match
 from cachemap.bus import EventBus
 from cachemap.ingest import CacheMapIngestor
 from engines.liveness import EngineWatcher
 from router.admission import Admission
 from router.load import LoadTracker
 from router.placement import (
+    InstanceView,
     LatencyModel,
     NoInstanceError,
     Placement,
@@ -31,6 +38,40 @@ from router.placement import (
 )
 
 log = logging.getLogger(__name__)
+_PLACEMENT_LOG = os.environ.get("KVROUTE_PLACEMENT_LOG", "")
+
+
+def _log_placement(
+    now: float,
+    request: PlacementRequest,
+    views: Sequence[InstanceView],
+    match: Mapping[str, Match],
+    placement: Placement,
+) -> None:
+    record = {
+        "ts": now,
+        "request": request.request_id,
+        "prompt_tokens": request.prompt_tokens,
+        "blocks": len(request.block_hashes),
+        "chosen": placement.instance_id,
+        "estimated_ttft_s": placement.estimated_ttft_s,
+        "cached_blocks": placement.cached_blocks,
+        "candidates": {
+            v.instance_id: {
+                "pending_prefill_tokens": v.pending_prefill_tokens,
+                "waiting": v.waiting,
+                "running": v.running,
+                "gpu_kv_usage": round(v.gpu_kv_usage, 4),
+                "cached_blocks": match[v.instance_id].total_blocks if v.instance_id in match else 0,
+            }
+            for v in views
+        },
+    }
+    try:
+        with open(_PLACEMENT_LOG, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # never fail a request over the debug log
+        log.warning("placement log %s: %s", _PLACEMENT_LOG, e)
 
 
 class RouterState:
@@ -164,6 +205,8 @@ class RouterState:
                 raise NoInstanceError("no engine instance available")
             match = self.cache_map.match(request.block_hashes)
             placement = self.scorer.place(request, views, match)
+        if _PLACEMENT_LOG:
+            _log_placement(now, request, views, match, placement)
         return placement
 
     def assigned(self, request: PlacementRequest, placement: Placement) -> None:
@@ -187,3 +230,23 @@ class RouterState:
     def needs_resync(self) -> set[str]:
         with self._lock:
             return set(self.ingestor.needs_resync)
+
+
+# key -> the RouterState request routers with that ``state_key`` use in this process. It lives
+# here, not in router.serve_router: Serve pickles that module by value (see its docstring).
+_REGISTRY: dict[str, RouterState] = {}
+
+
+def register_state(key: str, state: RouterState) -> None:
+    """Make ``state`` the one request routers with ``state_key=key`` use in this process."""
+    _REGISTRY[key] = state
+
+
+def unregister_state(key: str, state: RouterState | None = None) -> None:
+    """Forget ``key`` (only if it still maps to ``state``, when given)."""
+    if state is None or _REGISTRY.get(key) is state:
+        _REGISTRY.pop(key, None)
+
+
+def registered_state(key: str) -> RouterState | None:
+    return _REGISTRY.get(key)
