@@ -44,6 +44,9 @@ class EngineRequest(msgspec.Struct):
     kv_transfer_params: dict[str, Any] | None = None
     lora_name: str | None = None
     cache_salt: str | None = None
+    # The router's cache-map estimate of the prompt's cached prefix. An engine that cannot see
+    # its own cache before scheduling (vLLM) counts only the rest as queued prefill work.
+    expected_cached_tokens: int = 0
 
 
 class Usage(msgspec.Struct):

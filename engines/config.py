@@ -7,6 +7,7 @@ it can cross into Ray Serve replicas as a plain dict.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -25,7 +26,9 @@ class EngineConfig(_Strict):
     """One engine instance. Fields a kind does not use are ignored by it."""
 
     kind: EngineKind = "sim"
-    model: str = Field(TINY_MODEL, description="HF model directory, or 'tiny' for the tiny model")
+    model: str = Field(
+        TINY_MODEL, description="HF model directory, or a built-in random model: 'tiny' or 'small'"
+    )
     served_model_name: str | None = Field(
         None, description="the name hashed into block hashes; default: model"
     )
@@ -49,6 +52,15 @@ class EngineConfig(_Strict):
         default_factory=dict, description="sim: extra keyword arguments for the sim engine"
     )
     on_gpu: bool = Field(False, description="vllm: the GPU build (block size any multiple of 16)")
+    cpu_bind: list[str] | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "vllm CPU build: VLLM_CPU_OMP_THREADS_BIND per replica, picked by the replica's rank "
+            "on its node (modulo the list), e.g. ['0', '1'] gives two engines a core each; "
+            "None: vLLM's auto binding (every engine on a node shares the same cores)"
+        ),
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -60,6 +72,11 @@ class EngineConfig(_Strict):
             raise ValueError(f"block_size: vLLM needs a multiple of 16, got {self.block_size}")
         if self.kind == "vllm" and self.sim_options:
             raise ValueError("sim_options: only for kind 'sim'")
+        for i, cores in enumerate(self.cpu_bind or ()):
+            if not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", cores):
+                raise ValueError(
+                    f"cpu_bind[{i}]: a core list like '0', '0-3' or '1,3' is needed, got {cores!r}"
+                )
         if (
             self.max_num_batched_tokens is not None
             and self.max_num_batched_tokens < self.block_size

@@ -31,15 +31,19 @@ from engines.base import (
     LoadSnapshot,
     RoutedRequest,
 )
-from engines.config import TINY_MODEL, BusConfig, EngineConfig, EngineDeploymentConfig
+from engines.config import BusConfig, EngineConfig, EngineDeploymentConfig
 from engines.forwarder import KvEventForwarder
-from engines.tiny_model import resolve_model
+from engines.tiny_model import MODEL_PRESETS, resolve_model
 
 log = logging.getLogger(__name__)
 
 
 def _vllm_engine(cfg: EngineConfig, instance_id: str) -> Engine:
     from engines.vllm_engine import VllmEngine
+
+    bind = None
+    if cfg.cpu_bind and not cfg.on_gpu:
+        bind = cfg.cpu_bind[replica_local_rank() % len(cfg.cpu_bind)]
 
     limits = {
         k: v
@@ -57,6 +61,7 @@ def _vllm_engine(cfg: EngineConfig, instance_id: str) -> Engine:
         tensor_parallel_size=cfg.tensor_parallel_size,
         seed=cfg.seed,
         served_model_name=cfg.model_name,
+        cpu_threads_bind=bind,
     )
 
 
@@ -65,8 +70,8 @@ def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:
     from engines.sim.profile import DEFAULT_PROFILE
 
     opts: dict[str, Any] = {}
-    if cfg.model == TINY_MODEL:
-        # Output tokens the tiny tokenizer can decode, past its special tokens.
+    if cfg.model in MODEL_PRESETS:
+        # Output tokens the built-in models' tokenizer can decode, past its special tokens.
         from engines.tiny_model import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
 
         opts.update(vocab_size=DEFAULT_VOCAB_SIZE, token_offset=len(SPECIAL_TOKENS))
@@ -115,6 +120,14 @@ def open_buses(cfg: BusConfig, create: bool = True) -> tuple[EventBus, EventBus]
     )
 
 
+def replica_local_rank() -> int:
+    """This Serve replica's rank among its deployment's replicas on this node (0 outside Serve)."""
+    try:
+        return int(serve.get_replica_context().rank.local_rank)
+    except Exception:  # not inside a replica, or no rank assigned
+        return 0
+
+
 def replica_instance_id() -> str:
     """This Serve replica's unique id (a random id outside Serve)."""
     try:
@@ -131,6 +144,7 @@ class EngineDeployment:
         self.config = EngineDeploymentConfig.model_validate(config)
         ecfg = self.config.engine
         self.instance_id = replica_instance_id()
+        self.off_target = 0  # requests placed on another instance that Serve sent here
         self.engine = build_engine(ecfg, self.instance_id)
         await self.engine.start()
         try:
@@ -165,6 +179,18 @@ class EngineDeployment:
         """Stream one request; a ``RoutedRequest`` (what the ingress sends through the request
         router) runs its ``request``."""
         if isinstance(request, RoutedRequest):
+            target = request.target_instance
+            if target is not None and target != self.instance_id:
+                # Serve's request router fell back to a lower rank (the target did not answer
+                # its queue-length probe in time, or was full): the placement was overridden.
+                self.off_target += 1
+                if self.off_target <= 10 or self.off_target % 100 == 0:
+                    log.warning(
+                        "engine %s: served a request placed on %s (%d so far)",
+                        self.instance_id,
+                        target,
+                        self.off_target,
+                    )
             request = request.request
         elif not isinstance(request, EngineRequest):
             request = msgspec.convert(request, EngineRequest)

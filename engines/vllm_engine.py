@@ -44,6 +44,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 @dataclass(slots=True)
 class _InFlight:
     prompt_tokens: int
+    expected_cached: int = 0  # the router's estimate (EngineRequest.expected_cached_tokens)
     generated: int = 0
     started: bool = False  # first output seen: prefill done
 
@@ -61,7 +62,10 @@ class VllmEngine(Engine):
 
     ``kv_space_gib`` sets ``VLLM_CPU_KVCACHE_SPACE`` (CPU build; whole GiB); ``kv_blocks`` caps
     the KV cache at that many blocks (vLLM's ``num_gpu_blocks_override``), for small-cache tests.
-    ``block_size`` must be a multiple of 32 on the CPU backend.
+    ``block_size`` must be a multiple of 32 on the CPU backend. ``cpu_threads_bind`` sets
+    ``VLLM_CPU_OMP_THREADS_BIND`` (CPU build: the cores its worker's OpenMP threads use, e.g.
+    ``"1"`` or ``"0-3"``; None keeps vLLM's ``auto``, which binds every engine on a node to the
+    same cores).
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class VllmEngine(Engine):
         tensor_parallel_size: int = 1,
         seed: int = 0,
         served_model_name: str | None = None,
+        cpu_threads_bind: str | None = None,
         extra_engine_args: dict[str, Any] | None = None,
     ) -> None:
         if block_size <= 0 or block_size % 16:
@@ -89,6 +94,7 @@ class VllmEngine(Engine):
         self.block_size = block_size
         self.served_model_name = served_model_name or self.model
         self._kv_space_gib = kv_space_gib
+        self._cpu_threads_bind = cpu_threads_bind
         self._args: dict[str, Any] = dict(
             model=self.model,
             served_model_name=self.served_model_name,
@@ -109,6 +115,7 @@ class VllmEngine(Engine):
         self._inflight: dict[str, _InFlight] = {}
         self._stats = _EngineStats()
         self.num_gpu_blocks: int | None = None
+        self.cache_surprises = 0  # requests that found less cached than the router expected
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -121,6 +128,8 @@ class VllmEngine(Engine):
 
         if self._kv_space_gib is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self._kv_space_gib)
+        if self._cpu_threads_bind is not None:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self._cpu_threads_bind
         self._pub_port, self._replay_port = free_port(), free_port()
         events = KVEventsConfig(
             enable_kv_cache_events=True,
@@ -208,7 +217,10 @@ class VllmEngine(Engine):
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_token_ids))
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
-        st = self._inflight[request.request_id] = _InFlight(len(request.prompt_token_ids))
+        n = len(request.prompt_token_ids)
+        st = self._inflight[request.request_id] = _InFlight(
+            n, min(max(request.expected_cached_tokens, 0), n - 1)
+        )
         completion = 0
         try:
             async for out in llm.generate(prompt, self._sampling(request), request.request_id):
@@ -219,6 +231,17 @@ class VllmEngine(Engine):
                 reason = c.finish_reason if c is not None else None
                 if out.finished and reason not in _FINISH_REASONS:
                     reason = "stop"
+                if out.finished and (out.num_cached_tokens or 0) + self.block_size < (
+                    st.expected_cached
+                ):
+                    self.cache_surprises += 1
+                    log.info(
+                        "engine %s: request %s found %d cached tokens, the router expected %d",
+                        self.instance_id,
+                        request.request_id,
+                        out.num_cached_tokens or 0,
+                        st.expected_cached,
+                    )
                 yield EngineOutput(
                     request_id=request.request_id,
                     token_ids=ids,
@@ -249,7 +272,9 @@ class VllmEngine(Engine):
 
     def load(self) -> LoadSnapshot:
         inflight = list(self._inflight.values())
-        queued = sum(r.prompt_tokens for r in inflight if not r.started)
+        # NOTE: vLLM finds the cached prefix only when it schedules; until then the router's
+        # estimate stands in for it.
+        queued = sum(r.prompt_tokens - r.expected_cached for r in inflight if not r.started)
         context = sum(r.prompt_tokens + r.generated for r in inflight if r.started)
         s = self._stats
         if inflight and s.ts:

@@ -81,6 +81,9 @@ class Dispatcher:
             # NOTE: without pre-placement the handle's own router picks; we learn nothing of it.
             where = placement.instance_id if placement is not None else "?"
             routed.target_instance = placement.instance_id if placement is not None else None
+            routed.request.expected_cached_tokens = (
+                placement.cached_blocks * self.state.block_size if placement is not None else 0
+            )
             if placement is not None:
                 self.state.assigned(preq, placement)
             started = False

@@ -118,7 +118,13 @@ class Scheduler:
         return not self.running and not self.waiting
 
     def queued_prefill_tokens(self) -> int:
-        tokens = sum(r.num_tokens for r in self.waiting)
+        """Prompt tokens still to compute: a waiting request's beyond its cached prefix as of
+        now (GPU or CPU tier), a running one's beyond what it has computed."""
+        bs, lookup = self.blocks.block_size, self.blocks.lookup
+        tokens = 0
+        for r in self.waiting:
+            hit, n_cpu = lookup(r)
+            tokens += max(r.num_tokens - (len(hit) + n_cpu) * bs, 0)
         return tokens + sum(max(r.prompt_len - r.num_computed, 0) for r in self.running)
 
     # -- one step ----------------------------------------------------------------------------

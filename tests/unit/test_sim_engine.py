@@ -148,6 +148,30 @@ def test_load_snapshot_counts_waiting_and_running():
     assert snap.queued_prefill_tokens == 128 and snap.instance_id == "sim-0"
 
 
+def test_queued_prefill_work_leaves_out_a_waiting_requests_cached_prefix():
+    async def main():
+        eng = engine(time_scale=1.0, max_num_seqs=1)
+        await eng.start()
+        await collect(eng, request("warm", prompt(128), max_tokens=1))  # caches 4 blocks
+        busy = eng.generate(request("busy", prompt(64, 5000), max_tokens=1000))
+        first = await anext(busy)  # holds the only slot
+        follow = eng.generate(request("follow", prompt(192), max_tokens=1))
+        task = asyncio.create_task(anext(follow))
+        await asyncio.sleep(0.05)
+        snap = eng.load()
+        await eng.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await busy.aclose()
+        await follow.aclose()
+        return first, snap
+
+    first, snap = run(main())
+    assert first.token_ids and snap.waiting == 1
+    # 192-token prompt, 128 of them cached: only 64 tokens of prefill are queued.
+    assert snap.queued_prefill_tokens == 64
+
+
 def test_errors_are_engine_errors():
     async def main():
         eng = engine(max_model_len=256)
