@@ -21,12 +21,13 @@ class LatencyModel(Protocol):
     """An engine's latency profile, as the router needs it (``engines.sim.profile.
     LatencyProfile`` satisfies it; ``kvroute profile`` measures one from a real engine)."""
 
-    def prefill_s(self, uncached_tokens: int, context: int = 0) -> float:
-        """Seconds to prefill ``uncached_tokens`` after ``context`` tokens already cached."""
+    def ttft_s(self, prompt_tokens: int, cached_tokens: int = 0, cpu_tokens: int = 0) -> float:
+        """Seconds to the first token on an idle engine: prefill of the prompt beyond its
+        ``cached_tokens`` GPU hit and ``cpu_tokens`` CPU-tier hit, plus loading the latter."""
         ...
 
-    def load_s(self, tokens: int) -> float:
-        """Seconds to load ``tokens`` worth of KV from the CPU tier to the GPU."""
+    def queue_s(self, tokens: int) -> float:
+        """Seconds an engine needs to work off ``tokens`` of queued prefill (its prefill rate)."""
         ...
 
 

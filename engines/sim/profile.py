@@ -107,6 +107,15 @@ class LatencyProfile:
             self.base_ms + self.decode_seq_ms * batch + self.decode_ctx_ms * context_tokens
         ) / 1e3
 
+    def queue_s(self, tokens: int) -> float:
+        """Queued prefill work priced at the rate of full ``max_num_batched_tokens`` steps
+        without context: the rate a busy engine drains its queue at (the context of queued
+        prompts is unknown to whoever asks, and the attention term is second order)."""
+        if tokens <= 0:
+            return 0.0
+        n = self.max_num_batched_tokens
+        return tokens * self.prefill_s(n) / n
+
     def load_s(self, tokens: int) -> float:
         """Time to copy ``tokens`` of KV from the CPU tier to the GPU."""
         return tokens * self.kv_bytes_per_token / (self.cpu_load_gbps * 1e9)

@@ -2,10 +2,11 @@
 
     ttft(i) = queue(i) + prefill(uncached tokens at this context length) + load(CPU-hit tokens)
 
-- queue(i): the prefill work already waiting on ``i`` (engine-reported queued prefill tokens
-  plus this router's assignments newer than that report) priced by ``i``'s own profile as one
-  prefill of that many tokens;
-- prefill: the request's tokens beyond the instance's leading cached run (GPU or CPU);
+- queue(i): the prefill work already waiting on ``i`` (engine-reported queued prefill tokens,
+  beyond each queued prompt's cached prefix, plus this router's assignments newer than that
+  report) over ``i``'s prefill rate, from its own profile;
+- prefill: the request's tokens beyond the instance's leading cached run (GPU or CPU), in
+  ``max_num_batched_tokens`` chunks at their context length, plus the per-request overhead;
 - load: the CPU-resident part of that run, moved to the GPU at the profile's bandwidth.
 
 Decode load breaks near-ties (within ``tie_s``) toward fewer running sequences, and vetoes an
@@ -41,10 +42,9 @@ class KvTtftScorer(Scorer):
         cached_tokens = min(total * bs, max(0, request.prompt_tokens - 1))
         gpu_tokens = min(gpu * bs, cached_tokens)
         lat = inst.latency
-        queue = lat.prefill_s(inst.pending_prefill_tokens) if inst.pending_prefill_tokens else 0.0
-        prefill = lat.prefill_s(request.prompt_tokens - cached_tokens, cached_tokens)
-        load = lat.load_s(cached_tokens - gpu_tokens)
-        return queue + prefill + load, total
+        queue = lat.queue_s(inst.pending_prefill_tokens)
+        ttft = lat.ttft_s(request.prompt_tokens, gpu_tokens, cached_tokens - gpu_tokens)
+        return queue + ttft, total
 
     def _vetoed(self, request: PlacementRequest, inst: InstanceView) -> bool:
         if inst.gpu_kv_usage >= self.kv_veto:

@@ -23,11 +23,12 @@ class Linear:
     tok_s: float = 10_000.0
     load_tok_s: float = 200_000.0
 
-    def prefill_s(self, uncached_tokens: int, context: int = 0) -> float:
-        return uncached_tokens / self.tok_s
+    def ttft_s(self, prompt_tokens: int, cached_tokens: int = 0, cpu_tokens: int = 0) -> float:
+        uncached = prompt_tokens - cached_tokens - cpu_tokens
+        return uncached / self.tok_s + cpu_tokens / self.load_tok_s
 
-    def load_s(self, tokens: int) -> float:
-        return tokens / self.load_tok_s
+    def queue_s(self, tokens: int) -> float:
+        return tokens / self.tok_s
 
 
 def view(iid: str, **kw) -> InstanceView:
