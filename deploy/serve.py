@@ -15,7 +15,10 @@ from deploy.config import RAY_PREFIX_ROUTER, ServeConfig
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file (see deploy/*.yaml); flags override it")
     p.add_argument("--engine", choices=["sim", "vllm"], help="engine kind (default: sim)")
-    p.add_argument("--model", help="HF model directory, or 'tiny' for the built-in tiny model")
+    p.add_argument(
+        "--model",
+        help="HF model directory, or a built-in random model: 'tiny' or 'small'",
+    )
     p.add_argument("--instances", type=int, help="engine instances (default: 2)")
     p.add_argument(
         "--router",

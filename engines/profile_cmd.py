@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from engines.sim.profile import DEFAULT_PROFILE
+from engines.tiny_model import MODEL_PRESETS
 
 GRIDS: dict[str, dict[str, Any]] = {
     # (uncached tokens, cached context) and (batch, prompt tokens)
@@ -51,7 +52,11 @@ GRIDS: dict[str, dict[str, Any]] = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="HF model dir, or 'tiny' (default)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="HF model dir, or a built-in model: 'tiny' (default), 'small'",
+    )
     p.add_argument("--name", default=DEFAULT_PROFILE, help="profile name (default: %(default)s)")
     p.add_argument("--out", default=None, help="output JSON path (default: ./<name>.json)")
     p.add_argument("--block-size", type=int, default=32, help="KV block size (default: 32)")
@@ -204,7 +209,11 @@ async def _profile(args: argparse.Namespace) -> dict[str, Any]:
     f = fit(m)
     profile = LatencyProfile(
         name=args.name,
-        model=args.model if args.model != "tiny" else "kvroute tiny random Llama (tiny_model.py)",
+        model=(
+            f"kvroute {args.model} random Llama (tiny_model.py)"
+            if args.model in MODEL_PRESETS
+            else args.model
+        ),
         hardware=args.hardware or _hardware(),
         block_size=args.block_size,
         kv_capacity_tokens=info["num_gpu_blocks"] * args.block_size,
@@ -243,8 +252,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.cpu_load_gbps <= 0:
         raise ValueError(f"--cpu-load-gbps must be > 0, got {args.cpu_load_gbps}")
-    if args.model != "tiny" and not Path(args.model).is_dir():
-        raise ValueError(f"--model must be 'tiny' or a model directory, got {args.model!r}")
+    if args.model not in MODEL_PRESETS and not Path(args.model).is_dir():
+        raise ValueError(
+            f"--model must be {' or '.join(map(repr, MODEL_PRESETS))} or a model directory, "
+            f"got {args.model!r}"
+        )
     out = Path(args.out or f"{args.name}.json")
     data = asyncio.run(_profile(args))
     out.write_text(json.dumps(data, indent=2) + "\n")
