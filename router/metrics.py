@@ -43,6 +43,12 @@ class RouterMetrics:
         self.queued = Gauge("kvroute_admission_queued", "Requests waiting", registry=r)
         self.failovers = Gauge("kvroute_failovers", "Retries on another engine", registry=r)
         self.bus_errors = Gauge("kvroute_bus_errors", "Event bus read errors", registry=r)
+        self.ttft_calibration = Gauge(
+            "kvroute_ttft_calibration",
+            "kv_ttft's online fit: observed TTFT ~ a*profile + b*running + c",
+            ["coef"],
+            registry=r,
+        )
         self.resync_pending = Gauge(
             "kvroute_resync_pending", "Instances awaiting resync", registry=r
         )
@@ -65,6 +71,10 @@ class RouterMetrics:
         self.queued.set(state.admission.queued)
         self.bus_errors.set(state.bus_errors)
         self.resync_pending.set(len(state.needs_resync()))
+        cal = getattr(state.scorer, "calibration", None)
+        if cal is not None:
+            for coef in ("a", "b", "c", "samples"):
+                self.ttft_calibration.labels(coef).set(getattr(cal, coef))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -86,6 +86,10 @@ class Scorer(ABC):
     def on_finished(self, request: PlacementRequest, instance_id: str) -> None:  # noqa: B027
         """The request ended (scorers with their own bookkeeping override this)."""
 
+    def on_first_token(self, placement: Placement, ttft_s: float) -> None:  # noqa: B027
+        """The request placed by ``placement`` got its first token ``ttft_s`` after it was sent
+        (scorers that learn from outcomes override this)."""
+
 
 _SCORERS: dict[str, tuple[str, str]] = {
     "kv_ttft": ("router.scorers.kv_ttft", "KvTtftScorer"),

@@ -97,6 +97,8 @@ class RouterState:
         self.load = LoadTracker(stale_after_s)
         self.admission = admission or Admission()
         self._lock = threading.Lock()
+        # request id -> (its placement, when it was sent): the scorer learns from first tokens
+        self._sent: dict[str, tuple[Placement, float]] = {}
         if (kv_bus is None) != (load_bus is None):
             raise ValueError("kv_bus and load_bus go together: give both or neither")
         self.watcher = (
@@ -211,16 +213,23 @@ class RouterState:
 
     def assigned(self, request: PlacementRequest, placement: Placement) -> None:
         uncached = max(0, request.prompt_tokens - placement.cached_blocks * self.block_size)
+        now = time.time()
         with self._lock:
-            self.load.assigned(request.request_id, placement.instance_id, uncached, time.time())
+            self.load.assigned(request.request_id, placement.instance_id, uncached, now)
+            self._sent[request.request_id] = (placement, now)
 
     def first_token(self, request_id: str) -> None:
+        now = time.time()
         with self._lock:
             self.load.prefill_done(request_id)
+            sent = self._sent.pop(request_id, None)
+            if sent is not None:
+                self.scorer.on_first_token(sent[0], now - sent[1])
 
     def finished(self, request: PlacementRequest, instance_id: str) -> None:
         with self._lock:
             self.load.finished(request.request_id)
+            self._sent.pop(request.request_id, None)
             self.scorer.on_finished(request, instance_id)
 
     def failed(self, instance_id: str) -> None:

@@ -9,6 +9,20 @@
   ``max_num_batched_tokens`` chunks at their context length, plus the per-request overhead;
 - load: the CPU-resident part of that run, moved to the GPU at the profile's bandwidth.
 
+The profile is measured on a quiet engine; a loaded deployment is slower, and not uniformly:
+every sequence an instance is decoding stretches the steps a new prefill shares with it (on a
+vLLM CPU engine that also means per-token streaming work in the same few cores). So the
+estimate is calibrated online from the first tokens the router sees: a least-squares fit over
+the last ``window`` requests of
+
+    observed TTFT ~ a * profile estimate + b * running sequences on the instance + c
+
+refit every ``refit_every`` first tokens once ``min_samples`` arrived (until then a=1, b=c=0,
+the plain profile). ``a`` rescales the profile (contention, another machine), ``b`` is the
+decode interference per running sequence, ``c`` the fixed path (ingress, Serve transit) that
+matters only to SLO admission. Coefficients are clipped to sane ranges so a burst of outliers
+cannot invert the ranking.
+
 Decode load breaks near-ties (within ``tie_s``) toward fewer running sequences, and vetoes an
 instance whose GPU KV usage is above ``kv_veto`` or that could not fit the request's blocks:
 routing there would preempt running decodes. If every instance is vetoed the veto is ignored.
@@ -16,25 +30,75 @@ routing there would preempt running decodes. If every instance is vetoed the vet
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from cachemap import Match
 from router.placement import InstanceView, Placement, PlacementRequest, Scorer, healthy
 
 
+class TtftCalibration:
+    """Online least squares of observed TTFT on (profile estimate, running sequences, 1)."""
+
+    # (low, high) per coefficient: a (scale), b (s per running sequence), c (s)
+    BOUNDS = ((0.25, 20.0), (0.0, 2.0), (0.0, 5.0))
+
+    def __init__(self, window: int = 512, refit_every: int = 16, min_samples: int = 32) -> None:
+        if min(window, refit_every, min_samples) < 1 or min_samples > window:
+            raise ValueError("window, refit_every, min_samples must be >= 1, min_samples <= window")
+        self.window, self.refit_every, self.min_samples = window, refit_every, min_samples
+        self._x: deque[tuple[float, float]] = deque(maxlen=window)
+        self._y: deque[float] = deque(maxlen=window)
+        self._since = 0
+        self.a, self.b, self.c = 1.0, 0.0, 0.0
+        self.samples = 0
+
+    def correct(self, estimate_s: float, running: int) -> float:
+        return self.a * estimate_s + self.b * running + self.c
+
+    def observe(self, estimate_s: float, running: int, observed_s: float) -> None:
+        if not (observed_s >= 0.0 and estimate_s >= 0.0):  # also drops NaN
+            return
+        self._x.append((estimate_s, float(running)))
+        self._y.append(observed_s)
+        self.samples += 1
+        self._since += 1
+        if self._since >= self.refit_every and len(self._y) >= self.min_samples:
+            self._refit()
+
+    def _refit(self) -> None:
+        self._since = 0
+        x = np.asarray(self._x, dtype=float)
+        design = np.column_stack([x, np.ones(len(x))])
+        coef, *_ = np.linalg.lstsq(design, np.asarray(self._y, dtype=float), rcond=None)
+        if np.all(np.isfinite(coef)):
+            self.a, self.b, self.c = (
+                float(min(max(v, lo), hi)) for v, (lo, hi) in zip(coef, self.BOUNDS, strict=True)
+            )
+
+
 class KvTtftScorer(Scorer):
     name = "kv_ttft"
 
-    def __init__(self, kv_veto: float = 0.95, tie_s: float = 0.002) -> None:
+    def __init__(
+        self,
+        kv_veto: float = 0.95,
+        tie_s: float = 0.002,
+        calibrate: bool = True,
+        calibration_window: int = 512,
+    ) -> None:
         if not 0 < kv_veto <= 1:
             raise ValueError(f"kv_veto must be in (0, 1], got {kv_veto}")
         self.kv_veto = kv_veto
         self.tie_s = tie_s
+        self.calibration = TtftCalibration(calibration_window) if calibrate else None
 
-    def estimate(
+    def profile_estimate(
         self, request: PlacementRequest, inst: InstanceView, m: Match | None
     ) -> tuple[float, int]:
-        """(estimated TTFT in seconds, leading cached blocks) of ``request`` on ``inst``."""
+        """(the profile's TTFT in seconds, leading cached blocks) of ``request`` on ``inst``."""
         bs = inst.block_size
         gpu = m.gpu_blocks if m else 0
         total = m.total_blocks if m else 0
@@ -45,6 +109,14 @@ class KvTtftScorer(Scorer):
         queue = lat.queue_s(inst.pending_prefill_tokens)
         ttft = lat.ttft_s(request.prompt_tokens, gpu_tokens, cached_tokens - gpu_tokens)
         return queue + ttft, total
+
+    def estimate(
+        self, request: PlacementRequest, inst: InstanceView, m: Match | None
+    ) -> tuple[float, int]:
+        """(estimated TTFT in seconds, calibrated; leading cached blocks)."""
+        base, cached = self.profile_estimate(request, inst, m)
+        cal = self.calibration
+        return (cal.correct(base, inst.running) if cal else base), cached
 
     def _vetoed(self, request: PlacementRequest, inst: InstanceView) -> bool:
         if inst.gpu_kv_usage >= self.kv_veto:
@@ -63,8 +135,23 @@ class KvTtftScorer(Scorer):
     ) -> Placement:
         alive = healthy(instances)
         pool = [i for i in alive if not self._vetoed(request, i)] or alive
-        scored = [(self.estimate(request, i, match.get(i.instance_id)), i) for i in pool]
-        best_s = min(s for (s, _), _ in scored)
-        near = [(s, c, i) for (s, c), i in scored if s <= best_s + self.tie_s]
-        s, cached, inst = min(near, key=lambda x: (x[2].running + x[2].waiting, x[0]))
-        return Placement(inst.instance_id, estimated_ttft_s=s, cached_blocks=cached)
+        scored = []
+        for inst in pool:
+            base, cached = self.profile_estimate(request, inst, match.get(inst.instance_id))
+            cal = self.calibration
+            est = cal.correct(base, inst.running) if cal else base
+            scored.append((est, cached, base, inst))
+        best_s = min(s[0] for s in scored)
+        near = [s for s in scored if s[0] <= best_s + self.tie_s]
+        s, cached, base, inst = min(near, key=lambda x: (x[3].running + x[3].waiting, x[0]))
+        return Placement(
+            inst.instance_id,
+            estimated_ttft_s=s,
+            cached_blocks=cached,
+            detail={"profile_ttft_s": base, "running": inst.running},
+        )
+
+    def on_first_token(self, placement: Placement, ttft_s: float) -> None:
+        cal, d = self.calibration, placement.detail
+        if cal is not None and "profile_ttft_s" in d:
+            cal.observe(float(d["profile_ttft_s"]), int(d["running"]), ttft_s)

@@ -11,7 +11,13 @@ from cachemap import CacheMap, Match, Tier
 from engines.base import LoadSnapshot
 from router.admission import Admission, Rejected
 from router.load import LoadTracker
-from router.placement import InstanceView, PlacementRequest, create_scorer, scorer_names
+from router.placement import (
+    InstanceView,
+    Placement,
+    PlacementRequest,
+    create_scorer,
+    scorer_names,
+)
 
 BS = 16
 
@@ -213,3 +219,46 @@ def test_scorers_work_on_a_real_cache_map_match() -> None:
     r = req(8)
     m = cmap.match(r.block_hashes)
     assert create_scorer("kv_ttft").place(r, [view("a"), view("b")], m).instance_id == "b"
+
+
+def test_ttft_calibration_learns_scale_decode_interference_and_offset() -> None:
+    from router.scorers.kv_ttft import TtftCalibration
+
+    cal = TtftCalibration(window=200, refit_every=10, min_samples=20)
+    assert cal.correct(0.1, 3) == pytest.approx(0.1)  # the plain profile until fitted
+    for i in range(200):
+        est, running = 0.02 + (i % 17) * 0.01, i % 5
+        cal.observe(est, running, 3.0 * est + 0.1 * running + 0.05)
+    assert (cal.a, cal.b, cal.c) == pytest.approx((3.0, 0.1, 0.05), abs=1e-6)
+    cal.observe(float("nan"), 1, 0.1)  # ignored
+    assert cal.samples == 200
+
+
+def test_kv_ttft_learns_to_avoid_an_instance_busy_decoding() -> None:
+    s = create_scorer("kv_ttft")
+    r = req(100)  # 160 ms cold
+    match = {"a": Match(100, 100)}
+    views = [view("a", running=6), view("b")]
+    assert s.place(r, views, match).instance_id == "a"  # the profile alone: the cache wins
+    for i in range(64):  # every running sequence has cost 100 ms of TTFT
+        running = i % 7
+        p = Placement("a", 0.0, 0, {"profile_ttft_s": 0.01 * (i % 3), "running": running})
+        s.on_first_token(p, 0.01 * (i % 3) + 0.1 * running)
+    assert s.place(r, views, match).instance_id == "b"
+
+
+def test_router_state_reports_first_tokens_to_the_scorer() -> None:
+    from router.state import RouterState
+
+    seen: list[tuple[str, float]] = []
+
+    class Recording(type(create_scorer("round_robin"))):  # type: ignore[misc]
+        def on_first_token(self, placement: Placement, ttft_s: float) -> None:
+            seen.append((placement.instance_id, ttft_s))
+
+    st = RouterState(Recording(), block_size=BS)
+    p = Placement("a", 0.1, 0)
+    st.assigned(req(4), p)
+    st.first_token("r")
+    st.first_token("r")  # a second call reports nothing
+    assert len(seen) == 1 and seen[0][0] == "a" and 0 <= seen[0][1] < 1
