@@ -54,22 +54,37 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def parse_router(spec: str) -> tuple[str, dict[str, Any]]:
+    """``name`` or ``name@key=value+key=value`` (scorer options; values as JSON, else strings)."""
+    name, _, opts = spec.partition("@")
+    options: dict[str, Any] = {}
+    for item in filter(None, opts.split("+")):
+        key, _, raw = item.partition("=")
+        try:
+            options[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            options[key] = raw
+    return name, options
+
+
 def serve_config(router: str, port: int) -> Any:
     from deploy.config import ServeConfig
 
+    scorer, options = parse_router(router)
+    app = "e2e-" + "".join(c if c.isalnum() else "-" for c in router)
     return ServeConfig.validated({
         "port": port,
-        "app_name": f"e2e-{router}",
+        "app_name": app,
         "engines": {
             "instances": 2,
             "engine": {"kind": "vllm", "model": MODEL, "served_model_name": MODEL,
                        "block_size": 32, "max_model_len": 4096, "kv_space_gib": 1,
                        "cpu_bind": ["0", "1"]},
             "resources": {"num_cpus": 1},
-            "bus": {"name": f"e2e-{router}"},
+            "bus": {"name": app},
             "health_check_timeout_s": 120,
         },
-        "router": {"scorer": router, "profile": PROFILE},
+        "router": {"scorer": scorer, "scorer_options": options, "profile": PROFILE},
     })  # fmt: skip
 
 
@@ -136,10 +151,13 @@ def scrape_router_metrics(base: str) -> dict[str, Any]:
     text = httpx.get(f"{base}/metrics", timeout=10).text
     per_instance: dict[str, float] = {}
     values: dict[str, float] = {}
+    calibration: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "kvroute_requests_total":
                 per_instance[s.labels.get("instance", "")] = s.value
+            elif s.name == "kvroute_ttft_calibration":
+                calibration[s.labels["coef"]] = round(s.value, 4)
             elif not s.labels:
                 values[s.name] = s.value
     return {
@@ -149,13 +167,18 @@ def scrape_router_metrics(base: str) -> dict[str, Any]:
         "cached_prompt_tokens": values.get("kvroute_cached_prompt_tokens_total"),
         "prompt_tokens": values.get("kvroute_prompt_tokens_total"),
         "cache_map_blocks": values.get("kvroute_cache_map_blocks"),
+        "ttft_calibration": calibration or None,
     }
 
 
 def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the JSON
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--routers", default="kv_ttft,round_robin,least_loaded,ray_prefix")
+    ap.add_argument(
+        "--routers",
+        default="kv_ttft,round_robin,least_loaded,ray_prefix",
+        help="comma-separated; 'name@key=value+key=value' passes scorer options",
+    )
     ap.add_argument("--rate", type=float, default=3.0, help="requests/s")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of schedule")
     ap.add_argument("--repeats", type=int, default=1, help="runs per router (medians reported)")

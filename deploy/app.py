@@ -21,6 +21,7 @@ from engines.tiny_model import resolve_model
 from router.admission import Admission
 from router.dispatch import Dispatcher
 from router.ingress import IngressConfig, build_app
+from router.placement import create_scorer
 from router.serve_client import ServeEngineClient
 from router.state import RouterState, register_state, unregister_state
 from router.tokenizer import PromptTokenizer
@@ -49,7 +50,9 @@ class IngressDeployment:
         kv_bus, load_bus = open_buses(cfg.engines.bus)
         pre_place = cfg.router.scorer != RAY_PREFIX_ROUTER
         self.state = RouterState(
-            scorer=cfg.router.scorer if pre_place else "least_loaded",
+            scorer=create_scorer(cfg.router.scorer, **cfg.router.scorer_options)
+            if pre_place
+            else "least_loaded",
             latency=profile,
             block_size=ecfg.block_size,
             kv_capacity_blocks=(ecfg.kv_blocks or profile.kv_capacity_tokens // ecfg.block_size),

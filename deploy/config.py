@@ -7,10 +7,17 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from engines.config import EngineDeploymentConfig
-from router.placement import scorer_names
+from router.placement import create_scorer, scorer_names
 
 RAY_PREFIX_ROUTER = "ray_prefix"  # Ray Serve's own PrefixCacheAffinityRouter, as a peer
 
@@ -44,6 +51,17 @@ class RouterConfig(_Strict):
         if v not in valid and ":" not in v:
             raise ValueError(f"unknown scorer {v!r}; valid: {', '.join(valid)}")
         return v
+
+    @model_validator(mode="after")
+    def _options_fit(self) -> RouterConfig:
+        if self.scorer_options:
+            if self.scorer == RAY_PREFIX_ROUTER:
+                raise ValueError(f"scorer_options: {RAY_PREFIX_ROUTER!r} takes none")
+            try:
+                create_scorer(self.scorer, **self.scorer_options)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"scorer_options: not accepted by {self.scorer!r}: {e}") from e
+        return self
 
 
 class ServeConfig(_Strict):

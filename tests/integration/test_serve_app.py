@@ -124,6 +124,29 @@ def test_error_statuses(served: tuple[str, ServeConfig], path: str, body: Any, s
     assert httpx.get(served[0] + "/v1/models").status_code == 401
 
 
+def test_a_follow_up_lands_where_its_prefix_is_cached(client: openai.OpenAI) -> None:
+    # Through Serve, placement is KvRequestRouter's: Serve ships it pickled by value, and a
+    # copy that lost the ingress's RouterState fell back to Serve's own power-of-two choice.
+    hits = []
+    for k in range(4):
+        system = f"Program {k}: " + LONG
+        first = client.chat.completions.create(
+            model="sim-tiny",
+            max_tokens=2,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": "a"}],
+        )
+        time.sleep(0.5)  # the first request's KV events reach the ingress's map
+        again = client.chat.completions.create(
+            model="sim-tiny",
+            max_tokens=2,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": "b"}],
+        )
+        assert first.usage is not None and again.usage is not None
+        details = again.usage.prompt_tokens_details
+        hits.append((details.cached_tokens if details else 0) / first.usage.prompt_tokens)
+    assert min(hits) > 0.8, hits
+
+
 def test_killing_an_engine_under_load_loses_no_request(client: openai.OpenAI) -> None:
     def one(i: int) -> str:
         try:

@@ -31,6 +31,8 @@ def test_defaults_are_two_sim_engines_on_localhost() -> None:
         ({"engines": {"instances": 0}}, "engines.instances"),
         ({"engines": {"engine": {"kind": "vllm", "block_size": 16}}}, "engines.engine"),
         ({"surprise": 1}, "surprise"),
+        ({"router": {"scorer_options": {"nope": 1}}}, "scorer_options"),
+        ({"router": {"scorer_options": {"kv_veto": 2}}}, "scorer_options"),
         ({"engines": {"engine": {"kind": "vllm", "cpu_bind": ["0", "x"]}}}, r"cpu_bind\[1\]"),
         ({"engines": {"engine": {"kind": "vllm", "cpu_bind": []}}}, "cpu_bind"),
     ],
