@@ -192,6 +192,11 @@ def main() -> None:
     routers = args.routers.split(",")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    # NOTE: Ray prints driver-side messages (e.g. "(raylet) Task ... failed") on fd 1 at
+    # shutdown; stdout is the JSON only, so fd 1 points at stderr until the JSON is printed.
+    sys.stdout.flush()
+    json_fd = os.dup(1)
+    os.dup2(2, 1)
     import ray
     from ray import serve
 
@@ -230,6 +235,8 @@ def main() -> None:
         }
         for r, rs in runs.items()
     }
+    sys.stdout.flush()
+    os.dup2(json_fd, 1)
     print(
         json.dumps(
             {
