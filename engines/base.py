@@ -65,6 +65,7 @@ class EngineOutput(msgspec.Struct):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     usage: Usage | None = None  # on the final output
     kv_transfer_params: dict[str, Any] | None = None  # PD: returned by a prefill engine
+    instance_id: str | None = None  # the instance that ran it, on the first output (Serve)
 
 
 class LoadSnapshot(msgspec.Struct, array_like=True, tag="load"):

@@ -194,7 +194,11 @@ class EngineDeployment:
             request = request.request
         elif not isinstance(request, EngineRequest):
             request = msgspec.convert(request, EngineRequest)
+        first = True
         async for out in self.engine.generate(request):
+            if first:
+                # NOTE: tells the ingress where Serve delivered it, so overrides are counted.
+                out.instance_id, first = self.instance_id, False
             yield out
 
     async def abort(self, request_id: str) -> None:

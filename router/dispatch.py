@@ -55,6 +55,7 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.pre_place = pre_place
         self.failovers = 0
+        self.overrides = 0  # requests an engine reported running off their placement
 
     def placement_request(self, routed: RoutedRequest) -> PlacementRequest:
         return request_for_placement(routed)
@@ -92,6 +93,13 @@ class Dispatcher:
                     if not started:
                         started = True
                         self.state.first_token(preq.request_id)
+                        if (
+                            placement is not None
+                            and out.instance_id is not None
+                            and out.instance_id != placement.instance_id
+                        ):
+                            # Serve's request router delivered it elsewhere than placed.
+                            self.overrides += 1
                     yield placement or Placement(where), out
                 return
             except (EngineError, ConnectionError, OSError) as e:

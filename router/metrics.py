@@ -42,6 +42,11 @@ class RouterMetrics:
         self.in_flight = Gauge("kvroute_in_flight", "Requests in flight", registry=r)
         self.queued = Gauge("kvroute_admission_queued", "Requests waiting", registry=r)
         self.failovers = Gauge("kvroute_failovers", "Retries on another engine", registry=r)
+        self.overrides = Gauge(
+            "kvroute_placement_overrides",
+            "Requests Serve delivered to another engine than placement chose",
+            registry=r,
+        )
         self.bus_errors = Gauge("kvroute_bus_errors", "Event bus read errors", registry=r)
         self.ttft_calibration = Gauge(
             "kvroute_ttft_calibration",
@@ -66,6 +71,7 @@ class RouterMetrics:
     def observe(self, dispatcher: Dispatcher) -> None:
         state = dispatcher.state
         self.failovers.set(dispatcher.failovers)
+        self.overrides.set(dispatcher.overrides)
         self.cache_map_blocks.set(len(state.cache_map))
         self.in_flight.set(state.load.in_flight())
         self.queued.set(state.admission.queued)

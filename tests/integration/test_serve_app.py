@@ -124,11 +124,21 @@ def test_error_statuses(served: tuple[str, ServeConfig], path: str, body: Any, s
     assert httpx.get(served[0] + "/v1/models").status_code == 401
 
 
-def test_a_follow_up_lands_where_its_prefix_is_cached(client: openai.OpenAI) -> None:
-    # Through Serve, placement is KvRequestRouter's: Serve ships it pickled by value, and a
-    # copy that lost the ingress's RouterState fell back to Serve's own power-of-two choice.
+def test_placements_are_honoured_and_follow_ups_hit(
+    served: tuple[str, ServeConfig], client: openai.OpenAI
+) -> None:
+    # Through Serve, placement is KvRequestRouter's: engines report where Serve delivered each
+    # request (kvroute_placement_overrides counts disagreements) and follow-ups hit the cache.
+    # (The by-value pickling that once lost the RouterState is caught by test_serve_router:
+    # with sequential requests on idle engines Serve's own choice happens to agree.)
+    def overrides() -> float:
+        text = httpx.get(f"{served[0]}/metrics").text
+        line = next(x for x in text.splitlines() if x.startswith("kvroute_placement_overrides "))
+        return float(line.split()[1])
+
+    before = overrides()
     hits = []
-    for k in range(4):
+    for k in range(6):
         system = f"Program {k}: " + LONG
         first = client.chat.completions.create(
             model="sim-tiny",
@@ -144,6 +154,7 @@ def test_a_follow_up_lands_where_its_prefix_is_cached(client: openai.OpenAI) -> 
         assert first.usage is not None and again.usage is not None
         details = again.usage.prompt_tokens_details
         hits.append((details.cached_tokens if details else 0) / first.usage.prompt_tokens)
+    assert overrides() == before
     assert min(hits) > 0.8, hits
 
 
