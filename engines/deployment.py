@@ -144,7 +144,6 @@ class EngineDeployment:
         self.config = EngineDeploymentConfig.model_validate(config)
         ecfg = self.config.engine
         self.instance_id = replica_instance_id()
-        self.off_target = 0  # requests placed on another instance that Serve sent here
         self.engine = build_engine(ecfg, self.instance_id)
         await self.engine.start()
         try:
@@ -179,25 +178,13 @@ class EngineDeployment:
         """Stream one request; a ``RoutedRequest`` (what the ingress sends through the request
         router) runs its ``request``."""
         if isinstance(request, RoutedRequest):
-            target = request.target_instance
-            if target is not None and target != self.instance_id:
-                # Serve's request router fell back to a lower rank (the target did not answer
-                # its queue-length probe in time, or was full): the placement was overridden.
-                self.off_target += 1
-                if self.off_target <= 10 or self.off_target % 100 == 0:
-                    log.warning(
-                        "engine %s: served a request placed on %s (%d so far)",
-                        self.instance_id,
-                        target,
-                        self.off_target,
-                    )
             request = request.request
         elif not isinstance(request, EngineRequest):
             request = msgspec.convert(request, EngineRequest)
         first = True
         async for out in self.engine.generate(request):
             if first:
-                # NOTE: tells the ingress where Serve delivered it, so overrides are counted.
+                # NOTE: tells the ingress where Serve delivered it (overrides are counted there).
                 out.instance_id, first = self.instance_id, False
             yield out
 

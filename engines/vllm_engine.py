@@ -115,7 +115,6 @@ class VllmEngine(Engine):
         self._inflight: dict[str, _InFlight] = {}
         self._stats = _EngineStats()
         self.num_gpu_blocks: int | None = None
-        self.cache_surprises = 0  # requests that found less cached than the router expected
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -234,7 +233,6 @@ class VllmEngine(Engine):
                 if out.finished and (out.num_cached_tokens or 0) + self.block_size < (
                     st.expected_cached
                 ):
-                    self.cache_surprises += 1
                     log.info(
                         "engine %s: request %s found %d cached tokens, the router expected %d",
                         self.instance_id,

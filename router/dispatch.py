@@ -83,7 +83,7 @@ class Dispatcher:
             where = placement.instance_id if placement is not None else "?"
             routed.target_instance = placement.instance_id if placement is not None else None
             routed.request.expected_cached_tokens = (
-                placement.cached_blocks * self.state.block_size if placement is not None else 0
+                self.state.cached_tokens(preq, placement) if placement is not None else 0
             )
             if placement is not None:
                 self.state.assigned(preq, placement)

@@ -12,14 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engines.base import LoadSnapshot
-from router.placement import InstanceView, LatencyModel
+from router.placement import InstanceView, LatencyModel, Placement
 
 
 @dataclass(slots=True)
-class _Assignment:
+class Assignment:
     instance_id: str
     prefill_tokens: int
     assigned_at: float
+    placement: Placement | None = None
     prefilled: bool = False
 
 
@@ -36,7 +37,7 @@ class LoadTracker:
     def __init__(self, stale_after_s: float = 2.0) -> None:
         self.stale_after_s = stale_after_s
         self._instances: dict[str, _Instance] = {}
-        self._requests: dict[str, _Assignment] = {}
+        self._requests: dict[str, Assignment] = {}
 
     def register(
         self, instance_id: str, block_size: int, latency: LatencyModel, kv_capacity_blocks: int = 0
@@ -61,13 +62,23 @@ class LoadTracker:
         if inst is not None:
             inst.failures += 1
 
-    def assigned(self, request_id: str, instance_id: str, prefill_tokens: int, now: float) -> None:
-        self._requests[request_id] = _Assignment(instance_id, prefill_tokens, now)
+    def assigned(
+        self,
+        request_id: str,
+        instance_id: str,
+        prefill_tokens: int,
+        now: float,
+        placement: Placement | None = None,
+    ) -> None:
+        self._requests[request_id] = Assignment(instance_id, prefill_tokens, now, placement)
 
-    def prefill_done(self, request_id: str) -> None:
+    def prefill_done(self, request_id: str) -> Assignment | None:
+        """Mark the request's prefill done; its assignment the first time, else None."""
         a = self._requests.get(request_id)
-        if a is not None:
-            a.prefilled = True
+        if a is None or a.prefilled:
+            return None
+        a.prefilled = True
+        return a
 
     def finished(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -76,7 +87,7 @@ class LoadTracker:
         return len(self._requests)
 
     def views(self, now: float) -> list[InstanceView]:
-        local: dict[str, list[_Assignment]] = {i: [] for i in self._instances}
+        local: dict[str, list[Assignment]] = {i: [] for i in self._instances}
         for a in self._requests.values():
             if a.instance_id in local:
                 local[a.instance_id].append(a)

@@ -15,9 +15,9 @@ For the first ``sticky_attempts`` tries of a request the answer is the chosen re
 after that it is ranked: the chosen replica first, then every other candidate. Serve moves to a
 lower rank whenever the chosen replica does not take the request at once: it is at its
 ``max_ongoing_requests`` (back-pressure), or it did not answer Serve's queue-length probe within
-``RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S`` (0.1 s). On a CPU-starved box the probe deadline
-alone sent ~20% of requests away from the replica holding their prefix; the sticky attempts
-wait through Serve's backoff (probe deadlines 0.1, 0.2, 0.4 s) before giving up the cache.
+``RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S`` (0.1 s, doubling on each retry). The sticky
+attempts wait through that backoff before giving up the cache; where a request ran anyway is
+counted by the ingress (``kvroute_placement_overrides``).
 """
 
 from __future__ import annotations
@@ -98,11 +98,12 @@ class KvRequestRouter(RequestRouter):
         if target not in by_id:
             try:
                 state.sync_instances(r.replica_id.unique_id for r in self._replicas.values())
-                placement = state.place(request_for_placement(routed), candidates=list(by_id))
+                preq = request_for_placement(routed)
+                placement = state.place(preq, candidates=list(by_id))
             except NoInstanceError:
                 return [candidate_replicas]
             target = routed.target_instance = placement.instance_id
-            routed.request.expected_cached_tokens = placement.cached_blocks * state.block_size
+            routed.request.expected_cached_tokens = state.cached_tokens(preq, placement)
         rest = [r for iid, r in by_id.items() if iid != target]
         if not rest or (
             pending_request and self._attempt(pending_request) <= self._sticky_attempts

@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TextIO
 
 from cachemap import CacheMap, Match
 from cachemap.bus import EventBus
@@ -39,6 +40,7 @@ from router.placement import (
 
 log = logging.getLogger(__name__)
 _PLACEMENT_LOG = os.environ.get("KVROUTE_PLACEMENT_LOG", "")
+_placement_log_file: TextIO | None = None  # opened on the first placement, line-buffered
 
 
 def _log_placement(
@@ -67,9 +69,11 @@ def _log_placement(
             for v in views
         },
     }
+    global _placement_log_file
     try:
-        with open(_PLACEMENT_LOG, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if _placement_log_file is None:
+            _placement_log_file = open(_PLACEMENT_LOG, "a", buffering=1)  # noqa: SIM115
+        _placement_log_file.write(json.dumps(record) + "\n")
     except OSError as e:  # never fail a request over the debug log
         log.warning("placement log %s: %s", _PLACEMENT_LOG, e)
 
@@ -97,8 +101,6 @@ class RouterState:
         self.load = LoadTracker(stale_after_s)
         self.admission = admission or Admission()
         self._lock = threading.Lock()
-        # request id -> (its placement, when it was sent): the scorer learns from first tokens
-        self._sent: dict[str, tuple[Placement, float]] = {}
         if (kv_bus is None) != (load_bus is None):
             raise ValueError("kv_bus and load_bus go together: give both or neither")
         self.watcher = (
@@ -211,25 +213,27 @@ class RouterState:
             _log_placement(now, request, views, match, placement)
         return placement
 
+    def cached_tokens(self, request: PlacementRequest, placement: Placement) -> int:
+        """Prompt tokens ``placement`` expects its instance to hold (engines always compute
+        at least the last one)."""
+        return min(placement.cached_blocks * self.block_size, max(request.prompt_tokens - 1, 0))
+
     def assigned(self, request: PlacementRequest, placement: Placement) -> None:
-        uncached = max(0, request.prompt_tokens - placement.cached_blocks * self.block_size)
+        uncached = request.prompt_tokens - self.cached_tokens(request, placement)
         now = time.time()
         with self._lock:
-            self.load.assigned(request.request_id, placement.instance_id, uncached, now)
-            self._sent[request.request_id] = (placement, now)
+            self.load.assigned(request.request_id, placement.instance_id, uncached, now, placement)
 
     def first_token(self, request_id: str) -> None:
         now = time.time()
         with self._lock:
-            self.load.prefill_done(request_id)
-            sent = self._sent.pop(request_id, None)
-            if sent is not None:
-                self.scorer.on_first_token(sent[0], now - sent[1])
+            a = self.load.prefill_done(request_id)
+            if a is not None and a.placement is not None:
+                self.scorer.on_first_token(a.placement, now - a.assigned_at)
 
     def finished(self, request: PlacementRequest, instance_id: str) -> None:
         with self._lock:
             self.load.finished(request.request_id)
-            self._sent.pop(request.request_id, None)
             self.scorer.on_finished(request, instance_id)
 
     def failed(self, instance_id: str) -> None:

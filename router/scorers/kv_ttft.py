@@ -23,11 +23,6 @@ decode interference per running sequence, ``c`` the fixed path (ingress, Serve t
 matters only to SLO admission. Coefficients are clipped to sane ranges so a burst of outliers
 cannot invert the ranking.
 
-``work_weight`` (default 0) adds that many times the engine time the placement itself adds
-(its uncached prefill at the profile's rate) to the score, not to the estimate: a price for
-the requests that will wait behind it. On the 2-core e2e setup 1.0 moved no number outside
-the run-to-run noise, so it stays off.
-
 Decode load breaks near-ties (within ``tie_s``) toward fewer running sequences, and vetoes an
 instance whose GPU KV usage is above ``kv_veto`` or that could not fit the request's blocks:
 routing there would preempt running decodes. If every instance is vetoed the veto is ignored.
@@ -93,13 +88,9 @@ class KvTtftScorer(Scorer):
         tie_s: float = 0.002,
         calibrate: bool = True,
         calibration_window: int = 512,
-        work_weight: float = 0.0,
     ) -> None:
         if not 0 < kv_veto <= 1:
             raise ValueError(f"kv_veto must be in (0, 1], got {kv_veto}")
-        if work_weight < 0:
-            raise ValueError(f"work_weight must be >= 0, got {work_weight}")
-        self.work_weight = work_weight
         self.kv_veto = kv_veto
         self.tie_s = tie_s
         self.calibration = TtftCalibration(calibration_window) if calibrate else None
@@ -121,11 +112,11 @@ class KvTtftScorer(Scorer):
 
     def estimate(
         self, request: PlacementRequest, inst: InstanceView, m: Match | None
-    ) -> tuple[float, int]:
-        """(estimated TTFT in seconds, calibrated; leading cached blocks)."""
+    ) -> tuple[float, int, float]:
+        """(estimated TTFT in seconds, calibrated; leading cached blocks; the profile's part)."""
         base, cached = self.profile_estimate(request, inst, m)
         cal = self.calibration
-        return (cal.correct(base, inst.running) if cal else base), cached
+        return (cal.correct(base, inst.running) if cal else base), cached, base
 
     def _vetoed(self, request: PlacementRequest, inst: InstanceView) -> bool:
         if inst.gpu_kv_usage >= self.kv_veto:
@@ -144,21 +135,10 @@ class KvTtftScorer(Scorer):
     ) -> Placement:
         alive = healthy(instances)
         pool = [i for i in alive if not self._vetoed(request, i)] or alive
-        cal, bs = self.calibration, pool[0].block_size
-        scored = []  # (score, estimate, cached blocks, profile estimate, instance)
-        for inst in pool:
-            base, cached = self.profile_estimate(request, inst, match.get(inst.instance_id))
-            est = cal.correct(base, inst.running) if cal else base
-            score = est
-            if self.work_weight:
-                # the engine time this placement adds, which later arrivals wait behind
-                uncached = request.prompt_tokens - min(cached * bs, request.prompt_tokens - 1)
-                work = inst.latency.queue_s(uncached)
-                score += self.work_weight * (cal.a if cal else 1.0) * work
-            scored.append((score, est, cached, base, inst))
+        scored = [(*self.estimate(request, i, match.get(i.instance_id)), i) for i in pool]
         best = min(x[0] for x in scored)
         near = [x for x in scored if x[0] <= best + self.tie_s]
-        _, s, cached, base, inst = min(near, key=lambda x: (x[4].running + x[4].waiting, x[0]))
+        s, cached, base, inst = min(near, key=lambda x: (x[3].running + x[3].waiting, x[0]))
         return Placement(
             inst.instance_id,
             estimated_ttft_s=s,

@@ -262,3 +262,24 @@ def test_router_state_reports_first_tokens_to_the_scorer() -> None:
     st.first_token("r")
     st.first_token("r")  # a second call reports nothing
     assert len(seen) == 1 and seen[0][0] == "a" and 0 <= seen[0][1] < 1
+
+
+def test_placement_log_records_every_candidate(tmp_path, monkeypatch) -> None:
+    import json
+
+    import router.state as state_mod
+
+    path = tmp_path / "placements.jsonl"
+    monkeypatch.setattr(state_mod, "_PLACEMENT_LOG", str(path))
+    monkeypatch.setattr(state_mod, "_placement_log_file", None)
+    st = state_mod.RouterState("kv_ttft", Linear(), block_size=BS)
+    st.sync_instances(["a", "b"])
+    r = req(8)
+    st.cache_map.store("b", Tier.GPU, r.block_hashes)
+    for _ in range(2):
+        st.place(r)
+    state_mod._placement_log_file.close()  # type: ignore[union-attr]
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(lines) == 2 and all(x["chosen"] == "b" for x in lines)
+    assert lines[0]["candidates"]["b"]["cached_blocks"] == 8
+    assert lines[0]["candidates"]["a"]["cached_blocks"] == 0
