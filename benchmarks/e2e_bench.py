@@ -28,7 +28,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +43,6 @@ WORKLOAD = [
     "--user-tokens", "300", "--output-tokens", "32", "--length-sigma", "0.3",
     "--vocab-size", "440", "--token-offset", "10", "--seed", "7",
 ]  # fmt: skip
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse_router(spec: str) -> tuple[str, dict[str, Any]]:
@@ -91,18 +82,32 @@ def serve_config(router: str, port: int) -> Any:
 def run_router(router: str, rate: float, duration: float, port: int) -> dict[str, Any]:
     from ray import serve
 
-    from deploy.app import build_serve_app
-    from engines.deployment import open_buses
+    from deploy.app import build_serve_app, delete_app, wait_until_ready
 
     cfg = serve_config(router, port)
     serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while httpx.get(f"{base}/health", timeout=10).json().get("instances", 0) < 2:
-        if time.monotonic() > deadline:
-            raise RuntimeError("engines did not report in")
-        time.sleep(0.5)
-    out = Path(tempfile.mkdtemp()) / "run.json"
+    wait_until_ready(base, cfg.engines.instances)
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = run_loadgen(base, rate, duration, Path(tmp) / "run.json")
+    router_view = scrape_router_metrics(base)
+    delete_app(cfg)
+    return {
+        "ttft_p50_ms": summary["ttft_ms"]["p50"],
+        "ttft_p99_ms": summary["ttft_ms"]["p99"],
+        "server_hit_rate": summary["server_hit_rate"],
+        "ideal_hit_rate_tokens": summary["ideal_hit_rate_tokens"],
+        "completed": summary["completed"],
+        "failed": summary["failed"],
+        "achieved_rate": summary["achieved_rate"],
+        "errors": summary["errors"],
+        "error_examples": summary.get("error_examples"),
+        "router": router_view,
+    }
+
+
+def run_loadgen(base: str, rate: float, duration: float, out: Path) -> dict[str, Any]:
+    """``kvroute loadgen`` with WORKLOAD against ``base``; its summary."""
     cmd = [
         sys.executable,
         "-m",
@@ -124,23 +129,7 @@ def run_router(router: str, rate: float, duration: float, port: int) -> dict[str
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     if not out.is_file():
         raise RuntimeError(f"loadgen failed: {proc.stderr.decode(errors='replace')[-2000:]}")
-    summary = json.loads(out.read_text())["summary"]
-    router_view = scrape_router_metrics(base)
-    serve.delete(cfg.app_name)
-    for bus in open_buses(cfg.engines.bus, create=False):
-        bus.kill()  # type: ignore[attr-defined]
-    return {
-        "ttft_p50_ms": summary["ttft_ms"]["p50"],
-        "ttft_p99_ms": summary["ttft_ms"]["p99"],
-        "server_hit_rate": summary["server_hit_rate"],
-        "ideal_hit_rate_tokens": summary["ideal_hit_rate_tokens"],
-        "completed": summary["completed"],
-        "failed": summary["failed"],
-        "achieved_rate": summary["achieved_rate"],
-        "errors": summary["errors"],
-        "error_examples": summary.get("error_examples"),
-        "router": router_view,
-    }
+    return dict(json.loads(out.read_text())["summary"])
 
 
 def scrape_router_metrics(base: str) -> dict[str, Any]:
@@ -212,6 +201,8 @@ def main() -> None:
         log_to_driver=False,
         runtime_env={"env_vars": env} if env else None,
     )
+    from engines.vllm_engine import free_port
+
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})  # one proxy for every run
     runs: dict[str, list[dict[str, Any]]] = {r: [] for r in routers}

@@ -8,6 +8,7 @@ cache map fed by the event bus, and shares it with the request router in its pro
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from ray import serve
@@ -103,3 +104,29 @@ def build_serve_app(cfg: ServeConfig) -> Application:
     return IngressDeployment.options(num_replicas=cfg.router.replicas).bind(
         engine, cfg.model_dump()
     )
+
+
+def wait_until_ready(base_url: str, instances: int, timeout_s: float = 300.0) -> None:
+    """Block until the ingress at ``base_url`` knows ``instances`` live engines (their load
+    samples arrived), or raise ``TimeoutError``."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=10).json().get("instances", 0) >= instances:
+                return
+        except httpx.HTTPError:
+            pass  # the proxy may not route to the app yet
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{base_url}: {instances} engines did not report in {timeout_s} s")
+        time.sleep(0.2)
+
+
+def delete_app(cfg: ServeConfig) -> None:
+    """Delete the Serve app and the event-bus hubs its engines published to."""
+    serve.delete(cfg.app_name)
+    for bus in open_buses(cfg.engines.bus, create=False):
+        kill = getattr(bus, "kill", None)  # Ray-actor hubs; Redis streams outlive the app
+        if kill is not None:
+            kill()

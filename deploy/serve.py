@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 from typing import Any
 
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from deploy.app import build_serve_app
+    from deploy.app import build_serve_app, wait_until_ready
 
     if args.ray_address:
         ray.init(address=args.ray_address)
@@ -70,6 +71,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
         serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
+        local = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+        try:
+            wait_until_ready(f"http://{local}:{cfg.port}", cfg.engines.instances)
+        except TimeoutError as e:  # serve anyway: the ingress reports 503 until engines join
+            print(f"kvroute: warning: {e}", file=sys.stderr, flush=True)
         print(
             f"kvroute serving {cfg.engines.engine.model_name!r} on "
             f"{cfg.engines.instances} {cfg.engines.engine.kind} engine(s), "

@@ -3,19 +3,48 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from deploy.local import LocalStack
+from engines.vllm_engine import free_port
+
+if TYPE_CHECKING:
+    from deploy.config import ServeConfig
+
+__all__ = ["Server", "free_port", "serve_app"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@contextmanager
+def serve_app(cfg: ServeConfig, timeout_s: float = 60.0) -> Iterator[str]:
+    """``cfg``'s app under real Ray Serve on 127.0.0.1:``cfg.port`` (starting a local Ray if none
+    runs), yielded as its base URL once every engine reported in; torn down afterwards."""
+    import ray
+    from ray import serve
+
+    from deploy.app import build_serve_app, delete_app, wait_until_ready
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": cfg.port})
+    try:
+        serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
+        base = f"http://127.0.0.1:{cfg.port}"
+        wait_until_ready(base, cfg.engines.instances, timeout_s)
+        try:
+            yield base
+        finally:
+            delete_app(cfg)
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()
 
 
 class Server:

@@ -14,13 +14,11 @@ import httpx
 import openai
 import pytest
 import ray
-from ray import serve
 
-from deploy.app import build_serve_app
 from deploy.config import ServeConfig
 from engines.bus_ray import RayEventBus
 from engines.deployment import open_buses
-from tests.support import free_port
+from tests.support import free_port, serve_app
 
 pytestmark = [pytest.mark.slow]
 
@@ -50,26 +48,10 @@ def served() -> Iterator[tuple[str, ServeConfig]]:
             "router": {"api_keys": [KEY]},
         }
     )
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while httpx.get(f"{base}/health").json().get("instances", 0) < 2:
-        assert time.monotonic() < deadline, "engines never reported in"
-        time.sleep(0.2)
-    try:
+    with serve_app(cfg) as base:
+        buses = open_buses(cfg.engines.bus, create=False)
+        assert all(isinstance(b, RayEventBus) for b in buses)  # the default backend
         yield base, cfg
-    finally:
-        serve.delete(cfg.app_name)
-        for bus in open_buses(cfg.engines.bus, create=False):
-            assert isinstance(bus, RayEventBus)
-            bus.kill()
-        serve.shutdown()
-        if started:
-            ray.shutdown()
 
 
 @pytest.fixture()

@@ -3,19 +3,13 @@ kvroute is benchmarked against): requests flow, and a repeated prompt finds its 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
-import ray
-from ray import serve
 
-from deploy.app import build_serve_app
 from deploy.config import ServeConfig
-from engines.deployment import open_buses
-from tests.support import free_port
+from tests.support import free_port, serve_app
 
 pytestmark = [pytest.mark.slow]
 pytest.importorskip("pyarrow")
@@ -37,25 +31,8 @@ def base_url() -> Iterator[str]:
             "router": {"scorer": "ray_prefix"},
         }
     )
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while httpx.get(f"{url}/health").json().get("instances", 0) < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
-    try:
+    with serve_app(cfg) as url:
         yield url
-    finally:
-        serve.delete(cfg.app_name)
-        for bus in open_buses(cfg.engines.bus, create=False):
-            bus.kill()  # type: ignore[attr-defined]
-        serve.shutdown()
-        if started:
-            ray.shutdown()
 
 
 def test_ray_prefix_router_serves_and_keeps_affinity(base_url: str) -> None:
