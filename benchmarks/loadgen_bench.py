@@ -27,10 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadgen.client import loop_factory
-from loadgen.metrics import summarize
+from loadgen.metrics import event_rate, percentiles_ms, summarize
 from loadgen.prompts import PromptSynth
 from loadgen.runner import RunConfig, Runner
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
@@ -55,22 +57,22 @@ def start_server(cpu: int | None) -> tuple[subprocess.Popen[str], str]:
     return proc, url
 
 
-def cpu_busy(interval_s: float = 1.0) -> float:
-    """Fraction of all CPUs busy over ``interval_s`` (from /proc/stat; 0 where unavailable)."""
-
-    def sample() -> tuple[int, int]:
+def _stat_total() -> tuple[int, int]:
+    """(all, idle + iowait) CPU ticks of the machine so far, from /proc/stat; (0, 0) without."""
+    try:
         with open("/proc/stat") as f:
             vals = [int(v) for v in f.readline().split()[1:]]
-        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-        return sum(vals), idle
-
-    try:
-        t1, i1 = sample()
-        time.sleep(interval_s)
-        t2, i2 = sample()
     except OSError:
-        return 0.0
-    return 1.0 - (i2 - i1) / max(1, t2 - t1)
+        return 0, 0
+    return sum(vals), vals[3] + vals[4]
+
+
+def cpu_busy(interval_s: float = 1.0) -> float:
+    """Fraction of all CPUs busy over ``interval_s`` (from /proc/stat; 0 where unavailable)."""
+    t1, i1 = _stat_total()
+    time.sleep(interval_s)
+    t2, i2 = _stat_total()
+    return 1.0 - (i2 - i1) / (t2 - t1) if t2 > t1 else 0.0
 
 
 def wait_quiet(args: argparse.Namespace) -> float:
@@ -91,15 +93,6 @@ def _ticks(pid: int | str) -> int:
         return int(fields[11]) + int(fields[12])
     except (OSError, IndexError, ValueError):
         return 0
-
-
-def _stat_total() -> tuple[int, int]:
-    try:
-        with open("/proc/stat") as f:
-            vals = [int(v) for v in f.readline().split()[1:]]
-    except OSError:
-        return 0, 0
-    return sum(vals), vals[3] + vals[4]
 
 
 class OtherLoad:
@@ -172,10 +165,11 @@ def median_run(url: str, rate: float, args: argparse.Namespace) -> dict[str, Any
         runs.append(r)
     p99 = statistics.median(r["send_lag_ms"]["p99"] for r in runs)
     achieved = statistics.median(r["achieved_rate"] for r in runs)
+    passed = sum(r["pass"] for r in runs)
     return {
         "rate": rate,
-        "pass": sum(r["pass"] for r in runs) * 2 > len(runs),
-        "passed_runs": f"{sum(r['pass'] for r in runs)}/{len(runs)}",
+        "pass": passed * 2 > len(runs),
+        "passed_runs": f"{passed}/{len(runs)}",
         "median_send_lag_p99_ms": p99,
         "median_achieved_rate": achieved,
         "runs": runs,
@@ -231,18 +225,12 @@ def make_tokenizer(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(model))
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return round(values[min(len(values) - 1, int(q / 100 * len(values)))], 4)
-
-
 def run_aiperf(aiperf: str, url: str, rate: float, args: argparse.Namespace) -> dict[str, Any]:
     """aiperf against the same server, rate and request shape; its figures, or why it failed.
 
     Its send lag is taken from its per-request export as ``request_start_ns - credit_issued_ns``
-    (credit = aiperf's own "send now" decision) and its achieved rate from the request starts.
+    (credit = aiperf's own "send now" decision) and its achieved rate from the request starts,
+    both computed as loadgen's own figures are (``percentiles_ms``, ``event_rate``).
     """
     if not Path(aiperf).exists():
         return {"status": "not installed", "path": aiperf}
@@ -293,28 +281,28 @@ def run_aiperf(aiperf: str, url: str, rate: float, args: argparse.Namespace) -> 
             return out
         data = json.loads(summary.read_text())
         starts: list[int] = []
-        lags_ms: list[float] = []
+        lags_s: list[float] = []
         errors = 0
         for line in per_request.read_text().splitlines():
             rec = json.loads(line)
             meta = rec["metadata"]
             starts.append(meta["request_start_ns"])
-            lags_ms.append((meta["request_start_ns"] - meta["credit_issued_ns"]) / 1e6)
+            lags_s.append((meta["request_start_ns"] - meta["credit_issued_ns"]) / 1e9)
             errors += rec.get("error") is not None
-        span_s = (max(starts) - min(starts)) / 1e9 if len(starts) > 1 else 0.0
-        achieved = (len(starts) - 1) / span_s if span_s > 0 else None
+        achieved = event_rate(np.array(starts) / 1e9)
+        lag = percentiles_ms(lags_s)
         out |= {
             "status": "ok",
             "requests": len(starts),
             "errors": errors,
             "achieved_send_rate": achieved and round(achieved, 2),
-            "send_lag_ms": {"p50": _pct(lags_ms, 50), "p99": _pct(lags_ms, 99)},
+            "send_lag_ms": {"p50": lag["p50"], "p99": lag["p99"]},
             "request_throughput": data.get("request_throughput", {}).get("avg"),
             "ttft_ms": {k: data.get("time_to_first_token", {}).get(k) for k in ("p50", "p99")},
             "pass": bool(
                 achieved
                 and abs(achieved - rate) <= RATE_TOLERANCE * rate
-                and (_pct(lags_ms, 99) or 0) <= LAG_P99_MS
+                and (lag["p99"] or 0) <= LAG_P99_MS
                 and errors == 0
             ),
         }

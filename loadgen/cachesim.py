@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loadgen.traces import TraceRequest
+from loadgen.workloads import ideal_hit_rate
 from policies.base import NO_PROTECTION, EvictionPolicy, OfflinePolicy, RequestInfo
 from policies.registry import create_policy
 
@@ -49,17 +50,8 @@ def request_info(req: TraceRequest, index: int) -> RequestInfo:
 
 
 def infinite_hit_rate(requests: Sequence[TraceRequest]) -> float:
-    """Hit rate of an unbounded cache: the ceiling for every policy."""
-    seen: set[int] = set()
-    hits = total = 0
-    for req in requests:
-        for h in req.hash_ids:
-            if h not in seen:
-                break
-            hits += 1
-        total += len(req.hash_ids)
-        seen.update(req.hash_ids)
-    return hits / total if total else 0.0
+    """Hit rate of an unbounded cache over blocks: the ceiling for every policy."""
+    return ideal_hit_rate(requests, 1)[0]
 
 
 def replay(requests: Sequence[TraceRequest], policy: EvictionPolicy, name: str = "") -> SimResult:

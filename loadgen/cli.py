@@ -29,6 +29,7 @@ _SYNTH_FLAGS: dict[str, tuple[str, type, str]] = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from loadgen.prompts import DEFAULT_TOKEN_OFFSET, DEFAULT_VOCAB_SIZE
     from loadgen.synthetic import SynthParams
 
     defaults = {f.name: f.default for f in fields(SynthParams)}
@@ -63,11 +64,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--max-requests", type=int, help="send at most this many requests")
     w.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
-    w.add_argument("--vocab-size", type=int, default=30_000, help="synthesized token id range")
+    w.add_argument(
+        "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="synthesized token id range"
+    )
     w.add_argument(
         "--token-offset",
         type=int,
-        default=1_000,
+        default=DEFAULT_TOKEN_OFFSET,
         help="lowest synthesized token id (ids are offset..offset+vocab-size-1; keep them clear "
         "of the model's special tokens and inside its vocabulary)",
     )
@@ -157,12 +160,13 @@ def run(args: argparse.Namespace) -> int:
     from loadgen.prompts import PromptSynth
     from loadgen.report import print_summary, write_json, write_report
     from loadgen.runner import RunConfig, Runner
+    from loadgen.traces import FORMATS
     from loadgen.workloads import ARRIVALS, ideal_hit_rate
 
     api = _choice(args.api, "--api", ("completions", "chat"))
     sessions = _choice(args.sessions, "--sessions", ("recorded", "live"))
     _choice(args.arrival, "--arrival", ARRIVALS)
-    _choice(args.format, "--format", ("auto", "mooncake", "bailian"))
+    _choice(args.format, "--format", ("auto", *FORMATS))
     for value, flag in (
         (args.timeout_s, "--timeout-s"),
         (args.slo_ttft_ms, "--slo-ttft-ms"),
@@ -173,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
         (args.max_connections, "--max-connections"),
     ):
         _positive(value, flag)
+    if args.token_offset < 0:
+        raise ValueError(f"--token-offset must be >= 0, got {args.token_offset}")
     try:
         extra = json.loads(args.extra_body)
     except json.JSONDecodeError as e:
@@ -186,8 +192,6 @@ def run(args: argparse.Namespace) -> int:
     plan, block_size, source = _plan(args)
     if not plan:
         raise ValueError("the workload has no requests (check --duration / --max-requests)")
-    if args.token_offset < 0:
-        raise ValueError(f"--token-offset must be >= 0, got {args.token_offset}")
     synth = PromptSynth(
         block_size, seed=args.seed, vocab_size=args.vocab_size, token_offset=args.token_offset
     )

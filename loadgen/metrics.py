@@ -17,23 +17,24 @@ import numpy as np
 from loadgen.client import RequestRecord
 
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)
+# the keys of every ``percentiles_ms`` dict, in order
+PERCENTILE_KEYS: tuple[str, ...] = ("mean", *(f"p{p:g}" for p in PERCENTILES), "max")
 
 
 def percentiles_ms(values_s: Sequence[float] | np.ndarray) -> dict[str, float | None]:
     arr = np.asarray(values_s, dtype=np.float64)
     arr = arr[~np.isnan(arr)]
-    keys = ["mean", *(f"p{p:g}" for p in PERCENTILES), "max"]
     if arr.size == 0:
-        return dict.fromkeys(keys, None)
+        return dict.fromkeys(PERCENTILE_KEYS, None)
     vals = [arr.mean(), *np.percentile(arr, PERCENTILES), arr.max()]
-    return {k: round(float(v) * 1e3, 4) for k, v in zip(keys, vals, strict=True)}
+    return {k: round(float(v) * 1e3, 4) for k, v in zip(PERCENTILE_KEYS, vals, strict=True)}
 
 
 def mean_itl_s(rec: RequestRecord) -> float:
     return float(np.mean(rec.itl_s)) if rec.itl_s else math.nan
 
 
-def _rate(times: np.ndarray) -> float | None:
+def event_rate(times: np.ndarray) -> float | None:
     """Events per second over their span: (n - 1) / (last - first)."""
     if times.size < 2:
         return None
@@ -82,8 +83,8 @@ def summarize(
         "failed": n - len(ok),
         "duration_s": round(duration_s, 4),
         "requested_rate": requested_rate,
-        "achieved_rate": _rate(sent_at),
-        "scheduled_rate": _rate(intended),
+        "achieved_rate": event_rate(sent_at),
+        "scheduled_rate": event_rate(intended),
         "completed_rate": len(ok) / duration_s if duration_s > 0 else None,
         "output_tokens": out_tokens,
         "output_tokens_per_s": out_tokens / duration_s if duration_s > 0 else None,

@@ -198,6 +198,18 @@ def _error(status: int, message: str) -> web.Response:
     return web.Response(status=status, body=_encode(err), content_type="application/json")
 
 
+async def _start(
+    server: NullServer, host: str, port: int, **site_kw: Any
+) -> tuple[web.AppRunner, str]:
+    """Serve ``server`` on ``host:port`` (0 picks a free port); returns its runner and base URL."""
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, **site_kw)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://{host}:{port}"
+
+
 @contextlib.contextmanager
 def serve_in_thread(server: NullServer, host: str = "127.0.0.1") -> Iterator[str]:
     """Run ``server`` on its own event loop in a daemon thread; yields its base URL."""
@@ -205,18 +217,10 @@ def serve_in_thread(server: NullServer, host: str = "127.0.0.1") -> Iterator[str
     ready: list[str] = []
     started = threading.Event()
 
-    async def start() -> web.AppRunner:
-        runner = web.AppRunner(server.app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, host, 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        ready.append(f"http://{host}:{port}")
-        return runner
-
     def target() -> None:
         asyncio.set_event_loop(loop)
-        runner = loop.run_until_complete(start())
+        runner, url = loop.run_until_complete(_start(server, host, 0))
+        ready.append(url)
         started.set()
         loop.run_forever()
         loop.run_until_complete(runner.cleanup())
@@ -246,12 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     server = NullServer(args.model, args.ttft_ms, args.itl_ms, args.block_size, not args.no_cache)
 
     async def serve() -> None:
-        runner = web.AppRunner(server.app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port, backlog=4096)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        print(f"http://{args.host}:{port}", flush=True)
+        _, url = await _start(server, args.host, args.port, backlog=4096)
+        print(url, flush=True)
         await asyncio.Event().wait()
 
     with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=loop_factory()) as r:

@@ -13,30 +13,8 @@ from typing import Any
 import numpy as np
 
 from loadgen.client import RequestRecord
-from loadgen.metrics import mean_itl_s, timeseries
+from loadgen.metrics import PERCENTILE_KEYS, mean_itl_s, timeseries
 
-RECORD_FIELDS: tuple[str, ...] = (
-    "index",
-    "category",
-    "chat_id",
-    "input_tokens",
-    "max_tokens",
-    "intended_s",
-    "sent_s",
-    "first_token_s",
-    "done_s",
-    "ttft_ms",
-    "e2e_ms",
-    "itl_mean_ms",
-    "send_lag_ms",
-    "output_tokens",
-    "prompt_tokens",
-    "cached_tokens",
-    "status",
-    "error",
-    "cap_delayed",
-    "error_detail",
-)
 PLOTS: tuple[str, ...] = (
     "ttft_cdf.png",
     "itl_cdf.png",
@@ -77,6 +55,10 @@ def record_row(r: RequestRecord) -> dict[str, Any]:
         "cap_delayed": r.cap_delayed,
         "error_detail": r.error_detail,
     }
+
+
+# the columns of requests.csv: record_row's keys (also for a run with no records)
+RECORD_FIELDS: tuple[str, ...] = tuple(record_row(RequestRecord(0, "", None, 0, 0, 0.0)))
 
 
 def write_json(
@@ -243,7 +225,7 @@ def print_summary(summary: dict[str, Any], file: Any = None) -> None:
     console.print(head)
     table = Table(title=None)
     table.add_column("ms")
-    for col in ("mean", "p50", "p90", "p99", "p99.9", "max"):
+    for col in PERCENTILE_KEYS:
         table.add_column(col, justify="right")
     for name, key in (
         ("TTFT", "ttft_ms"),
@@ -251,8 +233,5 @@ def print_summary(summary: dict[str, Any], file: Any = None) -> None:
         ("E2E", "e2e_ms"),
         ("send lag", "send_lag_ms"),
     ):
-        row = s[key]
-        table.add_row(
-            name, *(_fmt(row[c], 2) for c in ("mean", "p50", "p90", "p99", "p99.9", "max"))
-        )
+        table.add_row(name, *(_fmt(s[key][c], 2) for c in PERCENTILE_KEYS))
     console.print(table)

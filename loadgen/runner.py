@@ -69,9 +69,13 @@ class RunResult:
     records: list[RequestRecord]
     duration_s: float
     requested_span_s: float
-    mode: str
     config: RunConfig
     interrupted: bool = False
+
+    @property
+    def mode(self) -> str:
+        n = self.config.concurrency
+        return f"closed({n})" if n is not None else "open"
 
 
 class Runner:
@@ -148,11 +152,10 @@ class Runner:
                     task.cancel()
                 await asyncio.gather(*self._tasks, return_exceptions=True)
             duration = perf_counter() - self._t0
-        span = self.plan[-1].offset_s - self.plan[0].offset_s if self.plan else 0.0
-        if cfg.concurrency is not None:
-            span = 0.0  # closed loop: no requested rate
-        mode = f"closed({cfg.concurrency})" if cfg.concurrency else "open"
-        return RunResult(self.records, duration, span, mode, cfg, interrupted)
+        span = 0.0  # closed loop or no plan: no requested rate
+        if cfg.concurrency is None and self.plan:
+            span = self.plan[-1].offset_s - self.plan[0].offset_s
+        return RunResult(self.records, duration, span, cfg, interrupted)
 
     async def _open_loop(self) -> None:
         tasks = self._tasks

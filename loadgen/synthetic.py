@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loadgen.traces import TraceRequest
+from loadgen.traces import FORMATS, TraceRequest
 
-SYNTH_BLOCK_SIZE = 16
+SYNTH_BLOCK_SIZE = FORMATS["bailian"][1]
 WORKLOADS: tuple[str, ...] = ("to-c", "to-b", "mix", "random")
 
 
@@ -155,7 +155,7 @@ def _to_b(p: SynthParams, rate: float, rng: np.random.Generator, ids: _Ids) -> l
     return out
 
 
-def _random(p: SynthParams, rng: np.random.Generator, ids: _Ids) -> list[TraceRequest]:
+def _random(p: SynthParams, ids: _Ids) -> list[TraceRequest]:
     n = p.max_requests if p.max_requests is not None else math.ceil(p.rate * p.duration_s)
     bs, length = SYNTH_BLOCK_SIZE, p.input_tokens
     return [
@@ -171,7 +171,7 @@ def generate(kind: str, p: SynthParams) -> list[TraceRequest]:
     p.validate()
     rng, ids = np.random.default_rng(p.seed), _Ids()
     if kind == "random":
-        reqs = _random(p, rng, ids)
+        reqs = _random(p, ids)
     elif kind == "to-c":
         reqs = _to_c(p, p.rate, rng, ids)
     elif kind == "to-b":

@@ -12,13 +12,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
 from loadgen.traces import TraceRequest
 
-Arrival = Literal["poisson", "constant"]
 ARRIVALS: tuple[str, ...] = ("poisson", "constant")
 
 

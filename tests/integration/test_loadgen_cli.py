@@ -99,6 +99,8 @@ def test_synthetic_live_sessions_chat(url: str, tmp_path: Path) -> None:
         (["--workload", "nope"], "--workload"),
         (["--workload", "to-c", "--api", "grpc"], "--api"),
         (["--workload", "to-c", "--concurrency", "0"], "--concurrency"),
+        (["--workload", "to-c", "--token-offset", "-1"], "--token-offset"),
+        (["--trace", "/nonexistent/trace.jsonl", "--token-offset", "-1"], "--token-offset"),
         (["--workload", "to-c", "--extra-body", "[1]"], "--extra-body"),
         ([], "--trace FILE or --workload"),
         (["--trace", "/nonexistent/trace.jsonl"], "--trace"),

@@ -178,7 +178,7 @@ def test_recorded_sessions_follow_the_schedule_order(server: tuple[NullServer, s
     assert order[2:] == [60, 90]
     assert sorted(order[:2]) == [20, 40]
     by_chat = {r.chat_id: r for r in records}
-    # recorded history: turn 3's prompt extends turn 2's shared blocks (32 tokens cached)
+    # recorded history: turn 3's prompt extends turn 2's 3 full blocks (48 tokens cached)
     assert by_chat[13].cached_tokens == 48
 
 
