@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cachemap.events import AllBlocksCleared, BlockRemoved, BlockStored
+from cachemap.events import BlockRemoved, BlockStored
 from engines.sim.cpu_tier import CPUTier
 from engines.sim.request import SimRequest
 from policies.base import EvictionPolicy, RequestInfo
@@ -87,7 +87,6 @@ class KVBlockManager:
         if cpu_capacity_blocks:
             self.cpu = CPUTier(cpu_capacity_blocks, cpu_policy, block_size, self.events)
         self.now_s = 0.0
-        self.gpu_evictions = 0
 
     # -- state -------------------------------------------------------------------------------
 
@@ -113,7 +112,11 @@ class KVBlockManager:
         return [self.blocks[i].block_hash for i in self._free]
 
     def begin_request(self, req: SimRequest) -> None:
-        """A request arrives (first admission): the CPU-tier policy's request lifecycle."""
+        """A request arrives (its first admission attempt): the CPU-tier policy's request
+        lifecycle. Once per request: later attempts (a blocked queue head) do nothing."""
+        if req.begun:
+            return
+        req.begun = True
         if self.cpu is not None:
             if req.info is None:
                 req.info = RequestInfo(num_blocks=len(req.block_hashes))
@@ -227,18 +230,6 @@ class KVBlockManager:
         req.blocks = []
         req.num_cached_blocks = 0
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every GPU hash (vLLM refuses while any block is in use)."""
-        if len(self._free) != self.num_gpu_blocks - 1:
-            return False
-        self._cached.clear()
-        self._dups.clear()
-        for b in self.blocks:
-            b.block_hash = b.parent_hash = b.token_ids = None
-        if self.events is not None:
-            self.events.append(AllBlocksCleared())
-        return True
-
     # -- internals ---------------------------------------------------------------------------
 
     def _get_new_blocks(self, n: int) -> list[Block]:
@@ -250,7 +241,6 @@ class KVBlockManager:
             if b.block_hash is not None:
                 if plain:
                     del cached[b.block_hash]
-                    self.gpu_evictions += 1
                     b.block_hash = None
                 else:
                     self._evict_cached(b)
@@ -260,7 +250,6 @@ class KVBlockManager:
     def _evict_cached(self, b: Block) -> None:
         h = b.block_hash
         assert h is not None
-        self.gpu_evictions += 1
         dups = self._dups.get(h)
         if self._cached[h] is b:
             if dups:

@@ -19,10 +19,9 @@ import zmq
 
 from cachemap.events import KVEventBatch, encode_vllm_batch
 from engines.base import Engine, EngineError, EngineOutput, EngineRequest, LoadSnapshot, Usage
-from engines.sim.blocks import KVBlockManager
 from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.sim.request import SimRequest, Status, make_request
-from engines.sim.scheduler import Scheduler, SchedulerConfig
+from engines.sim.scheduler import Scheduler
 from policies.base import EvictionPolicy, RequestInfo
 
 log = logging.getLogger(__name__)
@@ -77,25 +76,21 @@ class SimEngine(Engine):
         )
         self.instance_id = instance_id
         self.model = model
-        self.block_size = block_size or self.profile.block_size
-        n_blocks = num_gpu_blocks or self.profile.kv_capacity_tokens // self.block_size + 1
-        self.blocks = KVBlockManager(
-            n_blocks,
-            self.block_size,
+        self.scheduler = Scheduler.for_profile(
+            self.profile,
+            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks,
             cpu_capacity_blocks=cpu_capacity_blocks,
             cpu_policy=cpu_policy,
             enable_events=kv_events_endpoint is not None,
-        )
-        mml = max_model_len or min(self.profile.max_model_len, (n_blocks - 1) * self.block_size)
-        self.config = SchedulerConfig.from_profile(
-            self.profile,
+            max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
-            max_model_len=mml,
             vocab_size=vocab_size,
             token_offset=token_offset,
         )
-        self.scheduler = Scheduler(self.blocks, self.profile, self.config)
+        self.blocks, self.config = self.scheduler.blocks, self.scheduler.config
+        self.block_size = self.blocks.block_size
         self.time_scale = time_scale
         self._bind = kv_events_endpoint
         self._topic = kv_events_topic.encode()
@@ -149,16 +144,8 @@ class SimEngine(Engine):
 
     def load(self) -> LoadSnapshot:
         s = self.scheduler
-        return LoadSnapshot(
-            instance_id=self.instance_id,
-            ts=time.time(),
-            waiting=len(self._requests) - len(s.running),  # queued or in the request overhead
-            running=len(s.running),
-            gpu_kv_usage=self.blocks.gpu_usage(),
-            cpu_kv_usage=self.blocks.cpu_usage(),
-            queued_prefill_tokens=s.queued_prefill_tokens(),
-            running_context_tokens=sum(r.num_computed for r in s.running),
-        )
+        # waiting: queued, or still in the request overhead
+        return s.load_snapshot(self.instance_id, time.time(), len(self._requests) - len(s.running))
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -34,6 +34,15 @@ PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 # Measured from the tiny vLLM model on the 2-core CPU machines by `kvroute profile`.
 DEFAULT_PROFILE = "cpu-tiny-llama"
 
+_POSITIVE = (
+    "block_size",
+    "kv_capacity_tokens",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "kv_bytes_per_token",
+    "cpu_load_gbps",
+)
 _NON_NEGATIVE = (
     "request_overhead_ms",
     "base_ms",
@@ -75,17 +84,12 @@ class LatencyProfile:
     sources: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "kv_capacity_tokens", "max_num_batched_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"profile {self.name!r}: {name} must be > 0")
-        for name in ("max_num_seqs", "max_model_len", "kv_bytes_per_token"):
+        for name in _POSITIVE:
             if getattr(self, name) <= 0:
                 raise ValueError(f"profile {self.name!r}: {name} must be > 0")
         for name in _NON_NEGATIVE:
             if getattr(self, name) < 0:
                 raise ValueError(f"profile {self.name!r}: {name} must be >= 0")
-        if self.cpu_load_gbps <= 0:
-            raise ValueError(f"profile {self.name!r}: cpu_load_gbps must be > 0")
 
     # -- the model ---------------------------------------------------------------------------
 
@@ -182,6 +186,3 @@ class LatencyProfile:
             shipped = ", ".join(sorted(p.stem for p in PROFILES_DIR.glob("*.json")))
             raise ValueError(f"profile: no file {str(path)!r}; shipped profiles: {shipped}")
         return cls.from_dict(json.loads(path.read_text()))
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

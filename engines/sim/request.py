@@ -87,6 +87,7 @@ class SimRequest:
     cached_tokens: int = -1  # prompt tokens served from cache at first admission (-1: not yet)
     cpu_cached_tokens: int = 0  # of which loaded from the CPU tier
     cpu_reused: list[int] = field(default_factory=list)  # CPU-tier hashes it loaded
+    begun: bool = False  # the CPU-tier policy has seen its begin_request
     first_token_s: float = -1.0
     finish_s: float = -1.0
 
@@ -94,7 +95,7 @@ class SimRequest:
     def num_tokens(self) -> int:
         return self.prompt_len + self.num_output
 
-    def extend_hashes(self, block_size: int, vocab_size: int, token_offset: int) -> None:
+    def extend_hashes(self, block_size: int) -> None:
         """Hash every output block that became full (vLLM appends to ``block_hashes`` as tokens
         arrive). Real tokens hash by content; hash-only requests get unique synthetic hashes."""
         full = self.num_tokens // block_size
@@ -183,7 +184,7 @@ def make_request(
     return SimRequest(
         request_id=request_id,
         prompt_len=n,
-        block_hashes=list(hashes),
+        block_hashes=hashes,
         target_output=target,
         finish_reason=reason,
         token_ids=tokens,

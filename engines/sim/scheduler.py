@@ -22,9 +22,11 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from engines.base import LoadSnapshot
 from engines.sim.blocks import KVBlockManager, cdiv
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest, Status
+from policies.base import EvictionPolicy
 
 
 @dataclass(slots=True, frozen=True)
@@ -71,6 +73,36 @@ class Scheduler:
         self.running: list[SimRequest] = []
         self._admission_blocked = False
         self.num_preemptions = 0
+
+    @classmethod
+    def for_profile(
+        cls,
+        profile: LatencyProfile,
+        *,
+        block_size: int | None = None,
+        num_gpu_blocks: int | None = None,
+        cpu_capacity_blocks: int = 0,
+        cpu_policy: str | EvictionPolicy = "lru",
+        enable_events: bool = False,
+        max_model_len: int | None = None,
+        **limits: int | None,
+    ) -> Scheduler:
+        """One instance sized by ``profile``: its KV capacity in ``block_size`` blocks (plus the
+        null block) unless ``num_gpu_blocks`` is given, ``max_model_len`` at most what the pool
+        holds, and the profile's other limits unless ``limits`` override them."""
+        bs = block_size or profile.block_size
+        n_blocks = num_gpu_blocks or profile.kv_capacity_tokens // bs + 1
+        blocks = KVBlockManager(
+            n_blocks,
+            bs,
+            cpu_capacity_blocks=cpu_capacity_blocks,
+            cpu_policy=cpu_policy,
+            enable_events=enable_events,
+        )
+        mml = max_model_len or min(profile.max_model_len, (n_blocks - 1) * bs)
+        return cls(
+            blocks, profile, SchedulerConfig.from_profile(profile, max_model_len=mml, **limits)
+        )
 
     # -- queue -------------------------------------------------------------------------------
 
@@ -127,6 +159,20 @@ class Scheduler:
             tokens += max(r.num_tokens - (len(hit) + n_cpu) * bs, 0)
         return tokens + sum(max(r.prompt_len - r.num_computed, 0) for r in self.running)
 
+    def load_snapshot(self, instance_id: str, ts: float, waiting: int) -> LoadSnapshot:
+        """This instance's ``LoadSnapshot``; ``waiting`` is the caller's count (it may include
+        requests not yet handed to the scheduler)."""
+        return LoadSnapshot(
+            instance_id=instance_id,
+            ts=ts,
+            waiting=waiting,
+            running=len(self.running),
+            gpu_kv_usage=self.blocks.gpu_usage(),
+            cpu_kv_usage=self.blocks.cpu_usage(),
+            queued_prefill_tokens=self.queued_prefill_tokens(),
+            running_context_tokens=sum(r.num_computed for r in self.running),
+        )
+
     # -- one step ----------------------------------------------------------------------------
 
     def schedule(self, now_s: float) -> Step:
@@ -168,8 +214,7 @@ class Scheduler:
                 self._admission_blocked = True
                 break
             r = waiting[0]
-            if r.cached_tokens < 0:
-                blocks.begin_request(r)
+            blocks.begin_request(r)  # once per request
             hit, n_cpu = blocks.lookup(r)
             computed = (len(hit) + n_cpu) * bs
             n = min(r.num_tokens - computed, budget)
@@ -225,7 +270,7 @@ class Scheduler:
                 continue
             toks = r.append_outputs(1, cfg.vocab_size, cfg.token_offset)
             if r.num_tokens % blocks.block_size == 0:
-                r.extend_hashes(blocks.block_size, cfg.vocab_size, cfg.token_offset)
+                r.extend_hashes(blocks.block_size)
             if r.first_token_s < 0:
                 r.first_token_s = end_s
             if r.num_output >= r.target_output:
@@ -285,7 +330,7 @@ class Scheduler:
         vocab, off = cfg.vocab_size, cfg.token_offset
         for r in running:
             r.append_outputs(k, vocab, off)
-            r.extend_hashes(bs, vocab, off)
+            r.extend_hashes(bs)
             if not blocks.allocate_running(r, k, cfg.max_model_len):
                 raise RuntimeError("decode_run: block budget was checked but allocation failed")
             r.num_computed += k

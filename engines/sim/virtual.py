@@ -19,10 +19,9 @@ from typing import Any
 
 from cachemap.events import KVEventBatch, encode_vllm_batch
 from engines.base import LoadSnapshot
-from engines.sim.blocks import KVBlockManager
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest, Status, make_request
-from engines.sim.scheduler import Scheduler, SchedulerConfig
+from engines.sim.scheduler import Scheduler
 from policies.base import EvictionPolicy, RequestInfo
 
 EventCallback = Callable[[str, int, bytes], None]
@@ -47,13 +46,6 @@ class RequestRecord:
     def ttft_s(self) -> float:
         return self.first_token_s - self.arrival_s
 
-    @property
-    def tpot_s(self) -> float:
-        """Mean time per output token after the first (0 for one-token outputs)."""
-        if self.output_tokens <= 1:
-            return 0.0
-        return (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
-
 
 class VirtualInstance:
     """One sim engine on a virtual clock. ``block_size`` may differ from the profile's (e.g. a
@@ -73,25 +65,20 @@ class VirtualInstance:
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
     ) -> None:
-        bs = block_size or profile.block_size
-        n_blocks = num_gpu_blocks or profile.kv_capacity_tokens // bs + 1  # + the null block
         self.instance_id = instance_id
         self.profile = profile
-        self.blocks = KVBlockManager(
-            n_blocks,
-            bs,
+        self.scheduler = Scheduler.for_profile(
+            profile,
+            block_size=block_size,
+            num_gpu_blocks=num_gpu_blocks,
             cpu_capacity_blocks=cpu_capacity_blocks,
             cpu_policy=cpu_policy,
             enable_events=on_events is not None,
-        )
-        mml = max_model_len or min(profile.max_model_len, (n_blocks - 1) * bs)
-        config = SchedulerConfig.from_profile(
-            profile,
+            max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
-            max_model_len=mml,
         )
-        self.scheduler = Scheduler(self.blocks, profile, config)
+        self.blocks = self.scheduler.blocks
         self.on_events = on_events
         self._overhead_s = profile.request_overhead_ms / 1e3
         # (ready time, request): arrived, not yet at the scheduler (the request overhead)
@@ -167,16 +154,7 @@ class VirtualInstance:
 
     def load(self) -> LoadSnapshot:
         s = self.scheduler
-        return LoadSnapshot(
-            instance_id=self.instance_id,
-            ts=self.clock,
-            waiting=len(s.waiting) + len(self._pending),
-            running=len(s.running),
-            gpu_kv_usage=self.blocks.gpu_usage(),
-            cpu_kv_usage=self.blocks.cpu_usage(),
-            queued_prefill_tokens=s.queued_prefill_tokens(),
-            running_context_tokens=sum(r.num_computed for r in s.running),
-        )
+        return s.load_snapshot(self.instance_id, self.clock, len(s.waiting) + len(self._pending))
 
     def outstanding(self) -> int:
         return len(self._pending) + len(self.scheduler.waiting) + len(self.scheduler.running)

@@ -149,7 +149,7 @@ def test_block_manager_matches_vllm_kv_cache_manager(seed):
             rid = rng.choice(list(live))
             vr, sr = live[rid]
             (token,) = sr.append_outputs(1, 1100, 1000)
-            sr.extend_hashes(bs, 1100, 1000)
+            sr.extend_hashes(bs)
             vr.append_output_token_ids(token)
             hm.learn(vr, sr)
             ok = vm.allocate_slots(vr, 1) is not None
