@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loadgen.cachesim import infinite_hit_rate, replay, simulate, synthetic_bailian  # noqa: E402
-from loadgen.traces import load_trace  # noqa: E402
+from loadgen.traces import TraceRequest, load_trace  # noqa: E402
 from policies import (  # noqa: E402
     EvictionPolicy,
     OfflinePolicy,
@@ -34,8 +34,7 @@ TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 CAPACITIES = [1000, 3000, 6000, 10000]
 
 
-def hit_rate_table(trace: Path) -> dict[str, object]:
-    reqs = load_trace(trace).requests
+def hit_rate_table(trace: Path, reqs: list[TraceRequest]) -> dict[str, object]:
     rows = simulate(reqs, policy_names(), CAPACITIES)
     table = {
         name: {str(r.capacity_blocks): round(r.hit_rate, 4) for r in rows if r.policy == name}
@@ -89,8 +88,7 @@ def eviction_overhead_us(resident: int = 100_000, decisions: int = 20_000) -> di
     return out
 
 
-def simulator_throughput(trace: Path, repeats: int = 3) -> float:
-    reqs = load_trace(trace).requests
+def simulator_throughput(reqs: list[TraceRequest], repeats: int = 3) -> float:
     best = 0.0
     for _ in range(repeats):
         r = replay(reqs, create_policy("lru", 6000))
@@ -115,10 +113,11 @@ def main() -> int:
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--quick", action="store_true", help="fewer workloads and decisions")
     args = parser.parse_args()
+    reqs = load_trace(args.trace).requests
     result = {
-        "hit_rates": hit_rate_table(args.trace),
+        "hit_rates": hit_rate_table(args.trace, reqs),
         "eviction_overhead_us": eviction_overhead_us(decisions=4096 if args.quick else 20_000),
-        "simulator_lru_block_accesses_per_s": simulator_throughput(args.trace),
+        "simulator_lru_block_accesses_per_s": simulator_throughput(reqs),
         "wa_vs_lru": wa_vs_lru(600, [0] if args.quick else [0, 1, 2], [1000, 2000, 4000]),
     }
     print(json.dumps(result, indent=1))

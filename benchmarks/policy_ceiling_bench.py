@@ -28,7 +28,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loadgen.cachesim import infinite_hit_rate, replay  # noqa: E402
+from loadgen.cachesim import infinite_hit_rate, replay, simulate  # noqa: E402
 from loadgen.traces import TraceRequest, load_trace  # noqa: E402
 from policies import create_policy  # noqa: E402
 
@@ -50,28 +50,33 @@ TARGET_HIT_RATE, TARGET_CAPACITY = 0.245, 6000
 PRIOR_WEIGHT = 10.0
 
 
-def hit_rate(reqs: Sequence[TraceRequest], name: str, capacity: int, **options: object) -> float:
-    return replay(reqs, create_policy(name, capacity, **options)).hit_rate
-
-
-def reference(reqs: Sequence[TraceRequest]) -> dict[str, object]:
-    table = {
-        name: {str(cap): round(hit_rate(reqs, name, cap), 4) for cap in CAPACITIES}
+def reference(reqs: Sequence[TraceRequest]) -> dict[str, dict[str, float]]:
+    """``{policy: {capacity: hit rate}}``."""
+    rows = simulate(reqs, REFERENCE_POLICIES, CAPACITIES)
+    return {
+        name: {str(r.capacity_blocks): round(r.hit_rate, 4) for r in rows if r.policy == name}
         for name in REFERENCE_POLICIES
     }
-    return {"infinite": round(infinite_hit_rate(reqs), 4), "table": table}
 
 
-def label_error_sweep(reqs: Sequence[TraceRequest], seeds: int) -> dict[str, dict[str, float]]:
+def label_error_sweep(
+    reqs: Sequence[TraceRequest], seeds: int, exact: Mapping[str, float]
+) -> dict[str, dict[str, float]]:
     """``{label_error: {capacity: hit rate}}``, the median over ``seeds`` seeds (one draw per
-    request and seed, shared across error rates; label_error 0 needs no draw: one replay)."""
+    request and seed, shared across error rates). label_error 0 needs no draw: it is ``exact``,
+    the reference's reuse-oracle column."""
     out: dict[str, dict[str, float]] = {}
     for err in LABEL_ERRORS:
         row: dict[str, float] = {}
         for cap in SWEEP_CAPACITIES:
+            if err == 0:
+                row[str(cap)] = exact[str(cap)]
+                continue
             rates = [
-                hit_rate(reqs, "reuse-oracle", cap, label_error=err, seed=seed)
-                for seed in range(seeds if err > 0 else 1)
+                replay(
+                    reqs, create_policy("reuse-oracle", cap, label_error=err, seed=seed)
+                ).hit_rate
+                for seed in range(seeds)
             ]
             row[str(cap)] = round(statistics.median(rates), 4)
         out[str(err)] = row
@@ -234,10 +239,11 @@ def main() -> int:
         parser.error(f"--seeds must be at least 1, got {args.seeds}")
     start = time.perf_counter()
     reqs = load_trace(args.trace).requests
-    sweep = label_error_sweep(reqs, args.seeds)
+    table = reference(reqs)
+    sweep = label_error_sweep(reqs, args.seeds, table["reuse-oracle"])
     result = {
         "trace": str(args.trace),
-        "reference": reference(reqs),
+        "reference": {"infinite": round(infinite_hit_rate(reqs), 4), "table": table},
         "reuse_oracle_with_label_error": {"seeds": args.seeds, "hit_rates": sweep},
         "online_continuation_predictability": continuation_predictability(reqs),
         "label_error_needed_for": needed_label_error(sweep),

@@ -8,6 +8,7 @@ numba's on-disk cache) on its first call, not at import. NOTE: importing numba i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ from typing import Any
 def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
     compiled: list[Callable[..., Any]] = []
 
+    @functools.wraps(fn)  # the plain kernel stays reachable as ``__wrapped__``
     def call(*args: Any) -> Any:
         if not compiled:
             from numba import njit
@@ -22,7 +24,4 @@ def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
             compiled.append(njit(cache=True, nogil=True)(fn))
         return compiled[0](*args)
 
-    call.__name__ = call.__qualname__ = fn.__name__
-    call.__doc__ = fn.__doc__
-    call.py_func = fn  # type: ignore[attr-defined]
     return call

@@ -130,3 +130,13 @@ class OfflinePolicy(EvictionPolicy):
     def load_future(self, requests: Sequence[Sequence[Key]]) -> None:
         """The block keys of every request that will be replayed, in order; ``begin_request``
         then passes ``RequestInfo.index`` into this list."""
+
+    def _future_index(self, request: RequestInfo, loaded: int) -> int:
+        """``request.index``, checked against the ``loaded`` requests of the future."""
+        if request.index < 0:
+            raise ValueError(
+                f"{self.name} needs RequestInfo.index (the request's position in the trace)"
+            )
+        if request.index >= loaded:
+            raise ValueError(f"{self.name}: request index {request.index} beyond the loaded future")
+        return request.index

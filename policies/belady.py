@@ -46,12 +46,8 @@ class BeladyPolicy(ScoredPolicy, OfflinePolicy):
         self._uses = uses
 
     def begin_request(self, request: RequestInfo, now_s: float) -> None:
-        if request.index < 0:
-            raise ValueError("belady needs RequestInfo.index (the request's position in the trace)")
-        if request.index >= len(self._requests):
-            raise ValueError(f"belady: request index {request.index} beyond the loaded future")
-        self._index = request.index
-        self._keys = self._requests[request.index]
+        self._index = self._future_index(request, len(self._requests))
+        self._keys = self._requests[self._index]
         self._cursor = 0
         self._stored.clear()
 

@@ -7,6 +7,7 @@ from collections import OrderedDict
 from collections.abc import Sequence, Set
 
 from policies.base import NO_PROTECTION, EvictionPolicy, Key, RequestInfo
+from policies.ghost import GhostList
 
 # Per key: [class, last access s, access count, prefix offset].
 _State = list[float]
@@ -34,8 +35,8 @@ class PrefixOddsPolicy(EvictionPolicy):
 
     NOTE: every block of a class shares the offset ``scale * tau * logit(p)``, so each class
     is one recency list and eviction compares their heads only: O(classes) per victim, and a
-    refit (every ``refit_every`` accesses) re-ranks everything at once for free. ``evict`` uses
-    the latest time seen.
+    refit (every ``refit_every`` accesses) re-ranks everything at once for free; the current
+    time is common to all scores, so ``evict`` needs none.
 
     Prefix semantics: a finished request re-ranks its blocks tail first (its head is the most
     recent in each class), so within a class a prompt leaves tail first; on a tie across classes
@@ -61,7 +62,9 @@ class PrefixOddsPolicy(EvictionPolicy):
         memory_accesses: int = 200_000,
     ) -> None:
         if min(max_count, depth_buckets, refit_every) < 1 or scale <= 0.0 or ghost_factor < 0.0:
-            raise ValueError("max_count, depth_buckets, scale, refit_every must be positive")
+            raise ValueError(
+                "max_count, depth_buckets, scale, refit_every must be positive, ghost_factor >= 0"
+            )
         self.max_count, self.depth_buckets = max_count, depth_buckets
         self.scale, self.ghost_factor = scale, ghost_factor
         self.refit_every, self.prior_weight = refit_every, prior_weight
@@ -75,13 +78,15 @@ class PrefixOddsPolicy(EvictionPolicy):
         self._tail = n - 1
         self._lists: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(n)]
         self._state: dict[Key, _State] = {}
-        self._ghost: OrderedDict[Key, tuple[int, float, int]] = OrderedDict()
+        # class, last access s, access count
+        self._ghost: GhostList[tuple[int, float, int]] = GhostList(
+            int(self.ghost_factor * self.capacity_blocks)
+        )
         self._accesses = [0.0] * n
         self._reuses = [0.0] * n
         self._gap_sum = [0.0] * n
         self._offset = [0.0] * n  # scale * tau * logit(p), seconds
         self._tie_order = [n - 1, *range(d - 1, -1, -1), *range(d, n - 1)]
-        self._now = 0.0
         self._since_fit = 0
 
     def __len__(self) -> int:
@@ -129,7 +134,6 @@ class PrefixOddsPolicy(EvictionPolicy):
                 arr[:] = [x / 2.0 for x in arr]
 
     def insert(self, key: Key, now_s: float, parent: Key | None = None, offset: int = 0) -> None:
-        self._now = max(self._now, now_s)
         count = 1
         ghost = self._ghost.pop(key, None)
         if ghost is not None:
@@ -138,7 +142,6 @@ class PrefixOddsPolicy(EvictionPolicy):
         self._access(key, count, now_s, offset)
 
     def touch(self, key: Key, now_s: float) -> None:
-        self._now = max(self._now, now_s)
         cls, last, count, offset = self._state[key]
         self._reused(int(cls), now_s - last)
         del self._lists[int(cls)][key]
@@ -187,15 +190,11 @@ class PrefixOddsPolicy(EvictionPolicy):
         if n > self.evictable_count(protected):
             return None
         victims: list[Key] = []
-        limit = int(self.ghost_factor * self.capacity_blocks)
         for _ in range(n):
             key = self._victim(protected)
             assert key is not None
             cls, last, count, _ = self._state.pop(key)
             del self._lists[int(cls)][key]
             victims.append(key)
-            if limit:
-                self._ghost[key] = (int(cls), last, int(count))
-                if len(self._ghost) > limit:
-                    self._ghost.popitem(last=False)
+            self._ghost.add(key, (int(cls), last, int(count)))
         return victims

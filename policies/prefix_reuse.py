@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Sequence, Set
 
 from policies.base import NO_PROTECTION, Key, RequestInfo
+from policies.ghost import GhostList
 from policies.scored import ScoredPolicy
 
 
@@ -55,7 +55,9 @@ class PrefixReusePolicy(ScoredPolicy):
         self._reuses = [0.0] * n_classes
         self._logit = [0.0] * n_classes
         self._state: dict[Key, tuple[int, int, float, int]] = {}  # count, class, last, offset
-        self._ghost: OrderedDict[Key, tuple[int, int, float]] = OrderedDict()  # count, class, last
+        self._ghost: GhostList[tuple[int, int, float]] = GhostList(  # count, class, last
+            int(self.ghost_factor * self.capacity_blocks)
+        )
         self._scale_s = 0.0  # running mean reuse interval; 0 until the first reuse
         self._n_intervals = 0
         self._since_fit = 0
@@ -125,10 +127,7 @@ class PrefixReusePolicy(ScoredPolicy):
 
     def evict(self, n: int, protected: Set[Key] = NO_PROTECTION) -> list[Key] | None:
         victims = super().evict(n, protected)
-        limit = int(self.ghost_factor * self.capacity_blocks)
         for key in victims or ():
             count, cls, last_s, _ = self._state.pop(key)
-            self._ghost[key] = (count, cls, last_s)
-            if len(self._ghost) > limit:
-                self._ghost.popitem(last=False)
+            self._ghost.add(key, (count, cls, last_s))
         return victims

@@ -71,16 +71,8 @@ class ReuseOraclePolicy(ScoredPolicy, OfflinePolicy):
         self._flipped = [rng.random() < self.label_error for _ in requests]
 
     def begin_request(self, request: RequestInfo, now_s: float) -> None:
-        if request.index < 0:
-            raise ValueError(
-                "reuse-oracle needs RequestInfo.index (the request's position in the trace)"
-            )
-        if request.index >= len(self._flipped):
-            raise ValueError(
-                f"reuse-oracle: request index {request.index} beyond the loaded future"
-            )
-        self._index = request.index
-        self._flip = self._flipped[request.index]
+        self._index = self._future_index(request, len(self._flipped))
+        self._flip = self._flipped[self._index]
 
     def _rank(self, key: Key) -> None:
         """Make ``key`` the most recent block of its class, labelled for the current request."""

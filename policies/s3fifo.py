@@ -6,6 +6,7 @@ from collections import OrderedDict
 from collections.abc import Set
 
 from policies.base import NO_PROTECTION, EvictionPolicy, Key
+from policies.ghost import GhostList
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -30,7 +31,7 @@ class S3FIFOPolicy(EvictionPolicy):
     def _reset(self) -> None:
         self._small: OrderedDict[Key, None] = OrderedDict()
         self._main: OrderedDict[Key, None] = OrderedDict()
-        self._ghost: OrderedDict[Key, None] = OrderedDict()
+        self._ghost: GhostList[None] = GhostList(self.capacity_blocks)
         self._freq: dict[Key, int] = {}
         self._small_target = max(1, int(self.capacity_blocks * self.small_fraction))
 
@@ -89,9 +90,7 @@ class S3FIFOPolicy(EvictionPolicy):
             else:
                 victim = key
                 del self._freq[key]
-                self._ghost[key] = None
-                if len(self._ghost) > self.capacity_blocks:
-                    self._ghost.popitem(last=False)
+                self._ghost.add(key, None)
                 break
         for key in reversed(skipped):  # protected keys keep their place at the head
             self._small[key] = None

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Set
 from dataclasses import dataclass, field
 
 from policies.base import NO_PROTECTION, EvictionPolicy, Key, RequestInfo
+from policies.ghost import GhostList
 from policies.keyed_heap import KeyedMinHeap
 
 
@@ -66,7 +67,9 @@ class WAPolicy(EvictionPolicy):
         self._cats: dict[str, _Category] = {}
         self._pooled = _Category()
         self._meta: dict[Key, tuple[_Category, float, int]] = {}  # category, last access, offset
-        self._ghost: OrderedDict[Key, tuple[_Category, float]] = OrderedDict()
+        self._ghost: GhostList[tuple[_Category, float]] = GhostList(
+            int(self.ghost_factor * self.capacity_blocks)
+        )
         self._current = self._category("all")
         self._now = 0.0
         self._life_s = 0.0
@@ -199,9 +202,7 @@ class WAPolicy(EvictionPolicy):
             victims.append(key)
             _, last_s, _ = self._meta.pop(key)
             self._life_s += (self._now - last_s - self._life_s) / 64.0
-            self._ghost[key] = (cat, last_s)
-            if len(self._ghost) > self.ghost_factor * self.capacity_blocks:
-                self._ghost.popitem(last=False)
+            self._ghost.add(key, (cat, last_s))
             self._dirty.add(cat)
         if protected:
             heads.clear()

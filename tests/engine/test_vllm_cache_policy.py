@@ -89,9 +89,12 @@ def test_the_request_category_reaches_the_policy() -> None:
     assert len(inner._cats["file_2"].blocks) == 1
 
 
-@pytest.mark.parametrize("class_name", ["KvrouteS3FIFO", "KvrouteLRU", "KvroutePrefixReuse"])
+@pytest.mark.parametrize(
+    "class_name", ["KvrouteS3FIFO", "KvrouteLRU", "KvroutePrefixReuse", "KvroutePrefixOdds"]
+)
 def test_through_vllms_cpu_offloading_manager(class_name: str) -> None:
-    """The real manager drives the policy: stores, evictions, loads and request ends."""
+    """The real manager drives the policy: stores, evictions, loads and request ends (no
+    offsets, no prompt length: prefix-odds sees every new block at depth 0)."""
     manager = CPUOffloadingManager(
         num_chunks=4, cache_policy=class_name, cache_policy_module_path=MODULE, enable_events=True
     )
