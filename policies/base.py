@@ -9,9 +9,9 @@ block it stores (``insert``), every reuse (``touch``) and every removal it makes
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Sequence, Set
+from collections.abc import Hashable, Mapping, Sequence, Set
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 # A block identity: an ``int`` trace hash id or chained ``BlockHash``, vLLM's ``bytes`` OffloadKey.
 Key = Hashable
@@ -37,6 +37,23 @@ class RequestInfo:
     index: int = -1
     num_blocks: int = 0
     continuation_p: float | None = None
+
+    @classmethod
+    def from_hints(cls, kv_transfer_params: Mapping[str, Any] | None) -> RequestInfo | None:
+        """The router's policy hints, ``kv_transfer_params["kvroute"]`` (``category``,
+        ``turn``, ``session_id``, ``parent_id``, ``continuation``), or None without them. The
+        one parser for the sim engine's CPU tier and the vLLM adapter."""
+        hints = (kv_transfer_params or {}).get("kvroute")
+        if not isinstance(hints, Mapping):
+            return None
+        cont = hints.get("continuation")
+        return cls(
+            category=str(hints.get("category", "all")),
+            turn=int(hints.get("turn", 1)),
+            session_id=hints.get("session_id"),
+            parent_id=hints.get("parent_id"),
+            continuation_p=float(cont) if cont is not None else None,
+        )
 
 
 class EvictionPolicy(ABC):

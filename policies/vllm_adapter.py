@@ -11,7 +11,8 @@ Load one with the offloading connector's extra config::
 
 vLLM builds the policy with only ``cache_capacity`` (chunks); the request category comes from
 ``ReqContext.kv_transfer_params["kvroute"]`` (``category``, ``turn``, ``session_id``,
-``parent_id``, ``continuation_p``, ``now_s``), which the router sets per request.
+``parent_id``, ``continuation``, ``now_s``; parsed by ``RequestInfo.from_hints``), which the
+router sets per request.
 
 This is the shell around the pure policies: vLLM's contract carries no time, so the adapter
 reads ``now_s`` from the request when the router sends one and otherwise its clock
@@ -49,18 +50,8 @@ CLASS_NAMES: dict[str, str] = {
 
 def request_info(req_context: ReqContext | None) -> RequestInfo:
     """The kvroute request fields from ``kv_transfer_params["kvroute"]`` (defaults if absent)."""
-    params: Any = (req_context.kv_transfer_params or {}) if req_context is not None else {}
-    ours = params.get("kvroute") if isinstance(params, dict) else None
-    if not isinstance(ours, dict):
-        return RequestInfo()
-    p = ours.get("continuation_p")
-    return RequestInfo(
-        category=str(ours.get("category", "all")),
-        turn=int(ours.get("turn", 1)),
-        session_id=ours.get("session_id"),
-        parent_id=ours.get("parent_id"),
-        continuation_p=float(p) if p is not None else None,
-    )
+    params = req_context.kv_transfer_params if req_context is not None else None
+    return RequestInfo.from_hints(params if isinstance(params, dict) else None) or RequestInfo()
 
 
 class _Pinned(Set[OffloadKey]):

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import zmq
 
@@ -25,21 +24,6 @@ from engines.sim.scheduler import Scheduler
 from policies.base import EvictionPolicy, RequestInfo
 
 log = logging.getLogger(__name__)
-
-
-def request_info(params: dict[str, Any] | None) -> RequestInfo | None:
-    """kvroute's policy hints (``kv_transfer_params["kvroute"]``) as a policy ``RequestInfo``."""
-    hints = (params or {}).get("kvroute")
-    if not isinstance(hints, dict):
-        return None
-    cont = hints.get("continuation")
-    return RequestInfo(
-        category=str(hints.get("category", "all")),
-        turn=int(hints.get("turn", 1)),
-        session_id=hints.get("session_id"),
-        parent_id=hints.get("parent_id"),
-        continuation_p=float(cont) if cont is not None else None,
-    )
 
 
 class SimEngine(Engine):
@@ -171,7 +155,7 @@ class SimEngine(Engine):
                 vocab_size=self.config.vocab_size,
                 token_offset=self.config.token_offset,
                 arrival_s=time.monotonic(),
-                info=request_info(request.kv_transfer_params),
+                info=RequestInfo.from_hints(request.kv_transfer_params),
                 tag=queue,
             )
             self.scheduler.check(req)

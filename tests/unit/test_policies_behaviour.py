@@ -229,3 +229,15 @@ def test_prefix_reuse_sends_a_prompt_tail_first_and_learns_counts() -> None:
         now += 1.0
     assert pr.evict(1) != ["h"]
     assert pr._logit[pr.max_count] > pr._logit[pr.max_count + 2]  # hot interior > tail
+
+
+def test_router_hints_parse_the_same_for_the_sim_and_the_vllm_adapter() -> None:
+    from types import SimpleNamespace
+
+    from policies.vllm_adapter import request_info
+
+    params = {"kvroute": {"category": "text_2", "turn": 2, "continuation": 0.6}}
+    info = RequestInfo.from_hints(params)
+    assert info == RequestInfo(category="text_2", turn=2, continuation_p=0.6)
+    assert request_info(SimpleNamespace(kv_transfer_params=params)) == info  # type: ignore[arg-type]
+    assert RequestInfo.from_hints({"other": 1}) is None and RequestInfo.from_hints(None) is None
