@@ -36,8 +36,13 @@ def _tokenizer_path(cfg: ServeConfig) -> str:
 
 
 def latency_profile(cfg: ServeConfig) -> LatencyProfile:
-    name = cfg.router.profile or cfg.engines.engine.profile or DEFAULT_PROFILE
-    return LatencyProfile.load(name)
+    """The profile the router prices engines with, under the engines' own scheduler limits
+    (a profile's per-token costs carry over; its batching limits are configuration)."""
+    ecfg = cfg.engines.engine
+    name = cfg.router.profile or ecfg.profile or DEFAULT_PROFILE
+    return LatencyProfile.load(name).with_limits(
+        ecfg.max_num_batched_tokens, ecfg.long_prefill_token_threshold
+    )
 
 
 @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0})

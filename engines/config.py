@@ -43,6 +43,15 @@ class EngineConfig(_Strict):
     # None: the engine's default (vLLM's, or the sim profile's)
     max_num_seqs: int | None = Field(None, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)
+    long_prefill_token_threshold: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "cap each prefill at this many tokens per step while other requests wait or run, so "
+            "a long cold prompt cannot hold a cached one behind it for its whole prefill "
+            "(vLLM's long_prefill_token_threshold); None: no cap"
+        ),
+    )
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     seed: int = 0
     profile: str | None = Field(
@@ -84,6 +93,14 @@ class EngineConfig(_Strict):
             raise ValueError(
                 f"max_num_batched_tokens: must be >= block_size ({self.block_size}), "
                 f"got {self.max_num_batched_tokens}"
+            )
+        if (
+            self.long_prefill_token_threshold is not None
+            and self.long_prefill_token_threshold > self.max_model_len
+        ):
+            raise ValueError(
+                f"long_prefill_token_threshold: must be <= max_model_len ({self.max_model_len}), "
+                f"got {self.long_prefill_token_threshold}"
             )
         return self
 

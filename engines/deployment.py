@@ -57,6 +57,7 @@ def _vllm_engine(cfg: EngineConfig, instance_id: str) -> Engine:
         kv_space_gib=None if cfg.on_gpu else cfg.kv_space_gib,
         kv_blocks=cfg.kv_blocks,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
+        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         **limits,
         tensor_parallel_size=cfg.tensor_parallel_size,
         seed=cfg.seed,
@@ -85,6 +86,7 @@ def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:
         max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
+        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         **opts,
     )
 

@@ -21,13 +21,17 @@ class LatencyModel(Protocol):
     """An engine's latency profile, as the router needs it (``engines.sim.profile.
     LatencyProfile`` satisfies it; ``kvroute profile`` measures one from a real engine)."""
 
-    def ttft_s(self, prompt_tokens: int, cached_tokens: int = 0, cpu_tokens: int = 0) -> float:
-        """Seconds to the first token on an idle engine: prefill of the prompt beyond its
-        ``cached_tokens`` GPU hit and ``cpu_tokens`` CPU-tier hit, plus loading the latter."""
-        ...
-
-    def queue_s(self, tokens: int) -> float:
-        """Seconds an engine needs to work off ``tokens`` of queued prefill (its prefill rate)."""
+    def ttft_s(
+        self,
+        prompt_tokens: int,
+        cached_tokens: int = 0,
+        cpu_tokens: int = 0,
+        queued: int = 0,
+        queued_requests: int = 1,
+    ) -> float:
+        """Seconds to the first token: prefill of the prompt beyond its ``cached_tokens`` GPU hit
+        and ``cpu_tokens`` CPU-tier hit, loading the latter, on an engine where ``queued``
+        tokens of prefill of ``queued_requests`` requests already wait (0: an idle engine)."""
         ...
 
 

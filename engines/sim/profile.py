@@ -17,7 +17,10 @@ and ``context`` the tokens they attend to in total. Hence
     decode_step_ms(batch, context) = base_ms + decode_seq_ms * batch + decode_ctx_ms * context
 
 A request also waits ``request_overhead_ms`` (input processing, IPC to the engine core) between
-its arrival and the scheduler, so an unloaded TTFT is that plus its prefill steps.
+its arrival and the scheduler, so an unloaded TTFT is that plus its prefill steps. Behind
+queued prefill work a request first waits for that work (FCFS), unless the engine caps each
+prefill at ``long_prefill_token_threshold`` tokens a step: then it shares steps with the queue
+from the start, at most that many of its own tokens per step (see ``ttft_s``).
 
 Affine in every term, so a run of pure decode steps has a closed-form duration (what lets the
 virtual-time engine skip ahead instead of stepping one token at a time).
@@ -26,7 +29,7 @@ virtual-time engine skip ahead instead of stepping one token at a time).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,7 @@ _POSITIVE = (
     "cpu_load_gbps",
 )
 _NON_NEGATIVE = (
+    "long_prefill_token_threshold",
     "request_overhead_ms",
     "base_ms",
     "prefill_token_ms",
@@ -61,7 +65,10 @@ class LatencyProfile:
     ``kv_bytes_per_token``: bytes of KV per token (all layers), used for CPU->GPU load time;
     ``cpu_load_gbps``: CPU->GPU copy bandwidth in GB/s (1e9 bytes per second);
     ``request_overhead_ms``: per-request latency outside the engine's steps (input processing,
-    IPC to the engine core): a request reaches the scheduler this long after it arrives.
+    IPC to the engine core): a request reaches the scheduler this long after it arrives;
+    ``long_prefill_token_threshold``: the engine's per-request prefill cap per step while other
+    requests run or wait (vLLM's option of that name; 0: none). Like ``max_num_batched_tokens``
+    it is configuration, not a measured cost: ``with_limits`` sets it to an engine's own.
     """
 
     name: str
@@ -80,6 +87,7 @@ class LatencyProfile:
     decode_ctx_ms: float
     cpu_load_gbps: float
     request_overhead_ms: float = 0.0
+    long_prefill_token_threshold: int = 0
     notes: str = ""
     sources: tuple[str, ...] = field(default_factory=tuple)
 
@@ -124,16 +132,53 @@ class LatencyProfile:
         """Time to copy ``tokens`` of KV from the CPU tier to the GPU."""
         return tokens * self.kv_bytes_per_token / (self.cpu_load_gbps * 1e9)
 
-    def ttft_s(self, prompt_tokens: int, cached_tokens: int = 0, cpu_tokens: int = 0) -> float:
-        """Unloaded TTFT: the request overhead, then one step per ``max_num_batched_tokens``
-        chunk of the uncached tokens, plus the CPU-tier load."""
+    def ttft_s(
+        self,
+        prompt_tokens: int,
+        cached_tokens: int = 0,
+        cpu_tokens: int = 0,
+        queued: int = 0,
+        queued_requests: int = 1,
+    ) -> float:
+        """TTFT behind ``queued`` tokens of prefill (held by ``queued_requests`` requests) that
+        already wait on the engine: the request overhead, one step per ``max_num_batched_tokens``
+        chunk of the uncached tokens, and the CPU-tier load. With no cap the queue is worked off
+        first (FCFS, ``queue_s``). With a ``long_prefill_token_threshold`` the request takes up
+        to that many tokens a step from the start, beside the queue's own capped chunks; the
+        queue is assumed to fill the steps' budget no further than its requests' caps allow."""
         done, left = cached_tokens + cpu_tokens, prompt_tokens - cached_tokens - cpu_tokens
-        total = self.request_overhead_ms / 1e3
+        total = self.request_overhead_ms / 1e3 + self.load_s(cpu_tokens)
+        budget, cap = self.max_num_batched_tokens, self.long_prefill_token_threshold
+        if queued > 0 and not 0 < cap < budget:
+            total, queued = total + self.queue_s(queued), 0
+        lanes = max(1, queued_requests) * cap
         while left > 0:
-            n = min(left, self.max_num_batched_tokens)
-            total += self.prefill_s(n, done)
+            if queued > 0:  # a shared step: our capped chunk beside the queue's
+                n = min(left, cap)
+                other = min(queued, budget - n, lanes)
+                queued -= other
+                total += (self.base_ms + self.chunk_ms(n, done) + self.chunk_ms(other, 0)) / 1e3
+            else:
+                n = min(left, budget)
+                total += self.prefill_s(n, done)
             done, left = done + n, left - n
-        return total + self.load_s(cpu_tokens)
+        return total
+
+    def with_limits(
+        self,
+        max_num_batched_tokens: int | None = None,
+        long_prefill_token_threshold: int | None = None,
+    ) -> LatencyProfile:
+        """This profile for an engine configured with these scheduler limits (None: keep)."""
+        return replace(
+            self,
+            max_num_batched_tokens=max_num_batched_tokens or self.max_num_batched_tokens,
+            long_prefill_token_threshold=(
+                self.long_prefill_token_threshold
+                if long_prefill_token_threshold is None
+                else long_prefill_token_threshold
+            ),
+        )
 
     # -- I/O ---------------------------------------------------------------------------------
 
@@ -159,6 +204,7 @@ class LatencyProfile:
                 decode_ctx_ms=float(dec["ctx_ms"]),
                 cpu_load_gbps=float(data["cpu_load_gbps"]),
                 request_overhead_ms=float(data.get("request_overhead_ms", 0.0)),
+                long_prefill_token_threshold=int(data.get("long_prefill_token_threshold", 0)),
                 notes=str(data.get("notes", "")),
                 sources=tuple(str(s) for s in data.get("sources", ())),
             )

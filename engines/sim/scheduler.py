@@ -36,11 +36,15 @@ class SchedulerConfig:
     max_model_len: int
     vocab_size: int = 32_000
     token_offset: int = 1_000
+    # vLLM's long_prefill_token_threshold: while more than one request is running or waiting,
+    # no request prefills more than this many tokens in a step (0: no cap)
+    long_prefill_token_threshold: int = 0
 
     @classmethod
     def from_profile(cls, profile: LatencyProfile, **overrides: int | None) -> SchedulerConfig:
         """The profile's limits, with any non-None ``overrides`` (same field names)."""
         values = {
+            "long_prefill_token_threshold": profile.long_prefill_token_threshold,
             "max_num_batched_tokens": profile.max_num_batched_tokens,
             "max_num_seqs": profile.max_num_seqs,
             "max_model_len": profile.max_model_len,
@@ -182,10 +186,12 @@ class Scheduler:
         step = Step()
         budget = cfg.max_num_batched_tokens
         running = self.running
+        # as vLLM: the cap holds only when there is another request to make room for
+        cap = cfg.long_prefill_token_threshold if len(running) + len(self.waiting) > 1 else 0
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
-            n = min(r.num_tokens - r.num_computed, budget)
+            n = min(r.num_tokens - r.num_computed, budget, cap or budget)
             if n <= 0:
                 i += 1
                 continue
@@ -203,11 +209,11 @@ class Scheduler:
             i += 1
         self._admission_blocked = False
         if not step.preempted:
-            budget = self._admit(step, budget, now_s)
+            budget = self._admit(step, budget, cap or budget)
         step.duration_s = self._duration_s(step)
         return step
 
-    def _admit(self, step: Step, budget: int, now_s: float) -> int:
+    def _admit(self, step: Step, budget: int, cap: int) -> int:
         cfg, blocks, waiting, bs = self.config, self.blocks, self.waiting, self.blocks.block_size
         while budget > 0 and waiting:
             if len(self.running) >= cfg.max_num_seqs:
@@ -217,7 +223,7 @@ class Scheduler:
             blocks.begin_request(r)  # once per request
             hit, n_cpu = blocks.lookup(r)
             computed = (len(hit) + n_cpu) * bs
-            n = min(r.num_tokens - computed, budget)
+            n = min(r.num_tokens - computed, budget, cap)
             if not blocks.allocate_new(r, n, hit, n_cpu, cfg.max_model_len):
                 self._admission_blocked = True
                 break

@@ -62,6 +62,7 @@ class VirtualInstance:
         cpu_policy: str | EvictionPolicy = "lru",
         on_events: EventCallback | None = None,
         max_num_batched_tokens: int | None = None,
+        long_prefill_token_threshold: int | None = None,
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
     ) -> None:
@@ -76,6 +77,7 @@ class VirtualInstance:
             enable_events=on_events is not None,
             max_model_len=max_model_len,
             max_num_batched_tokens=max_num_batched_tokens,
+            long_prefill_token_threshold=long_prefill_token_threshold,
             max_num_seqs=max_num_seqs,
         )
         self.blocks = self.scheduler.blocks

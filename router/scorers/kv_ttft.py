@@ -9,6 +9,12 @@
   ``max_num_batched_tokens`` chunks at their context length, plus the per-request overhead;
 - load: the CPU-resident part of that run, moved to the GPU at the profile's bandwidth.
 
+An engine that caps each prefill per step (``long_prefill_token_threshold``) does not make a
+request wait for the whole queue: its capped chunks share steps with the queued work from the
+start, so the queue and prefill terms become one walk over those shared steps
+(``LatencyProfile.ttft_s`` with ``queued``). Priced as plain FCFS, such an engine's queue
+would look far longer to a cached request than it is, and push it off its cache.
+
 The profile is measured on a quiet engine; a loaded deployment is slower, and not uniformly:
 every sequence an instance is decoding stretches the steps a new prefill shares with it (on a
 vLLM CPU engine that also means per-token streaming work in the same few cores). So the
@@ -105,10 +111,14 @@ class KvTtftScorer(Scorer):
         # NOTE: an engine always recomputes at least the prompt's last token.
         cached_tokens = min(total * bs, max(0, request.prompt_tokens - 1))
         gpu_tokens = min(gpu * bs, cached_tokens)
-        lat = inst.latency
-        queue = lat.queue_s(inst.pending_prefill_tokens)
-        ttft = lat.ttft_s(request.prompt_tokens, gpu_tokens, cached_tokens - gpu_tokens)
-        return queue + ttft, total
+        ttft = inst.latency.ttft_s(
+            request.prompt_tokens,
+            gpu_tokens,
+            cached_tokens - gpu_tokens,
+            queued=inst.pending_prefill_tokens,
+            queued_requests=inst.waiting,
+        )
+        return ttft, total
 
     def estimate(
         self, request: PlacementRequest, inst: InstanceView, m: Match | None

@@ -185,9 +185,10 @@ def tiny_model_path() -> str:
 
 
 @pytest.mark.parametrize(
-    ("n_blocks", "budget", "seqs"), [(64, 256, 8), (40, 512, 16), (200, 128, 4), (24, 2048, 32)]
+    ("n_blocks", "budget", "seqs", "long_prefill"),
+    [(64, 256, 8, 0), (40, 512, 16, 0), (200, 128, 4, 0), (24, 2048, 32, 0), (200, 512, 8, 96)],
 )
-def test_scheduler_matches_vllm_scheduler(tiny_model_path, n_blocks, budget, seqs):
+def test_scheduler_matches_vllm_scheduler(tiny_model_path, n_blocks, budget, seqs, long_prefill):
     bs = 32
     rng = random.Random(n_blocks)
     init_none_hash(sha256_cbor)
@@ -200,6 +201,7 @@ def test_scheduler_matches_vllm_scheduler(tiny_model_path, n_blocks, budget, seq
             max_num_batched_tokens=budget,
             max_model_len=MML,
             enable_chunked_prefill=True,
+            long_prefill_token_threshold=long_prefill,
             is_encoder_decoder=False,
         ),
         cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True),
@@ -207,7 +209,8 @@ def test_scheduler_matches_vllm_scheduler(tiny_model_path, n_blocks, budget, seq
     vc.cache_config.num_gpu_blocks = n_blocks
     vs = VllmScheduler(vc, kv_config(n_blocks, bs), StructuredOutputManager(vc), block_size=bs)
     profile = LatencyProfile.load("cpu-tiny-llama")
-    ss = Scheduler(KVBlockManager(n_blocks, bs), profile, SimSchedulerConfig(budget, seqs, MML))
+    sim_cfg = SimSchedulerConfig(budget, seqs, MML, long_prefill_token_threshold=long_prefill)
+    ss = Scheduler(KVBlockManager(n_blocks, bs), profile, sim_cfg)
     hasher = get_request_block_hasher(bs, sha256_cbor)
     prefixes = [[rng.randrange(1000, 2000) for _ in range(rng.randrange(0, 300))] for _ in range(4)]
     arrivals = sorted(

@@ -35,6 +35,8 @@ def test_defaults_are_two_sim_engines_on_localhost() -> None:
         ({"router": {"scorer_options": {"kv_veto": 2}}}, "scorer_options"),
         ({"engines": {"engine": {"kind": "vllm", "cpu_bind": ["0", "x"]}}}, r"cpu_bind\[1\]"),
         ({"engines": {"engine": {"kind": "vllm", "cpu_bind": []}}}, "cpu_bind"),
+        ({"engines": {"engine": {"long_prefill_token_threshold": 0}}}, "long_prefill_token"),
+        ({"engines": {"engine": {"long_prefill_token_threshold": 8192}}}, "long_prefill_token"),
     ],
 )
 def test_bad_settings_name_the_field(data: dict, field: str) -> None:

@@ -29,12 +29,16 @@ class Linear:
     tok_s: float = 10_000.0
     load_tok_s: float = 200_000.0
 
-    def ttft_s(self, prompt_tokens: int, cached_tokens: int = 0, cpu_tokens: int = 0) -> float:
+    def ttft_s(
+        self,
+        prompt_tokens: int,
+        cached_tokens: int = 0,
+        cpu_tokens: int = 0,
+        queued: int = 0,
+        queued_requests: int = 1,
+    ) -> float:
         uncached = prompt_tokens - cached_tokens - cpu_tokens
-        return uncached / self.tok_s + cpu_tokens / self.load_tok_s
-
-    def queue_s(self, tokens: int) -> float:
-        return tokens / self.tok_s
+        return (queued + uncached) / self.tok_s + cpu_tokens / self.load_tok_s
 
 
 def view(iid: str, **kw) -> InstanceView:

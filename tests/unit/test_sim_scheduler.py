@@ -77,6 +77,32 @@ def test_token_budget_and_chunked_prefill():
     assert [(r.request_id, n) for r, n, _ in step.scheduled] == [("a", 1), ("b", 12)]
 
 
+def test_long_prefill_threshold_makes_room_for_a_short_prompt():
+    def first_tokens(threshold: int) -> tuple[float, float]:
+        p = profile(max_num_batched_tokens=64)
+        cfg = SchedulerConfig.from_profile(p, long_prefill_token_threshold=threshold)
+        s = Scheduler(KVBlockManager(200, BS), p, cfg)
+        long, short = req("long", 400), req("short", 8, start=900)
+        s.add(long)
+        step = s.schedule(0.0)
+        assert step.scheduled[0][1] == 64  # alone: the cap does not apply
+        t = step.duration_s
+        s.complete(step, t)
+        s.add(short)
+        step = s.schedule(t)
+        want = [("long", 16), ("short", 8)] if threshold else [("long", 64)]
+        assert [(r.request_id, n) for r, n, _ in step.scheduled] == want
+        t += step.duration_s
+        s.complete(step, t)
+        run(s, t)
+        return long.first_token_s, short.first_token_s
+
+    long_capped, short_capped = first_tokens(16)
+    long_plain, short_plain = first_tokens(0)
+    assert short_capped < short_plain  # no longer waits for the whole long prefill
+    assert long_capped > long_plain  # which pays for it
+
+
 def test_first_token_only_after_the_last_chunk():
     s = make(budget=32)
     a = req("a", 100, out=3)

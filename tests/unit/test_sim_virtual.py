@@ -184,3 +184,22 @@ def test_hash_only_requests_replay(profile):
         inst.submit(r, at)
         inst.run_until(at + 50)
     assert [rec.cached_tokens for rec in inst.finished] == [0, 1024]
+
+
+@pytest.mark.parametrize("cap", [0, 2048])
+def test_ttft_behind_a_queue_follows_the_scheduler(profile, cap):
+    """``LatencyProfile.ttft_s`` with ``queued`` work against the sim's own scheduler: FCFS
+    without a prefill cap, steps shared with the queue's capped chunks with one."""
+    limited = profile.with_limits(long_prefill_token_threshold=cap)
+    inst = VirtualInstance("v0", limited)
+    queue = [(f"q{i}", tokens(10 + i, 8_000)) for i in range(2)]
+    for rid, prompt in queue:
+        inst.submit(make_request(rid, block_size=BS, max_tokens=1, prompt_token_ids=prompt), 0.0)
+    new = make_request("new", block_size=BS, max_tokens=1, prompt_token_ids=tokens(9, 1500))
+    inst.submit(new, 0.0)
+    inst.drain()
+    got = {r.request_id: r.ttft_s for r in inst.finished}["new"]
+    want = limited.ttft_s(1500, queued=16_000, queued_requests=2)
+    assert got == pytest.approx(want, rel=0.1)
+    if cap:  # the cap lets it through long before the queue is done
+        assert got < profile.ttft_s(1500, queued=16_000) / 3
