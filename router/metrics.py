@@ -50,7 +50,7 @@ class RouterMetrics:
         self.bus_errors = Gauge("kvroute_bus_errors", "Event bus read errors", registry=r)
         self.ttft_calibration = Gauge(
             "kvroute_ttft_calibration",
-            "kv_ttft's online fit: observed TTFT ~ a*profile + b*running + c",
+            "kv_ttft's online fit: observed TTFT ~ a*profile + b*running + d*waiting + c",
             ["coef"],
             registry=r,
         )
@@ -79,7 +79,7 @@ class RouterMetrics:
         self.resync_pending.set(len(state.needs_resync()))
         cal = getattr(state.scorer, "calibration", None)
         if cal is not None:
-            for coef in ("a", "b", "c", "samples"):
+            for coef in ("a", "b", "c", "d", "samples"):
                 self.ttft_calibration.labels(coef).set(getattr(cal, coef))
 
     def render(self) -> bytes:

@@ -21,13 +21,15 @@ vLLM CPU engine that also means per-token streaming work in the same few cores).
 estimate is calibrated online from the first tokens the router sees: a least-squares fit over
 the last ``window`` requests of
 
-    observed TTFT ~ a * profile estimate + b * running sequences on the instance + c
+    observed TTFT ~ a * profile estimate + b * running sequences + d * waiting requests + c
 
 refit every ``refit_every`` first tokens once ``min_samples`` arrived (until then a=1, b=c=0,
 the plain profile). ``a`` rescales the profile (contention, another machine), ``b`` is the
-decode interference per running sequence, ``c`` the fixed path (ingress, Serve transit) that
-matters only to SLO admission. Coefficients are clipped to sane ranges so a burst of outliers
-cannot invert the ranking.
+decode interference per running sequence, ``d`` what each request already waiting on the
+instance costs beyond the prefill work the profile prices for it (on a small CPU box: its
+tokenisation, streaming and Python work in the same cores), ``c`` the fixed path (ingress,
+Serve transit) that matters only to SLO admission. Coefficients are clipped to sane ranges
+so a burst of outliers cannot invert the ranking.
 
 Decode load breaks near-ties (within ``tie_s``) toward fewer running sequences, and vetoes an
 instance whose GPU KV usage is above ``kv_veto`` or that could not fit the request's blocks:
@@ -46,28 +48,30 @@ from router.placement import InstanceView, Placement, PlacementRequest, Scorer, 
 
 
 class TtftCalibration:
-    """Online least squares of observed TTFT on (profile estimate, running sequences, 1)."""
+    """Online least squares of observed TTFT on (profile estimate, running sequences, waiting
+    requests, 1)."""
 
-    # (low, high) per coefficient: a (scale), b (s per running sequence), c (s)
-    BOUNDS = ((0.25, 20.0), (0.0, 2.0), (0.0, 5.0))
+    # (low, high) per coefficient: a (scale), b (s per running sequence), d (s per waiting
+    # request), c (s)
+    BOUNDS = ((0.25, 20.0), (0.0, 2.0), (0.0, 2.0), (0.0, 5.0))
 
     def __init__(self, window: int = 512, refit_every: int = 16, min_samples: int = 32) -> None:
         if min(window, refit_every, min_samples) < 1 or min_samples > window:
             raise ValueError("window, refit_every, min_samples must be >= 1, min_samples <= window")
         self.window, self.refit_every, self.min_samples = window, refit_every, min_samples
-        self._x: deque[tuple[float, float]] = deque(maxlen=window)
+        self._x: deque[tuple[float, float, float]] = deque(maxlen=window)
         self._y: deque[float] = deque(maxlen=window)
         self._since = 0
-        self.a, self.b, self.c = 1.0, 0.0, 0.0
+        self.a, self.b, self.d, self.c = 1.0, 0.0, 0.0, 0.0
         self.samples = 0
 
-    def correct(self, estimate_s: float, running: int) -> float:
-        return self.a * estimate_s + self.b * running + self.c
+    def correct(self, estimate_s: float, running: int, waiting: int) -> float:
+        return self.a * estimate_s + self.b * running + self.d * waiting + self.c
 
-    def observe(self, estimate_s: float, running: int, observed_s: float) -> None:
+    def observe(self, estimate_s: float, running: int, waiting: int, observed_s: float) -> None:
         if not (observed_s >= 0.0 and estimate_s >= 0.0):  # also drops NaN
             return
-        self._x.append((estimate_s, float(running)))
+        self._x.append((estimate_s, float(running), float(waiting)))
         self._y.append(observed_s)
         self.samples += 1
         self._since += 1
@@ -80,7 +84,7 @@ class TtftCalibration:
         design = np.column_stack([x, np.ones(len(x))])
         coef, *_ = np.linalg.lstsq(design, np.asarray(self._y, dtype=float), rcond=None)
         if np.all(np.isfinite(coef)):
-            self.a, self.b, self.c = (
+            self.a, self.b, self.d, self.c = (
                 float(min(max(v, lo), hi)) for v, (lo, hi) in zip(coef, self.BOUNDS, strict=True)
             )
 
@@ -126,7 +130,7 @@ class KvTtftScorer(Scorer):
         """(estimated TTFT in seconds, calibrated; leading cached blocks; the profile's part)."""
         base, cached = self.profile_estimate(request, inst, m)
         cal = self.calibration
-        return (cal.correct(base, inst.running) if cal else base), cached, base
+        return (cal.correct(base, inst.running, inst.waiting) if cal else base), cached, base
 
     def _vetoed(self, request: PlacementRequest, inst: InstanceView) -> bool:
         if inst.gpu_kv_usage >= self.kv_veto:
@@ -153,10 +157,12 @@ class KvTtftScorer(Scorer):
             inst.instance_id,
             estimated_ttft_s=s,
             cached_blocks=cached,
-            detail={"profile_ttft_s": base, "running": inst.running},
+            detail={"profile_ttft_s": base, "running": inst.running, "waiting": inst.waiting},
         )
 
     def on_first_token(self, placement: Placement, ttft_s: float) -> None:
         cal, d = self.calibration, placement.detail
         if cal is not None and "profile_ttft_s" in d:
-            cal.observe(float(d["profile_ttft_s"]), int(d["running"]), ttft_s)
+            cal.observe(
+                float(d["profile_ttft_s"]), int(d["running"]), int(d.get("waiting", 0)), ttft_s
+            )

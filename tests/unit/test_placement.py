@@ -229,12 +229,12 @@ def test_ttft_calibration_learns_scale_decode_interference_and_offset() -> None:
     from router.scorers.kv_ttft import TtftCalibration
 
     cal = TtftCalibration(window=200, refit_every=10, min_samples=20)
-    assert cal.correct(0.1, 3) == pytest.approx(0.1)  # the plain profile until fitted
+    assert cal.correct(0.1, 3, 2) == pytest.approx(0.1)  # the plain profile until fitted
     for i in range(200):
-        est, running = 0.02 + (i % 17) * 0.01, i % 5
-        cal.observe(est, running, 3.0 * est + 0.1 * running + 0.05)
-    assert (cal.a, cal.b, cal.c) == pytest.approx((3.0, 0.1, 0.05), abs=1e-6)
-    cal.observe(float("nan"), 1, 0.1)  # ignored
+        est, running, waiting = 0.02 + (i % 17) * 0.01, i % 5, i % 3
+        cal.observe(est, running, waiting, 3.0 * est + 0.1 * running + 0.2 * waiting + 0.05)
+    assert (cal.a, cal.b, cal.d, cal.c) == pytest.approx((3.0, 0.1, 0.2, 0.05), abs=1e-6)
+    cal.observe(float("nan"), 1, 0, 0.1)  # ignored
     assert cal.samples == 200
 
 
