@@ -44,6 +44,11 @@ class PlacementRequest:
     session_key: str | None = None  # session header or OpenAI `user`
     category: str = "all"
 
+    def cached_tokens(self, cached_blocks: int, block_size: int) -> int:
+        """Prompt tokens a leading run of ``cached_blocks`` cached blocks spares the engine (it
+        always computes at least the prompt's last token)."""
+        return min(cached_blocks * block_size, max(self.prompt_tokens - 1, 0))
+
 
 @dataclass(slots=True)
 class InstanceView:

@@ -214,9 +214,8 @@ class RouterState:
         return placement
 
     def cached_tokens(self, request: PlacementRequest, placement: Placement) -> int:
-        """Prompt tokens ``placement`` expects its instance to hold (engines always compute
-        at least the last one)."""
-        return min(placement.cached_blocks * self.block_size, max(request.prompt_tokens - 1, 0))
+        """Prompt tokens ``placement`` expects its instance to spare ``request``."""
+        return request.cached_tokens(placement.cached_blocks, self.block_size)
 
     def assigned(self, request: PlacementRequest, placement: Placement) -> None:
         uncached = request.prompt_tokens - self.cached_tokens(request, placement)

@@ -112,8 +112,7 @@ class KvTtftScorer(Scorer):
         bs = inst.block_size
         gpu = m.gpu_blocks if m else 0
         total = m.total_blocks if m else 0
-        # NOTE: an engine always recomputes at least the prompt's last token.
-        cached_tokens = min(total * bs, max(0, request.prompt_tokens - 1))
+        cached_tokens = request.cached_tokens(total, bs)
         gpu_tokens = min(gpu * bs, cached_tokens)
         ttft = inst.latency.ttft_s(
             request.prompt_tokens,
@@ -163,6 +162,4 @@ class KvTtftScorer(Scorer):
     def on_first_token(self, placement: Placement, ttft_s: float) -> None:
         cal, d = self.calibration, placement.detail
         if cal is not None and "profile_ttft_s" in d:
-            cal.observe(
-                float(d["profile_ttft_s"]), int(d["running"]), int(d.get("waiting", 0)), ttft_s
-            )
+            cal.observe(float(d["profile_ttft_s"]), int(d["running"]), int(d["waiting"]), ttft_s)

@@ -246,7 +246,8 @@ def test_kv_ttft_learns_to_avoid_an_instance_busy_decoding() -> None:
     assert s.place(r, views, match).instance_id == "a"  # the profile alone: the cache wins
     for i in range(64):  # every running sequence has cost 100 ms of TTFT
         running = i % 7
-        p = Placement("a", 0.0, 0, {"profile_ttft_s": 0.01 * (i % 3), "running": running})
+        d = {"profile_ttft_s": 0.01 * (i % 3), "running": running, "waiting": 0}
+        p = Placement("a", 0.0, 0, d)
         s.on_first_token(p, 0.01 * (i % 3) + 0.1 * running)
     assert s.place(r, views, match).instance_id == "b"
 
