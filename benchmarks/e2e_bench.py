@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,23 +60,22 @@ def median_or_none(values: list[Any]) -> Any:
     return statistics.median(values) if None not in values else None
 
 
-def idle_profile() -> Any:
-    from engines.sim.profile import LatencyProfile
-
-    return LatencyProfile.load(PROFILE)
-
-
-def parse_router(spec: str) -> tuple[str, dict[str, Any]]:
-    """``name`` or ``name@key=value+key=value`` (scorer options; values as JSON, else strings)."""
-    name, _, opts = spec.partition("@")
+def parse_options(items: Iterable[str]) -> dict[str, Any]:
+    """``key=value`` items as a dict (values as JSON, else strings)."""
     options: dict[str, Any] = {}
-    for item in filter(None, opts.split("+")):
+    for item in items:
         key, _, raw = item.partition("=")
         try:
             options[key] = json.loads(raw)
         except json.JSONDecodeError:
             options[key] = raw
-    return name, options
+    return options
+
+
+def parse_router(spec: str) -> tuple[str, dict[str, Any]]:
+    """``name`` or ``name@key=value+key=value`` (scorer options)."""
+    name, _, opts = spec.partition("@")
+    return name, parse_options(filter(None, opts.split("+")))
 
 
 def serve_config(router: str, port: int, engine_opts: dict[str, Any] | None = None) -> Any:
@@ -105,9 +105,13 @@ def run_router(
     rate: float,
     duration: float,
     port: int,
+    workload: list[str],
+    profile: Any,
     keep: Path | None = None,
     engine_opts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One deployment of ``router``, loaded with ``workload``; what it measured. ``profile``
+    prices each request's idle-engine TTFT at the cache hit it got (``idle_ttft_p50_ms``)."""
     from ray import serve
 
     from deploy.app import build_serve_app, delete_app, wait_until_ready
@@ -116,10 +120,9 @@ def run_router(
     serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     wait_until_ready(base, cfg.engines.instances)
-    profile = idle_profile()
     with tempfile.TemporaryDirectory() as tmp:
         out = keep if keep is not None else Path(tmp) / "run.json"
-        summary, records = run_loadgen(base, rate, duration, out)
+        summary, records = run_loadgen(base, rate, duration, out, workload)
     router_view = scrape_router_metrics(base)
     delete_app(cfg)
     return {
@@ -133,20 +136,23 @@ def run_router(
         "errors": summary["errors"],
         "error_examples": summary.get("error_examples"),
         "router": router_view,
-        # the profile's TTFT of each request on an idle engine at the cache hit it got (own
-        # prefill only): scaled by a measured slowdown in main(), it bounds the p50 from below
-        "_idle_ttft_s": [
-            profile.ttft_s(r["prompt_tokens"], r["cached_tokens"])
-            for r in records
-            if r.get("ttft_ms") is not None and r.get("prompt_tokens")
-        ],
+        "idle_ttft_p50_ms": round(
+            1e3
+            * statistics.median(
+                profile.ttft_s(r["prompt_tokens"], r["cached_tokens"])
+                for r in records
+                if r.get("ttft_ms") is not None and r.get("prompt_tokens")
+            ),
+            1,
+        ),
     }
 
 
 def run_loadgen(
-    base: str, rate: float, duration: float, out: Path
+    base: str, rate: float, duration: float, out: Path, workload: list[str]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """``kvroute loadgen`` with WORKLOAD against ``base``; its summary and per-request records."""
+    """``kvroute loadgen`` with ``workload`` against ``base``; its summary and per-request
+    records."""
     cmd = [
         sys.executable,
         "-m",
@@ -163,7 +169,7 @@ def run_loadgen(
         "--json",
         str(out),
         "--no-progress",
-        *WORKLOAD,
+        *workload,
     ]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     if not out.is_file():
@@ -235,12 +241,13 @@ def main() -> None:
         help="override one loadgen workload flag, e.g. --workload-arg=--user-tokens=64",
     )
     args = ap.parse_args()
+    workload = list(WORKLOAD)
     for item in args.workload_arg:
         flag, _, value = item.partition("=")
-        if flag not in WORKLOAD or not value:
+        if flag not in workload or not value:
             ap.error(f"--workload-arg: expected a workload flag as FLAG=VALUE, got {item!r}")
-        WORKLOAD[WORKLOAD.index(flag) + 1] = value
-    engine_opts = parse_router("@" + "+".join(args.engine))[1]
+        workload[workload.index(flag) + 1] = value
+    engine_opts = parse_options(args.engine)
     routers = args.routers.split(",")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -264,7 +271,10 @@ def main() -> None:
         log_to_driver=False,
         runtime_env={"env_vars": env} if env else None,
     )
+    from engines.sim.profile import LatencyProfile
     from engines.vllm_engine import free_port
+
+    profile = LatencyProfile.load(PROFILE)
 
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})  # one proxy for every run
@@ -274,7 +284,9 @@ def main() -> None:
             k = round_ % len(routers)  # rotate, so no router always runs first or last
             for router in routers[k:] + routers[:k]:
                 keep = None if args.keep is None else args.keep / f"{router}-{round_}.json"
-                res = run_router(router, args.rate, args.duration, port, keep, engine_opts)
+                res = run_router(
+                    router, args.rate, args.duration, port, workload, profile, keep, engine_opts
+                )
                 runs[router].append(res)
                 if log_file is not None and log_file.exists():
                     log_file.rename(log_file.with_name(f"{router}-{round_}.jsonl"))
@@ -284,7 +296,7 @@ def main() -> None:
         ray.shutdown()
     # NOTE: the engines run slower than the profile (one core each, shared with Ray, the ingress
     # and loadgen); kv_ttft's online calibration measures by how much (its 'a'). Scaled by it,
-    # each run's idle-engine TTFTs give the p50 that run would have had if no request had ever
+    # a run's idle-engine TTFT p50 is the p50 that run would have had if no request had ever
     # waited for another: a floor for that run's p50 at the cache hits it got.
     scales = [
         run["router"]["ttft_calibration"]["a"]
@@ -295,10 +307,8 @@ def main() -> None:
     scale = statistics.median(scales) if scales else None
     for rs in runs.values():
         for run in rs:
-            idle = run.pop("_idle_ttft_s")
-            run["no_wait_p50_ms"] = (
-                round(scale * statistics.median(idle) * 1e3, 1) if scale and idle else None
-            )
+            idle = run["idle_ttft_p50_ms"]
+            run["no_wait_p50_ms"] = round(scale * idle, 1) if scale else None
     keys = ("ttft_p50_ms", "ttft_p99_ms", "server_hit_rate", "no_wait_p50_ms")
     results = {
         r: {
@@ -318,7 +328,7 @@ def main() -> None:
                 "model": MODEL,
                 "engine_options": engine_opts,
                 "profile_scale": scale,
-                "workload": WORKLOAD,
+                "workload": workload,
                 "routers": results,
             },
             indent=2,
