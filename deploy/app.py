@@ -15,7 +15,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
-from deploy.config import RAY_PREFIX_ROUTER, ServeConfig
+from deploy.config import RAY_PREFIX_ROUTER, ServeConfig, placement_recorder
 from engines.deployment import build_engine_app, open_buses
 from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.tiny_model import resolve_model
@@ -70,6 +70,7 @@ class IngressDeployment:
                 max_queue=cfg.router.max_queue,
                 max_wait_s=cfg.router.max_wait_s,
             ),
+            recorder=placement_recorder(cfg.router),
         )
         register_state(cfg.app_name, self.state)
         self.state.start()

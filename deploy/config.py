@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from pydantic import (
 
 from engines.config import EngineDeploymentConfig
 from router.placement import create_scorer, scorer_names
+from router.state import JsonlRecorder
 
 RAY_PREFIX_ROUTER = "ray_prefix"  # Ray Serve's own PrefixCacheAffinityRouter, as a peer
 
@@ -43,6 +45,11 @@ class RouterConfig(_Strict):
     api_keys: list[str] = Field(default_factory=list)
     replicas: int = Field(1, ge=1, le=256, description="ingress replicas")
     max_body_bytes: int = Field(4 << 20, ge=1024)
+    placement_log: str | None = Field(
+        None,
+        description="append every placement (candidates, load, cached blocks, choice) as a JSON "
+        "line to this file; default: $KVROUTE_PLACEMENT_LOG in the ingress's environment",
+    )
 
     @field_validator("scorer")
     @classmethod
@@ -62,6 +69,12 @@ class RouterConfig(_Strict):
             except (TypeError, ValueError) as e:
                 raise ValueError(f"scorer_options: not accepted by {self.scorer!r}: {e}") from e
         return self
+
+
+def placement_recorder(cfg: RouterConfig) -> JsonlRecorder | None:
+    """The placement log ``cfg`` asks for, or ``$KVROUTE_PLACEMENT_LOG``, or none."""
+    path = cfg.placement_log or os.environ.get("KVROUTE_PLACEMENT_LOG")
+    return JsonlRecorder(path) if path else None
 
 
 class ServeConfig(_Strict):

@@ -17,7 +17,7 @@ from router.dispatch import Dispatcher
 from router.ingress import IngressConfig, build_app
 from router.local_client import LocalEngineClient
 from router.placement import LatencyModel, Scorer
-from router.state import RouterState
+from router.state import PlacementRecorder, RouterState
 from router.tokenizer import PromptTokenizer
 
 
@@ -35,6 +35,7 @@ class LocalStack:
         kv_capacity_blocks: int = 0,
         admission: Admission | None = None,
         api_keys: frozenset[str] = frozenset(),
+        recorder: PlacementRecorder | None = None,
     ) -> None:
         self.engines = dict(engines)
         self.model, self.block_size = model, block_size
@@ -47,6 +48,7 @@ class LocalStack:
             kv_bus=self.kv_bus,
             load_bus=self.load_bus,
             admission=admission,
+            recorder=recorder,
         )
         self.client = LocalEngineClient(self.engines)
         self.dispatcher = Dispatcher(self.state, self.client)

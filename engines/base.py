@@ -68,8 +68,12 @@ class EngineOutput(msgspec.Struct):
     instance_id: str | None = None  # the instance that ran it, on the first output (Serve)
 
 
+# Seconds between two load samples of one engine on the load bus (the production interval).
+LOAD_INTERVAL_S = 0.1
+
+
 class LoadSnapshot(msgspec.Struct, array_like=True, tag="load"):
-    """An engine's load, published on the bus every ~100 ms."""
+    """An engine's load, published on the bus every ``LOAD_INTERVAL_S``."""
 
     instance_id: str
     ts: float

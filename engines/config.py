@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engines.base import LOAD_INTERVAL_S
 from engines.tiny_model import TINY_MODEL
 
 EngineKind = Literal["sim", "vllm"]
@@ -144,7 +145,7 @@ class EngineDeploymentConfig(_Strict):
     instances: int = Field(1, ge=1, le=1024, description="replicas, one engine instance each")
     resources: ReplicaResources = Field(default_factory=ReplicaResources)
     bus: BusConfig = Field(default_factory=BusConfig)
-    load_interval_s: float = Field(0.1, gt=0, le=10)
+    load_interval_s: float = Field(LOAD_INTERVAL_S, gt=0, le=10)
     max_ongoing_requests: int = Field(256, ge=1)
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)

@@ -24,7 +24,7 @@ import zmq
 from cachemap.bus import EventBus
 from cachemap.events import InstanceGone, encode_message
 from cachemap.ingest import EngineEventTranslator
-from engines.base import LoadSnapshot
+from engines.base import LOAD_INTERVAL_S, LoadSnapshot
 
 log = logging.getLogger(__name__)
 END_SEQ = -1
@@ -58,7 +58,7 @@ class KvEventForwarder:
         topic: bytes = b"",
         load_bus: EventBus | None = None,
         load_fn: Callable[[], LoadSnapshot] | None = None,
-        load_interval_s: float = 0.1,
+        load_interval_s: float = LOAD_INTERVAL_S,
         resync_poll: Callable[[], bool] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:

@@ -26,6 +26,10 @@ from engines.forwarder import decode_load
 
 log = logging.getLogger(__name__)
 
+# An instance whose load samples stop for this long is taken for dead (engines publish one every
+# ``LOAD_INTERVAL_S``); the router also stops trusting its last sample after it.
+STALE_AFTER_S = 2.0
+
 
 class EngineWatcher:
     """Pumps an event bus and a load bus; ``now`` is the caller's clock in seconds."""
@@ -36,7 +40,7 @@ class EngineWatcher:
         loads: EventBus,
         ingestor: CacheMapIngestor,
         *,
-        timeout_s: float = 2.0,
+        timeout_s: float = STALE_AFTER_S,
         resync_interval_s: float = 1.0,
         request_resync: Callable[[str], None] | None = None,
         from_start: bool = True,

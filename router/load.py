@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engines.base import LoadSnapshot
+from engines.liveness import STALE_AFTER_S
 from router.placement import InstanceView, LatencyModel, Placement
 
 
@@ -34,7 +35,7 @@ class _Instance:
 
 
 class LoadTracker:
-    def __init__(self, stale_after_s: float = 2.0) -> None:
+    def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
         self.stale_after_s = stale_after_s
         self._instances: dict[str, _Instance] = {}
         self._requests: dict[str, Assignment] = {}

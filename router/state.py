@@ -1,31 +1,33 @@
-"""One router replica's view of the cluster: its copy of the cache map (fed by the KV event
-bus), live load (load bus + own accounting), the scorer and admission.
+"""One router replica's view of the cluster, in two layers.
 
-The ingress and the Serve request router of one process share one ``RouterState``; a pump
-thread runs an ``EngineWatcher`` over the buses every few milliseconds. Instances are known
-from Serve's replica set (``sync_instances``) and from live load samples; one whose samples stop
-is dropped. Bus trouble degrades routing quality (stale map, local-only load) but never fails a
-request: errors are logged once and counted.
+``RouterCore`` is the routing core: its copy of the cache map (fed by KV events through the
+ingestion path), live load (load samples + its own in-flight accounting), liveness, the scorer
+and admission. It reads no clock, starts no thread and opens no file: every method that needs
+time takes ``now`` (seconds, on the clock of the engines' ``LoadSnapshot.ts``), and placements
+go to an injected ``PlacementRecorder``. The production router and the cluster simulator
+(``loadgen.simulator``, virtual time) run this same object.
 
-Setting ``KVROUTE_PLACEMENT_LOG`` to a file path appends one JSON line per placement (the
-request, every candidate's load view and cached blocks, the choice and its estimate): the
-record to read when routing looks wrong.
+``RouterState`` is the production shell around one core: a lock shared by the ingress and the
+Serve request router of one process, the wall clock, and a pump thread that applies the buses
+every few milliseconds (bus reads happen outside the lock). Instances are known from Serve's
+replica set (``sync_instances``) and from live load samples; one whose samples stop is dropped.
+Bus trouble degrades routing quality (stale map, local-only load) but never fails a request:
+errors are logged once and counted.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TextIO
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, TextIO
 
 from cachemap import CacheMap, Match
-from cachemap.bus import EventBus
+from cachemap.bus import BusRead, EventBus
 from cachemap.ingest import CacheMapIngestor
-from engines.liveness import EngineWatcher
+from engines.liveness import STALE_AFTER_S, EngineWatcher
 from router.admission import Admission
 from router.load import LoadTracker
 from router.placement import (
@@ -39,18 +41,35 @@ from router.placement import (
 )
 
 log = logging.getLogger(__name__)
-_PLACEMENT_LOG = os.environ.get("KVROUTE_PLACEMENT_LOG", "")
-_placement_log_file: TextIO | None = None  # opened on the first placement, line-buffered
 
 
-def _log_placement(
+# -- placement records -------------------------------------------------------------------------
+
+
+class PlacementRecorder(Protocol):
+    """Receives every placement with what the scorer saw: the record to read when routing looks
+    wrong. Called outside the core's lock; must not raise."""
+
+    def record(
+        self,
+        now: float,
+        request: PlacementRequest,
+        views: Sequence[InstanceView],
+        match: Mapping[str, Match],
+        placement: Placement,
+    ) -> None: ...
+
+
+def placement_record(
     now: float,
     request: PlacementRequest,
     views: Sequence[InstanceView],
     match: Mapping[str, Match],
     placement: Placement,
-) -> None:
-    record = {
+) -> dict[str, Any]:
+    """One placement as a JSON-able dict: the request, every candidate's load view and cached
+    blocks, the choice and its estimate."""
+    return {
         "ts": now,
         "request": request.request_id,
         "prompt_tokens": request.prompt_tokens,
@@ -69,16 +88,65 @@ def _log_placement(
             for v in views
         },
     }
-    global _placement_log_file
-    try:
-        if _placement_log_file is None:
-            _placement_log_file = open(_PLACEMENT_LOG, "a", buffering=1)  # noqa: SIM115
-        _placement_log_file.write(json.dumps(record) + "\n")
-    except OSError as e:  # never fail a request over the debug log
-        log.warning("placement log %s: %s", _PLACEMENT_LOG, e)
 
 
-class RouterState:
+class JsonlRecorder:
+    """Appends one ``placement_record`` JSON line per placement to ``path`` (opened on the first
+    placement, line-buffered). A write error is logged once; it never fails a request."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file: TextIO | None = None
+        self._lock = threading.Lock()
+        self.errors = 0
+
+    def record(
+        self,
+        now: float,
+        request: PlacementRequest,
+        views: Sequence[InstanceView],
+        match: Mapping[str, Match],
+        placement: Placement,
+    ) -> None:
+        line = json.dumps(placement_record(now, request, views, match, placement)) + "\n"
+        with self._lock:
+            try:
+                if self._file is None:
+                    self._file = open(self.path, "a", buffering=1)  # noqa: SIM115
+                self._file.write(line)
+            except OSError as e:
+                if not self.errors:
+                    log.warning("placement log %s: %s", self.path, e)
+                self.errors += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+class MemoryRecorder:
+    """Keeps every ``placement_record`` in ``records`` (tests, the simulator's --placement-log)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def record(
+        self,
+        now: float,
+        request: PlacementRequest,
+        views: Sequence[InstanceView],
+        match: Mapping[str, Match],
+        placement: Placement,
+    ) -> None:
+        self.records.append(placement_record(now, request, views, match, placement))
+
+
+# -- the routing core --------------------------------------------------------------------------
+
+
+class RouterCore:
     def __init__(
         self,
         scorer: Scorer | str = "kv_ttft",
@@ -88,10 +156,14 @@ class RouterState:
         kv_bus: EventBus | None = None,
         load_bus: EventBus | None = None,
         admission: Admission | None = None,
-        stale_after_s: float = 2.0,
+        stale_after_s: float = STALE_AFTER_S,
+        recorder: PlacementRecorder | None = None,
+        request_resync: Callable[[str], None] | None = None,
     ) -> None:
-        """``kv_bus`` and ``load_bus`` come together (or neither: tests drive the state by hand);
-        an instance silent on the load bus for ``stale_after_s`` is dropped."""
+        """``kv_bus`` and ``load_bus`` come together (or neither: the caller then drives the
+        core by hand); an instance silent on the load bus for ``stale_after_s`` is dropped.
+        ``request_resync`` asks an instance's forwarder for a snapshot after a sequence gap
+        (default: the event bus's own ``request_resync``, if it has one)."""
         self.scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
         self.latency = latency
         self.block_size = block_size
@@ -100,7 +172,7 @@ class RouterState:
         self.ingestor = CacheMapIngestor(self.cache_map)
         self.load = LoadTracker(stale_after_s)
         self.admission = admission or Admission()
-        self._lock = threading.Lock()
+        self.recorder = recorder
         if (kv_bus is None) != (load_bus is None):
             raise ValueError("kv_bus and load_bus go together: give both or neither")
         self.watcher = (
@@ -109,14 +181,11 @@ class RouterState:
                 load_bus,
                 self.ingestor,
                 timeout_s=stale_after_s,
-                request_resync=getattr(kv_bus, "request_resync", None),
+                request_resync=request_resync or getattr(kv_bus, "request_resync", None),
             )
             if kv_bus is not None and load_bus is not None
             else None
         )
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.bus_errors = 0
 
     # -- membership ------------------------------------------------------------------------------
 
@@ -124,19 +193,18 @@ class RouterState:
         """Make the known instances exactly ``instance_ids`` (Serve's live replica set); an
         instance that left is dropped from the cache map too."""
         want = set(instance_ids)
-        with self._lock:
-            have = set(self.load.instance_ids())
-            for iid in want - have:
-                self._add(iid)
-            for iid in have - want:
-                self._remove(iid)
+        have = set(self.load.instance_ids())
+        for iid in want - have:
+            self.add_instance(iid)
+        for iid in have - want:
+            self.remove_instance(iid)
 
-    def _add(self, iid: str) -> None:
+    def add_instance(self, iid: str) -> None:
         if self.latency is None:
-            raise RuntimeError("RouterState needs a latency model to add instances")
+            raise RuntimeError("the router needs a latency model to add instances")
         self.load.register(iid, self.block_size, self.latency, self.kv_capacity_blocks)
 
-    def _remove(self, iid: str) -> None:
+    def remove_instance(self, iid: str) -> None:
         self.load.remove(iid)
         self.cache_map.drop_instance(iid)
         if self.watcher is not None:
@@ -144,31 +212,160 @@ class RouterState:
 
     # -- the buses -------------------------------------------------------------------------------
 
+    def fetch(self) -> tuple[BusRead, BusRead] | None:
+        """Read both buses (the I/O half of ``pump``; touches no routing state)."""
+        return self.watcher.fetch() if self.watcher is not None else None
+
+    def apply(self, fetched: tuple[BusRead, BusRead] | None, now: float) -> None:
+        """Apply what ``fetch`` read: events, load samples, liveness, resync requests."""
+        if self.watcher is None or fetched is None:
+            return
+        dropped = self.watcher.apply(fetched, now)
+        for iid in dropped:
+            self.load.remove(iid)
+        known = set(self.load.instance_ids())
+        for iid, sample in self.watcher.loads.items():
+            if iid not in known:
+                self.add_instance(iid)
+            self.load.on_snapshot(sample)
+
+    def pump(self, now: float) -> None:
+        self.apply(self.fetch(), now)
+
+    # -- decisions -------------------------------------------------------------------------------
+
+    def place(
+        self,
+        request: PlacementRequest,
+        now: float,
+        candidates: Sequence[str] | None = None,
+        exclude: Iterable[str] = (),
+    ) -> Placement:
+        """Choose an instance among ``candidates`` (default: all known) minus ``exclude``."""
+        placement, views, match = self._place(request, now, candidates, exclude)
+        if self.recorder is not None:
+            self.recorder.record(now, request, views, match, placement)
+        return placement
+
+    def _place(
+        self,
+        request: PlacementRequest,
+        now: float,
+        candidates: Sequence[str] | None,
+        exclude: Iterable[str],
+    ) -> tuple[Placement, list[InstanceView], Mapping[str, Match]]:
+        excluded = set(exclude)
+        allowed = set(candidates) if candidates is not None else None
+        views = [
+            v
+            for v in self.load.views(now)
+            if v.instance_id not in excluded and (allowed is None or v.instance_id in allowed)
+        ]
+        if not views:
+            raise NoInstanceError("no engine instance available")
+        match = self.cache_map.match(request.block_hashes)
+        return self.scorer.place(request, views, match), views, match
+
+    def cached_tokens(self, request: PlacementRequest, placement: Placement) -> int:
+        """Prompt tokens ``placement`` expects its instance to spare ``request``."""
+        return request.cached_tokens(placement.cached_blocks, self.block_size)
+
+    def assigned(self, request: PlacementRequest, placement: Placement, now: float) -> None:
+        uncached = request.prompt_tokens - self.cached_tokens(request, placement)
+        self.load.assigned(request.request_id, placement.instance_id, uncached, now, placement)
+
+    def first_token(self, request_id: str, now: float) -> None:
+        a = self.load.prefill_done(request_id)
+        if a is not None and a.placement is not None:
+            self.scorer.on_first_token(a.placement, now - a.assigned_at)
+
+    def finished(self, request: PlacementRequest, instance_id: str) -> None:
+        self.load.finished(request.request_id)
+        self.scorer.on_finished(request, instance_id)
+
+    def failed(self, instance_id: str) -> None:
+        self.load.mark_failed(instance_id)
+
+
+# -- the production shell ----------------------------------------------------------------------
+
+
+class RouterState:
+    """A ``RouterCore`` behind a lock, on the wall clock, with a bus pump thread. Takes the
+    core's arguments; ``now`` defaults to ``time.time()`` where a caller may pass it."""
+
+    def __init__(
+        self,
+        scorer: Scorer | str = "kv_ttft",
+        latency: LatencyModel | None = None,
+        block_size: int = 16,
+        kv_capacity_blocks: int = 0,
+        kv_bus: EventBus | None = None,
+        load_bus: EventBus | None = None,
+        admission: Admission | None = None,
+        stale_after_s: float = STALE_AFTER_S,
+        recorder: PlacementRecorder | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.core = RouterCore(
+            scorer,
+            latency,
+            block_size,
+            kv_capacity_blocks,
+            kv_bus,
+            load_bus,
+            admission,
+            stale_after_s,
+            recorder,
+        )
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.bus_errors = 0
+
+    # what the ingress, the Serve router and /metrics read of the core
+    @property
+    def scorer(self) -> Scorer:
+        return self.core.scorer
+
+    @property
+    def cache_map(self) -> CacheMap:
+        return self.core.cache_map
+
+    @property
+    def load(self) -> LoadTracker:
+        return self.core.load
+
+    @property
+    def admission(self) -> Admission:
+        return self.core.admission
+
+    @property
+    def block_size(self) -> int:
+        return self.core.block_size
+
+    def sync_instances(self, instance_ids: Iterable[str]) -> None:
+        with self._lock:
+            self.core.sync_instances(instance_ids)
+
     def pump(self, now: float | None = None) -> None:
         """Apply what the buses hold now: events, load samples, liveness, resync requests."""
-        if self.watcher is None:
-            return
         try:
             # NOTE: bus reads (a Ray actor call, a Redis round trip) happen outside the lock
             # that placement needs; only applying them holds it.
-            fetched = self.watcher.fetch()
-            now = time.time() if now is None else now
+            fetched = self.core.fetch()
+            if fetched is None:
+                return
             with self._lock:
-                dropped = self.watcher.apply(fetched, now)
-                for iid in dropped:
-                    self.load.remove(iid)
-                known = set(self.load.instance_ids())
-                for iid, sample in self.watcher.loads.items():
-                    if iid not in known:
-                        self._add(iid)
-                    self.load.on_snapshot(sample)
+                self.core.apply(fetched, self.clock() if now is None else now)
         except Exception as e:  # a broken bus must not stop routing
             if not self.bus_errors:
                 log.warning("event bus read failed; routing on stale state: %s", e)
             self.bus_errors += 1
 
     def start(self, interval_s: float = 0.005) -> None:
-        if self._thread is not None or self.watcher is None:
+        if self._thread is not None or self.core.watcher is None:
             return
 
         def run() -> None:
@@ -185,8 +382,6 @@ class RouterState:
             self._thread.join(timeout=5)
             self._thread = None
 
-    # -- decisions -------------------------------------------------------------------------------
-
     def place(
         self,
         request: PlacementRequest,
@@ -195,53 +390,38 @@ class RouterState:
         now: float | None = None,
     ) -> Placement:
         """Choose an instance among ``candidates`` (default: all known) minus ``exclude``."""
-        now = time.time() if now is None else now
-        excluded = set(exclude)
+        now = self.clock() if now is None else now
         with self._lock:
-            views = self.load.views(now)
-            allowed = set(candidates) if candidates is not None else None
-            views = [
-                v
-                for v in views
-                if v.instance_id not in excluded and (allowed is None or v.instance_id in allowed)
-            ]
-            if not views:
-                raise NoInstanceError("no engine instance available")
-            match = self.cache_map.match(request.block_hashes)
-            placement = self.scorer.place(request, views, match)
-        if _PLACEMENT_LOG:
-            _log_placement(now, request, views, match, placement)
+            placement, views, match = self.core._place(request, now, candidates, exclude)
+        recorder = self.core.recorder
+        if recorder is not None:  # outside the lock: a file write
+            recorder.record(now, request, views, match, placement)
         return placement
 
     def cached_tokens(self, request: PlacementRequest, placement: Placement) -> int:
-        """Prompt tokens ``placement`` expects its instance to spare ``request``."""
-        return request.cached_tokens(placement.cached_blocks, self.block_size)
+        return self.core.cached_tokens(request, placement)
 
     def assigned(self, request: PlacementRequest, placement: Placement) -> None:
-        uncached = request.prompt_tokens - self.cached_tokens(request, placement)
-        now = time.time()
+        now = self.clock()
         with self._lock:
-            self.load.assigned(request.request_id, placement.instance_id, uncached, now, placement)
+            self.core.assigned(request, placement, now)
 
     def first_token(self, request_id: str) -> None:
-        now = time.time()
+        now = self.clock()
         with self._lock:
-            a = self.load.prefill_done(request_id)
-            if a is not None and a.placement is not None:
-                self.scorer.on_first_token(a.placement, now - a.assigned_at)
+            self.core.first_token(request_id, now)
 
     def finished(self, request: PlacementRequest, instance_id: str) -> None:
         with self._lock:
-            self.load.finished(request.request_id)
-            self.scorer.on_finished(request, instance_id)
+            self.core.finished(request, instance_id)
 
     def failed(self, instance_id: str) -> None:
         with self._lock:
-            self.load.mark_failed(instance_id)
+            self.core.failed(instance_id)
 
     def needs_resync(self) -> set[str]:
         with self._lock:
-            return set(self.ingestor.needs_resync)
+            return set(self.core.ingestor.needs_resync)
 
 
 # key -> the RouterState request routers with that ``state_key`` use in this process. It lives

@@ -269,22 +269,38 @@ def test_router_state_reports_first_tokens_to_the_scorer() -> None:
     assert len(seen) == 1 and seen[0][0] == "a" and 0 <= seen[0][1] < 1
 
 
-def test_placement_log_records_every_candidate(tmp_path, monkeypatch) -> None:
+def test_placement_log_records_every_candidate(tmp_path) -> None:
     import json
 
-    import router.state as state_mod
+    from router.state import JsonlRecorder, RouterState
 
     path = tmp_path / "placements.jsonl"
-    monkeypatch.setattr(state_mod, "_PLACEMENT_LOG", str(path))
-    monkeypatch.setattr(state_mod, "_placement_log_file", None)
-    st = state_mod.RouterState("kv_ttft", Linear(), block_size=BS)
+    recorder = JsonlRecorder(str(path))
+    st = RouterState("kv_ttft", Linear(), block_size=BS, recorder=recorder)
     st.sync_instances(["a", "b"])
     r = req(8)
     st.cache_map.store("b", Tier.GPU, r.block_hashes)
     for _ in range(2):
         st.place(r)
-    state_mod._placement_log_file.close()  # type: ignore[union-attr]
+    recorder.close()
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(lines) == 2 and all(x["chosen"] == "b" for x in lines)
     assert lines[0]["candidates"]["b"]["cached_blocks"] == 8
     assert lines[0]["candidates"]["a"]["cached_blocks"] == 0
+
+
+def test_router_core_takes_time_as_an_argument() -> None:
+    """The core reads no clock: a load sample is fresh or stale by the ``now`` it is given."""
+    from engines.base import LoadSnapshot
+    from router.state import MemoryRecorder, RouterCore
+
+    rec = MemoryRecorder()
+    core = RouterCore("least_loaded", Linear(), block_size=BS, stale_after_s=1.0, recorder=rec)
+    core.sync_instances(["a", "b"])
+    core.load.on_snapshot(LoadSnapshot("a", 100.0, 5, 5, 0.1, 0.0, 0))
+    assert core.place(req(4), now=100.5).instance_id == "b"  # a's sample is fresh: busy
+    assert core.place(req(4), now=102.0).instance_id == "a"  # stale: local accounting only
+    assert [r["ts"] for r in rec.records] == [100.5, 102.0]
+    p = core.place(req(4), now=103.0)
+    core.assigned(req(4), p, now=103.0)
+    assert core.load.views(103.0)[0].waiting + core.load.views(103.0)[1].waiting == 1
