@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -60,16 +61,28 @@ class EngineEventTranslator:
 
     ``cpu_blocks_per_chunk``: GPU blocks per CPU-tier chunk (offloaded block size / engine block
     size); a placeholder CPU event names only the chunk's last engine hash.
+
+    ``trusted_hashes``: the engine's block hashes already are chained prefix ids in our hash
+    space, so a ``BlockStored`` without ``token_ids`` maps each engine hash to itself. That is
+    the case for hash-only traces (Mooncake/Bailian ``hash_ids``, which identify a whole prefix)
+    replayed on sim engines; never for vLLM, whose hashes are opaque and process-local.
     """
 
     def __init__(
-        self, instance: str, model: str, block_size: int, cpu_blocks_per_chunk: int = 1
+        self,
+        instance: str,
+        model: str,
+        block_size: int,
+        cpu_blocks_per_chunk: int = 1,
+        *,
+        trusted_hashes: bool = False,
     ) -> None:
         if cpu_blocks_per_chunk < 1:
             raise ValueError(f"cpu_blocks_per_chunk must be >= 1, got {cpu_blocks_per_chunk}")
         self.instance = instance
         self.block_size = block_size
         self.cpu_blocks_per_chunk = cpu_blocks_per_chunk
+        self.trusted_hashes = trusted_hashes
         self._hasher = BlockHasher(model, block_size)
         self._table: dict[EngineHash, _Block] = {}
         self._chunks: dict[EngineHash, list[EngineHash]] = {}  # placeholder chunk -> members
@@ -139,7 +152,8 @@ class EngineEventTranslator:
         if ev.block_size != self.block_size:
             self._skip("block size mismatch", f"{ev.block_size} != {self.block_size}")
             return
-        if len(ev.token_ids) != n * self.block_size:
+        trusted = self.trusted_hashes and not ev.token_ids
+        if not trusted and len(ev.token_ids) != n * self.block_size:
             self._skip("token_ids length", f"{len(ev.token_ids)} for {n} blocks")
             return
         root: int
@@ -154,11 +168,18 @@ class EngineEventTranslator:
                 return
             parent_ours = root = pb.ours
             depth = pb.depth + 1
-        try:
-            ours = block_hashes(ev.token_ids, self.block_size, root)
-        except ValueError as e:
-            self._skip("bad token_ids", e)
-            return
+        ours: Sequence[int]
+        if trusted:
+            ours = [h for h in ev.block_hashes if isinstance(h, int) and 0 <= h < 1 << 64]
+            if len(ours) != n:
+                self._skip("trusted hash not a 64-bit int", ev.block_hashes[:4])
+                return
+        else:
+            try:
+                ours = block_hashes(ev.token_ids, self.block_size, root)
+            except ValueError as e:
+                self._skip("bad token_ids", e)
+                return
         ti = _TIER_INDEX[tier]
         table = self._table
         get = table.get
@@ -224,7 +245,13 @@ class EngineEventTranslator:
                     if not any(b.refs):
                         del self._table[m]
         if gone:
-            out.append(Removed(tier.value, gone))
+            # NOTE: vLLM (and the sim) emit one BlockRemoved per evicted block; adjacent
+            # removals on one tier become one update, which the map applies in one call.
+            last = out[-1] if out else None
+            if isinstance(last, Removed) and last.tier == tier.value:
+                last.hashes.extend(gone)
+            else:
+                out.append(Removed(tier.value, gone))
 
     def _cleared(self, out: list[Update]) -> None:
         # NOTE: vLLM emits AllBlocksCleared from the GPU block pool (reset_prefix_cache).

@@ -15,6 +15,7 @@ from cachemap.events import (
     InstanceEvents,
     InstanceGone,
     KVEventBatch,
+    Removed,
     encode_message,
     encode_vllm_batch,
 )
@@ -223,3 +224,28 @@ def test_vllm_own_classes_encode_what_we_decode() -> None:
     # e1 left the GPU, so the GPU run is empty; e2 is on both tiers but its parent is gone.
     assert cmap.match(OURS) == {}
     assert cmap.holders(OURS[1]) == {"e0": frozenset({Tier.GPU, Tier.CPU})}
+
+
+def test_trusted_hashes_map_hash_only_events_to_themselves() -> None:
+    """Hash-only sim engines (trace ids as chained hashes): with ``trusted_hashes`` a
+    BlockStored without token ids lands in the map under the engine's own hashes; without it,
+    it is skipped (vLLM's hashes are opaque)."""
+    ev, child = stored([11, 12], None, []), stored([13], 12, [])
+    cmap = CacheMap()
+    ingest = CacheMapIngestor(cmap)
+    trusted = EngineEventTranslator("a", MODEL, BS, trusted_hashes=True)
+    msg = trusted.feed(batch(ev, child), 0, 0.0)
+    assert msg is not None and ingest.apply(msg) is None
+    assert cmap.match([11, 12, 13, 99])["a"] == Match(3, 3)
+    opaque = EngineEventTranslator("b", MODEL, BS)
+    assert opaque.feed(batch(ev), 0, 0.0) is None and opaque.skipped["token_ids length"] == 1
+    assert trusted.feed(batch(stored([b"x"], None, [])), 1, 0.0) is None
+    assert trusted.skipped["trusted hash not a 64-bit int"] == 1
+
+
+def test_adjacent_removals_become_one_update() -> None:
+    tr = EngineEventTranslator("a", MODEL, BS, trusted_hashes=True)
+    tr.feed(batch(stored([1, 2, 3], None, [])), 0, 0.0)
+    gone = [BlockRemoved(block_hashes=[h], medium="GPU") for h in (3, 2, 1)]
+    msg = tr.feed(batch(*gone), 1, 0.0)
+    assert msg is not None and msg.updates == [Removed("GPU", [3, 2, 1])]
