@@ -30,9 +30,7 @@ _SYNTH_FLAGS: dict[str, tuple[str, type, str]] = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from loadgen.prompts import DEFAULT_TOKEN_OFFSET, DEFAULT_VOCAB_SIZE
-    from loadgen.synthetic import SynthParams
 
-    defaults = {f.name: f.default for f in fields(SynthParams)}
     t = p.add_argument_group("target")
     t.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
     t.add_argument("--model", help="model name (default: first of GET /v1/models)")
@@ -43,27 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos=true")
     t.add_argument("--extra-body", default="{}", help="JSON object merged into every body")
     t.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
-    w = p.add_argument_group("workload")
-    w.add_argument("--trace", help="JSONL trace file (Mooncake or Bailian)")
-    w.add_argument("--format", default="auto", help="auto | mooncake | bailian")
-    w.add_argument("--skip-invalid", action="store_true", help="count and skip bad trace lines")
-    w.add_argument("--workload", help="synthetic: to-c | to-b | mix | random")
+    add_workload_arguments(p)
+    w = p.add_argument_group("prompts (HTTP)")
     w.add_argument(
         "--sessions",
         default="recorded",
         help="recorded (prompts from hash ids) | live (each turn carries the real previous reply; "
         "text prompts)",
     )
-    w.add_argument("--time-scale", type=float, default=1.0, help="multiply trace gaps (0.5 = 2x)")
-    w.add_argument(
-        "--rate", type=float, help="req/s: replaces trace timing; synthetic workload rate [5]"
-    )
-    w.add_argument("--arrival", default="poisson", help="poisson | constant (with --rate)")
-    w.add_argument(
-        "--duration", type=float, help="seconds of schedule to send (synthetic default 60)"
-    )
-    w.add_argument("--max-requests", type=int, help="send at most this many requests")
-    w.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
     w.add_argument(
         "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="synthesized token id range"
     )
@@ -74,18 +59,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="lowest synthesized token id (ids are offset..offset+vocab-size-1; keep them clear "
         "of the model's special tokens and inside its vocabulary)",
     )
-    s = p.add_argument_group("synthetic workload parameters")
-    for flag, (name, typ, help_text) in _SYNTH_FLAGS.items():
-        default = defaults[name]
-        shown = f"{default:.4g}" if isinstance(default, float) else default
-        s.add_argument(
-            flag,
-            dest=f"synth_{name}",
-            type=typ,
-            default=None,
-            metavar="N" if typ is int else "X",
-            help=f"{help_text} [{shown}]",
-        )
     r = p.add_argument_group("runner")
     r.add_argument("--concurrency", type=int, help="closed loop with N workers")
     r.add_argument("--max-inflight", type=int, help="cap concurrent requests (open loop)")
@@ -100,6 +73,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no live progress bar")
 
 
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload flags ``kvroute loadgen`` and ``kvroute simulate`` share (``plan_workload``
+    reads them), so a simulated run replays exactly the schedule an HTTP run would send."""
+    from loadgen.synthetic import SynthParams
+
+    defaults = {f.name: f.default for f in fields(SynthParams)}
+    w = p.add_argument_group("workload")
+    w.add_argument("--trace", help="JSONL trace file (Mooncake or Bailian)")
+    w.add_argument("--format", default="auto", help="auto | mooncake | bailian")
+    w.add_argument("--skip-invalid", action="store_true", help="count and skip bad trace lines")
+    w.add_argument("--workload", help="synthetic: to-c | to-b | mix | random")
+    w.add_argument("--time-scale", type=float, default=None, help="multiply trace gaps (0.5 = 2x)")
+    w.add_argument(
+        "--rate-scale",
+        type=float,
+        default=None,
+        help="multiply the trace's rate (= --time-scale 1/X)",
+    )
+    w.add_argument(
+        "--rate", type=float, help="req/s: replaces trace timing; synthetic workload rate [5]"
+    )
+    w.add_argument("--arrival", default="poisson", help="poisson | constant (with --rate)")
+    w.add_argument(
+        "--duration", type=float, help="seconds of schedule to send (synthetic default 60)"
+    )
+    w.add_argument("--max-requests", type=int, help="send at most this many requests")
+    w.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals")
+    s = p.add_argument_group("synthetic workload parameters")
+    for flag, (name, typ, help_text) in _SYNTH_FLAGS.items():
+        default = defaults[name]
+        shown = f"{default:.4g}" if isinstance(default, float) else default
+        s.add_argument(
+            flag,
+            dest=f"synth_{name}",
+            type=typ,
+            default=None,
+            metavar="N" if typ is int else "X",
+            help=f"{help_text} [{shown}]",
+        )
+
+
 def _choice(value: str, flag: str, valid: tuple[str, ...]) -> str:
     if value not in valid:
         raise ValueError(f"{flag} must be one of {', '.join(valid)}; got {value!r}")
@@ -111,13 +125,27 @@ def _positive(value: float | None, flag: str) -> None:
         raise ValueError(f"{flag} must be > 0, got {value}")
 
 
-def _plan(args: argparse.Namespace) -> tuple[list[Any], int, str]:
+def _time_scale(args: argparse.Namespace) -> float:
+    if args.time_scale is not None and args.rate_scale is not None:
+        raise ValueError("give --time-scale or --rate-scale, not both")
+    if args.rate_scale is not None:
+        _positive(args.rate_scale, "--rate-scale")
+        return 1.0 / args.rate_scale
+    return 1.0 if args.time_scale is None else args.time_scale
+
+
+def plan_workload(args: argparse.Namespace) -> tuple[list[Any], int, str]:
+    """The schedule the workload flags describe: ``(plan, block size of its hash ids, source)``.
+    Raises ``ValueError`` naming the flag (or the trace file and line) that is wrong."""
     from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
-    from loadgen.traces import load_trace
-    from loadgen.workloads import build_schedule
+    from loadgen.traces import FORMATS, load_trace
+    from loadgen.workloads import ARRIVALS, build_schedule
 
     if (args.trace is None) == (args.workload is None):
         raise ValueError("give exactly one of --trace FILE or --workload NAME")
+    _choice(args.arrival, "--arrival", ARRIVALS)
+    _choice(args.format, "--format", ("auto", *FORMATS))
+    time_scale = _time_scale(args)
     if args.trace is not None:
         try:
             trace = load_trace(args.trace, args.format, args.skip_invalid)
@@ -127,7 +155,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[Any], int, str]:
             print(f"loadgen: skipped {trace.skipped} invalid trace lines", file=sys.stderr)
         plan = build_schedule(
             trace.requests,
-            time_scale=args.time_scale,
+            time_scale=time_scale,
             rate=args.rate,
             arrival=args.arrival,
             duration_s=args.duration,
@@ -147,7 +175,7 @@ def _plan(args: argparse.Namespace) -> tuple[list[Any], int, str]:
     reqs = generate(args.workload, params)
     rate = params.rate if args.workload == "random" else None
     plan = build_schedule(
-        reqs, time_scale=args.time_scale, rate=rate, arrival=args.arrival, seed=args.seed
+        reqs, time_scale=time_scale, rate=rate, arrival=args.arrival, seed=args.seed
     )
     return plan, SYNTH_BLOCK_SIZE, f"synthetic {args.workload}"
 
@@ -160,13 +188,10 @@ def run(args: argparse.Namespace) -> int:
     from loadgen.prompts import PromptSynth
     from loadgen.report import print_summary, write_json, write_report
     from loadgen.runner import RunConfig, Runner
-    from loadgen.traces import FORMATS
-    from loadgen.workloads import ARRIVALS, ideal_hit_rate
+    from loadgen.workloads import ideal_hit_rate
 
     api = _choice(args.api, "--api", ("completions", "chat"))
     sessions = _choice(args.sessions, "--sessions", ("recorded", "live"))
-    _choice(args.arrival, "--arrival", ARRIVALS)
-    _choice(args.format, "--format", ("auto", *FORMATS))
     for value, flag in (
         (args.timeout_s, "--timeout-s"),
         (args.slo_ttft_ms, "--slo-ttft-ms"),
@@ -189,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--json: directory of {args.json_path} does not exist")
     if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
         raise ValueError(f"--report: {args.report} exists and is not a directory")
-    plan, block_size, source = _plan(args)
+    plan, block_size, source = plan_workload(args)
     if not plan:
         raise ValueError("the workload has no requests (check --duration / --max-requests)")
     synth = PromptSynth(

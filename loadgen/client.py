@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
@@ -20,50 +19,11 @@ import aiohttp
 import msgspec
 from yarl import URL
 
+from loadgen.records import RequestRecord
+
 _decode = msgspec.json.Decoder().decode
 encode_json = msgspec.json.Encoder().encode
 JSON_HEADERS = {"Content-Type": "application/json"}
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """What one request did. Times are seconds since the run's start (``perf_counter`` based);
-    ``intended_s`` is the schedule's send time, latencies are measured from it."""
-
-    index: int
-    category: str
-    chat_id: int | None
-    input_tokens: int
-    max_tokens: int
-    intended_s: float
-    sent_s: float = math.nan
-    first_token_s: float = math.nan
-    done_s: float = math.nan
-    output_tokens: int = 0
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    itl_s: list[float] = field(default_factory=list)
-    error: str | None = None
-    error_detail: str | None = None
-    status: int = 0
-    cap_delayed: bool = False
-    reply: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and not math.isnan(self.done_s)
-
-    @property
-    def ttft_s(self) -> float:
-        return self.first_token_s - self.intended_s
-
-    @property
-    def e2e_s(self) -> float:
-        return self.done_s - self.intended_s
-
-    @property
-    def send_lag_s(self) -> float:
-        return self.sent_s - self.intended_s
 
 
 def _error_kind(exc: BaseException) -> str:

@@ -2,7 +2,7 @@
 
 All latencies are measured from each request's intended send time. ITL percentiles pool every
 inter-token gap of every successful request; goodput counts successful requests whose TTFT and
-mean ITL (time per output token after the first) meet the SLOs, per second of run.
+mean ITL (``tpot_s``: time per output token after the first) meet the SLOs, per second of run.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.client import RequestRecord
+from loadgen.records import RequestRecord
 
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)
 # the keys of every ``percentiles_ms`` dict, in order
@@ -28,10 +28,6 @@ def percentiles_ms(values_s: Sequence[float] | np.ndarray) -> dict[str, float | 
         return dict.fromkeys(PERCENTILE_KEYS, None)
     vals = [arr.mean(), *np.percentile(arr, PERCENTILES), arr.max()]
     return {k: round(float(v) * 1e3, 4) for k, v in zip(PERCENTILE_KEYS, vals, strict=True)}
-
-
-def mean_itl_s(rec: RequestRecord) -> float:
-    return float(np.mean(rec.itl_s)) if rec.itl_s else math.nan
 
 
 def event_rate(times: np.ndarray) -> float | None:
@@ -72,10 +68,14 @@ def summarize(
     if slo_ttft_ms is not None:
         good = [r for r in good if r.ttft_s * 1e3 <= slo_ttft_ms]
     if slo_itl_ms is not None:
-        good = [r for r in good if not r.itl_s or mean_itl_s(r) * 1e3 <= slo_itl_ms]
+        good = [r for r in good if math.isnan(r.tpot_s) or r.tpot_s * 1e3 <= slo_itl_ms]
     with_usage = [r for r in ok if r.prompt_tokens and r.cached_tokens is not None]
     prompt_sum = sum(r.prompt_tokens or 0 for r in with_usage)
     cached_sum = sum(r.cached_tokens or 0 for r in with_usage)
+    with_tier = [r for r in with_usage if r.cpu_cached_tokens is not None]
+    tier_prompt = sum(r.prompt_tokens or 0 for r in with_tier)
+    cpu_sum = sum(r.cpu_cached_tokens or 0 for r in with_tier)
+    tier_cached = sum(r.cached_tokens or 0 for r in with_tier)
     summary: dict[str, Any] = {
         "requests": n,
         "sent": len(sent),
@@ -90,6 +90,7 @@ def summarize(
         "output_tokens_per_s": out_tokens / duration_s if duration_s > 0 else None,
         "ttft_ms": percentiles_ms(ttft),
         "itl_ms": percentiles_ms(itl),
+        "tpot_ms": percentiles_ms([r.tpot_s for r in ok]),
         "e2e_ms": percentiles_ms([r.e2e_s for r in ok]),
         "send_lag_ms": percentiles_ms(sent_at - intended),
         "cap_delayed": sum(r.cap_delayed for r in records),
@@ -99,12 +100,38 @@ def summarize(
         "goodput_rps": len(good) / duration_s if duration_s > 0 else None,
         "server_hit_rate": cached_sum / prompt_sum if prompt_sum else None,
         "server_hit_rate_requests": len(with_usage),
+        # the engine's split of those hits by tier, where it reports one (the simulator)
+        "gpu_hit_rate": (tier_cached - cpu_sum) / tier_prompt if tier_prompt else None,
+        "cpu_hit_rate": cpu_sum / tier_prompt if tier_prompt else None,
+        "per_instance": instance_spread(ok),
         "ideal_hit_rate_blocks": ideal_hit_rate[0] if ideal_hit_rate else None,
         "ideal_hit_rate_tokens": ideal_hit_rate[1] if ideal_hit_rate else None,
         "errors": dict(sorted(errors.items())),
         "error_examples": examples,
     }
     return summary
+
+
+def instance_spread(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
+    """Requests and prompt tokens per instance, and how uneven they are (max / mean), where the
+    records say which instance ran them; None otherwise."""
+    counts: Counter[str] = Counter()
+    tokens: Counter[str] = Counter()
+    for r in records:
+        if r.instance is not None:
+            counts[r.instance] += 1
+            tokens[r.instance] += r.input_tokens
+    if not counts:
+        return None
+    mean_n = sum(counts.values()) / len(counts)
+    mean_t = sum(tokens.values()) / len(tokens)
+    return {
+        "instances": len(counts),
+        "requests_max_over_mean": round(max(counts.values()) / mean_n, 4),
+        "requests_min_over_mean": round(min(counts.values()) / mean_n, 4),
+        "prompt_tokens_max_over_mean": round(max(tokens.values()) / mean_t, 4) if mean_t else None,
+        "requests": dict(sorted(counts.items())),
+    }
 
 
 def timeseries(records: Sequence[RequestRecord], bin_s: float = 1.0) -> list[dict[str, Any]]:

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from loadgen.client import RequestRecord
-from loadgen.metrics import PERCENTILE_KEYS, mean_itl_s, timeseries
+from loadgen.metrics import PERCENTILE_KEYS, timeseries
+from loadgen.records import RequestRecord
 
 PLOTS: tuple[str, ...] = (
     "ttft_cdf.png",
@@ -45,7 +45,7 @@ def record_row(r: RequestRecord) -> dict[str, Any]:
         "done_s": _s(r.done_s),
         "ttft_ms": _ms(r.ttft_s) if r.ok else None,
         "e2e_ms": _ms(r.e2e_s) if r.ok else None,
-        "itl_mean_ms": _ms(mean_itl_s(r)),
+        "itl_mean_ms": _ms(r.tpot_s),
         "send_lag_ms": _ms(r.send_lag_s),
         "output_tokens": r.output_tokens,
         "prompt_tokens": r.prompt_tokens,
@@ -54,6 +54,9 @@ def record_row(r: RequestRecord) -> dict[str, Any]:
         "error": r.error,
         "cap_delayed": r.cap_delayed,
         "error_detail": r.error_detail,
+        "instance": r.instance,
+        "cpu_cached_tokens": r.cpu_cached_tokens,
+        "preemptions": r.preemptions,
     }
 
 

@@ -24,8 +24,9 @@ from typing import Any, Literal
 import aiohttp
 from yarl import URL
 
-from loadgen.client import RequestRecord, encode_json, endpoint_url, raise_fd_limit, send
+from loadgen.client import encode_json, endpoint_url, raise_fd_limit, send
 from loadgen.prompts import PromptSynth
+from loadgen.records import RequestRecord
 from loadgen.workloads import Planned
 
 Api = Literal["completions", "chat"]

@@ -1,37 +1,23 @@
 """The sim engine: vLLM-like paged KV blocks, prefix caching and continuous batching without a
 model, timed by a latency profile. Real time (``SimEngine``, asyncio) or virtual time
-(``VirtualInstance``/``VirtualCluster``, discrete events)."""
+(``VirtualInstance``, discrete events; ``loadgen.simulator`` runs a cluster of them)."""
 
 from engines.sim.blocks import KVBlockManager
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest, make_request
 from engines.sim.scheduler import Scheduler, SchedulerConfig
-from engines.sim.virtual import (
-    RequestRecord,
-    VirtualCluster,
-    VirtualInstance,
-    expand_trace_hashes,
-    least_loaded,
-    prefix_affinity,
-    round_robin,
-    trace_arrival,
-)
+from engines.sim.virtual import VirtualInstance, expand_trace_hashes, trace_arrival
 
 __all__ = [
     "KVBlockManager",
     "LatencyProfile",
-    "RequestRecord",
     "Scheduler",
     "SchedulerConfig",
     "SimEngine",
     "SimRequest",
-    "VirtualCluster",
     "VirtualInstance",
     "expand_trace_hashes",
-    "least_loaded",
     "make_request",
-    "prefix_affinity",
-    "round_robin",
     "trace_arrival",
 ]
 

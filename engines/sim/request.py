@@ -95,6 +95,11 @@ class SimRequest:
     def num_tokens(self) -> int:
         return self.prompt_len + self.num_output
 
+    @property
+    def ttft_s(self) -> float:
+        """Arrival to first token in seconds (meaningless before the first token)."""
+        return self.first_token_s - self.arrival_s
+
     def extend_hashes(self, block_size: int) -> None:
         """Hash every output block that became full (vLLM appends to ``block_hashes`` as tokens
         arrive). Real tokens hash by content; hash-only requests get unique synthetic hashes."""

@@ -3,19 +3,24 @@ driven by a discrete-event loop instead of asyncio, so an hour of trace replays 
 
 ``VirtualInstance`` is one engine with its own clock: ``submit`` queues a request at a time,
 ``run_until(t)`` executes every step that starts before ``t`` (skipping runs of pure-decode
-steps in closed form), ``drain`` runs to idle. ``VirtualCluster.replay`` feeds time-ordered
-arrivals to a placement function that sees every instance as of the arrival time. KV events,
-when a callback is given, are delivered per step as the exact bytes vLLM's ZMQ publisher sends
-(``(instance_id, seq, payload)``).
+steps in closed form), ``drain`` runs to idle. KV events, when a callback is given, are delivered
+per step as the exact bytes vLLM's ZMQ publisher sends (``(instance_id, seq, payload)``); first
+tokens and finishes are announced to ``on_progress``. Placement is not this module's business:
+the cluster simulator (``loadgen.simulator``) runs the production routing core over instances.
+
+An instance may run *slower than its profile*, as real engines do: ``slowdown`` stretches every
+step (a per-engine speed factor, a straggler) and ``jitter`` multiplies each step by a seeded
+log-normal draw of that sigma with mean 1 (a run of ``n`` decode steps skipped in closed form
+draws one factor of sigma ``jitter / sqrt(n)``, the spread of the mean of ``n`` draws). The
+profile the router prices with stays the unperturbed one: the truth is not the belief.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
+import random
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Sequence
 
 from cachemap.events import KVEventBatch, encode_vllm_batch
 from engines.base import LoadSnapshot
@@ -25,26 +30,8 @@ from engines.sim.scheduler import Scheduler
 from policies.base import EvictionPolicy, RequestInfo
 
 EventCallback = Callable[[str, int, bytes], None]
-
-
-@dataclass(slots=True, frozen=True)
-class RequestRecord:
-    """What happened to one request (times in virtual seconds)."""
-
-    request_id: str
-    instance: str
-    arrival_s: float
-    first_token_s: float
-    finish_s: float
-    prompt_tokens: int
-    output_tokens: int
-    cached_tokens: int
-    cpu_cached_tokens: int
-    preemptions: int
-
-    @property
-    def ttft_s(self) -> float:
-        return self.first_token_s - self.arrival_s
+# (time, request, finished): the request's first token (finished False) or its end (True)
+ProgressCallback = Callable[[float, SimRequest, bool], None]
 
 
 class VirtualInstance:
@@ -65,7 +52,15 @@ class VirtualInstance:
         long_prefill_token_threshold: int | None = None,
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
+        on_progress: ProgressCallback | None = None,
+        slowdown: float = 1.0,
+        jitter: float = 0.0,
+        seed: int = 0,
     ) -> None:
+        if not (slowdown > 0 and math.isfinite(slowdown)):
+            raise ValueError(f"slowdown must be a positive number, got {slowdown}")
+        if not 0 <= jitter < 2:
+            raise ValueError(f"jitter must be in [0, 2), got {jitter}")
         self.instance_id = instance_id
         self.profile = profile
         self.scheduler = Scheduler.for_profile(
@@ -82,13 +77,17 @@ class VirtualInstance:
         )
         self.blocks = self.scheduler.blocks
         self.on_events = on_events
+        self.on_progress = on_progress
+        self.slowdown, self.jitter = slowdown, jitter
+        self._rng = random.Random(seed)
         self._overhead_s = profile.request_overhead_ms / 1e3
         # (ready time, request): arrived, not yet at the scheduler (the request overhead)
         self._pending: deque[tuple[float, SimRequest]] = deque()
         self.clock = 0.0
         self.event_seq = 0
         self.steps = 0
-        self.finished: list[RequestRecord] = []
+        self.submitted = 0
+        self.finished: list[SimRequest] = []
 
     @property
     def block_size(self) -> int:
@@ -104,6 +103,7 @@ class VirtualInstance:
         Raises ``ValueError`` if it can never fit this instance."""
         self.scheduler.check(req)
         req.arrival_s = at_s
+        self.submitted += 1
         self._pending.append((at_s + self._overhead_s, req))
 
     def run_until(self, t: float) -> None:
@@ -124,22 +124,37 @@ class VirtualInstance:
     def drain(self) -> None:
         self.run_until(float("inf"))
 
+    def _stretch(self, steps: int) -> float:
+        """The truth's factor over the profile for ``steps`` steps (mean ``slowdown``)."""
+        if not self.jitter:
+            return self.slowdown
+        sigma = self.jitter / math.sqrt(steps)
+        return self.slowdown * math.exp(self._rng.gauss(-sigma * sigma / 2, sigma))
+
     def _step(self, limit_s: float) -> None:
         sched = self.scheduler
         step = sched.schedule(self.clock)
         if not step.scheduled and not step.preempted:
             raise RuntimeError(f"instance {self.instance_id}: requests queued but none can run")
-        end = self.clock + step.duration_s
+        end = self.clock + step.duration_s * self._stretch(1)
+        progress = self.on_progress
         for r, _ in sched.complete(step, end):
             if r.status == Status.FINISHED:
-                self.finished.append(_record(self.instance_id, r))
+                self.finished.append(r)
+                if progress is not None:
+                    if r.first_token_s == end:
+                        progress(end, r, False)
+                    progress(end, r, True)
+            elif progress is not None and r.first_token_s == end:
+                progress(end, r, False)
         self.clock = end
         self.steps += 1
         self._flush_events()
         if end < limit_s:
-            n, dur = sched.decode_run(end, limit_s)
+            # NOTE: the run is sized on the profile's clock, so stretch the horizon to match.
+            n, dur = sched.decode_run(end, end + (limit_s - end) / self.slowdown)
             if n:
-                self.clock = end + dur
+                self.clock = end + dur * self._stretch(n)
                 self.steps += n
                 self._flush_events()
 
@@ -154,9 +169,14 @@ class VirtualInstance:
 
     # -- what a placement may look at ---------------------------------------------------------
 
-    def load(self) -> LoadSnapshot:
+    def load(self, ts: float | None = None) -> LoadSnapshot:
+        """This engine's load sample, stamped ``ts`` (default: its clock)."""
         s = self.scheduler
-        return s.load_snapshot(self.instance_id, self.clock, len(s.waiting) + len(self._pending))
+        return s.load_snapshot(
+            self.instance_id,
+            self.clock if ts is None else ts,
+            len(s.waiting) + len(self._pending),
+        )
 
     def outstanding(self) -> int:
         return len(self._pending) + len(self.scheduler.waiting) + len(self.scheduler.running)
@@ -165,74 +185,6 @@ class VirtualInstance:
         """Leading blocks of ``req`` this instance would hit now: (GPU, CPU after GPU)."""
         hit, n_cpu = self.blocks.lookup(req)
         return len(hit), n_cpu
-
-
-def _record(instance: str, r: SimRequest) -> RequestRecord:
-    return RequestRecord(
-        r.request_id,
-        instance,
-        r.arrival_s,
-        r.first_token_s,
-        r.finish_s,
-        r.prompt_len,
-        r.num_output,
-        r.cached_tokens,
-        r.cpu_cached_tokens,
-        r.num_preemptions,
-    )
-
-
-Placement = Callable[[SimRequest, "VirtualCluster"], int]
-
-
-class VirtualCluster:
-    """Several virtual instances replaying one arrival stream."""
-
-    def __init__(self, instances: Sequence[VirtualInstance]) -> None:
-        if not instances:
-            raise ValueError("a cluster needs at least one instance")
-        self.instances = list(instances)
-
-    @classmethod
-    def build(cls, n: int, profile: LatencyProfile, **options: Any) -> VirtualCluster:
-        """``n`` instances ``sim-0`` .. with the same ``VirtualInstance`` options."""
-        return cls([VirtualInstance(f"sim-{i}", profile, **options) for i in range(n)])
-
-    def replay(
-        self, arrivals: Iterable[tuple[float, SimRequest]], place: Placement
-    ) -> list[RequestRecord]:
-        """Run time-ordered ``(arrival_s, request)`` pairs to completion; records by arrival."""
-        instances = self.instances
-        for t, req in arrivals:
-            for inst in instances:
-                inst.run_until(t)
-            instances[place(req, self)].submit(req, t)
-        for inst in instances:
-            inst.drain()
-        records = [rec for inst in instances for rec in inst.finished]
-        records.sort(key=lambda rec: rec.arrival_s)
-        return records
-
-
-def round_robin() -> Placement:
-    counter = itertools.count()
-    return lambda req, cluster: next(counter) % len(cluster.instances)
-
-
-def least_loaded(req: SimRequest, cluster: VirtualCluster) -> int:
-    """Fewest outstanding requests; ties go to the lowest index."""
-    loads = [inst.outstanding() for inst in cluster.instances]
-    return loads.index(min(loads))
-
-
-def prefix_affinity(req: SimRequest, cluster: VirtualCluster) -> int:
-    """Longest GPU prefix hit, then fewest outstanding requests."""
-    best, best_key = 0, None
-    for i, inst in enumerate(cluster.instances):
-        key = (-inst.cached_prefix_blocks(req)[0], inst.outstanding())
-        if best_key is None or key < best_key:
-            best, best_key = i, key
-    return best
 
 
 def trace_arrival(

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from loadgen.client import RequestRecord
 from loadgen.metrics import summarize
 from loadgen.nullserver import NullServer, serve_in_thread
 from loadgen.prompts import PromptSynth, count_words
+from loadgen.records import RequestRecord
 from loadgen.runner import RunConfig, Runner, RunResult
 from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned, build_schedule

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from loadgen.client import RequestRecord
 from loadgen.metrics import percentiles_ms, summarize, timeseries
+from loadgen.records import RequestRecord
 
 
 def rec(i: float, ttft: float, itl: list[float], **kw: object) -> RequestRecord:

@@ -1,5 +1,6 @@
-"""Virtual-time sim instances and clusters: profile-exact timing, determinism, placements, KV event
-bytes delivered to a callback, and trace hash expansion."""
+"""Virtual-time sim instances: profile-exact timing, KV event bytes delivered to a callback, first
+tokens and finishes announced, the truth's slowdown and jitter, and trace hash expansion. (Clusters
+with the routing core in the loop: ``test_simulator.py``.)"""
 
 from __future__ import annotations
 
@@ -13,15 +14,7 @@ from cachemap.events import decode_vllm_batch
 from cachemap.ingest import CacheMapIngestor, EngineEventTranslator
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import make_request
-from engines.sim.virtual import (
-    VirtualCluster,
-    VirtualInstance,
-    expand_trace_hashes,
-    least_loaded,
-    prefix_affinity,
-    round_robin,
-    trace_arrival,
-)
+from engines.sim.virtual import VirtualInstance, expand_trace_hashes, trace_arrival
 from policies.base import RequestInfo
 
 BS = 16
@@ -47,7 +40,7 @@ def test_single_request_ttft_and_finish_follow_the_profile(profile):
     # Four decode steps after the first token, each attending to the growing context.
     decode = sum(profile.decode_step_s(1, 20_000 + k) for k in range(1, 5))
     assert rec.finish_s - rec.first_token_s == pytest.approx(decode)
-    assert rec.output_tokens == 5 and rec.cached_tokens == 0
+    assert rec.num_output == 5 and rec.cached_tokens == 0
 
 
 def test_request_overhead_delays_the_scheduler(profile):
@@ -90,27 +83,58 @@ def _workload(n: int, seed: int = 0):
     return out
 
 
-@pytest.mark.parametrize("place", [least_loaded, prefix_affinity])
-def test_replay_is_deterministic(profile, place):
-    runs = [VirtualCluster.build(3, profile).replay(_workload(120), place) for _ in range(2)]
-    assert runs[0] == runs[1] and len(runs[0]) == 120
-    assert len({rec.instance for rec in runs[0]}) == 3
-
-
-def test_prefix_affinity_gets_more_hits_than_round_robin(profile):
-    def cached(place):
-        recs = VirtualCluster.build(4, profile).replay(_workload(200, seed=3), place)
-        return sum(r.cached_tokens for r in recs)
-
-    assert cached(prefix_affinity) > cached(round_robin())
-
-
 def test_overload_queues_requests(profile):
-    light = VirtualCluster.build(1, profile).replay(_workload(40), least_loaded)
-    burst = [(0.0, r) for _, r in _workload(40)]
-    heavy = VirtualCluster.build(1, profile).replay(burst, least_loaded)
-    p50 = lambda recs: sorted(r.ttft_s for r in recs)[len(recs) // 2]  # noqa: E731
-    assert p50(heavy) > 3 * p50(light)
+    def p50(arrivals) -> float:
+        inst = VirtualInstance("v0", profile)
+        for t, r in arrivals:
+            inst.run_until(t)
+            inst.submit(r, t)
+        inst.drain()
+        return sorted(r.ttft_s for r in inst.finished)[len(inst.finished) // 2]
+
+    light = p50(_workload(40))
+    assert p50([(0.0, r) for _, r in _workload(40)]) > 3 * light
+
+
+def test_progress_is_announced_in_time_order(profile):
+    seen: list[tuple[float, str, bool]] = []
+    inst = VirtualInstance(
+        "v0", profile, on_progress=lambda t, r, done: seen.append((t, r.request_id, done))
+    )
+    work = _workload(30, seed=2)
+    for t, r in work:
+        inst.run_until(t)
+        inst.submit(r, t)
+    inst.drain()
+    assert [x[0] for x in seen] == sorted(x[0] for x in seen)
+    firsts = {rid: t for t, rid, done in seen if not done}
+    ends = {rid: t for t, rid, done in seen if done}
+    assert set(firsts) == set(ends) == {r.request_id for _, r in work}
+    for r in inst.finished:
+        assert firsts[r.request_id] == r.first_token_s and ends[r.request_id] == r.finish_s
+
+
+def test_slowdown_and_jitter_perturb_the_truth(profile):
+    def ttfts(**kw) -> list[float]:
+        inst = VirtualInstance("v0", profile, **kw)
+        for i in range(20):
+            r = make_request(
+                f"r{i}", block_size=BS, max_tokens=40, prompt_token_ids=tokens(i, 4000)
+            )
+            inst.submit(r, 10.0 * i)
+            inst.run_until(10.0 * i + 5)
+        inst.drain()
+        return [r.ttft_s for r in inst.finished]
+
+    base = ttfts()
+    assert ttfts(slowdown=2.0) == pytest.approx([2 * t for t in base])
+    noisy = ttfts(jitter=0.3, seed=1)
+    assert noisy == ttfts(jitter=0.3, seed=1)  # seeded
+    ratios = [a / b for a, b in zip(noisy, base, strict=True)]
+    assert min(ratios) < 0.95 and max(ratios) > 1.05
+    assert 0.8 < sum(ratios) / len(ratios) < 1.2  # mean-one noise
+    with pytest.raises(ValueError, match="slowdown"):
+        VirtualInstance("v0", profile, slowdown=0.0)
 
 
 def test_events_reach_a_cache_map_as_vllm_bytes(profile):
@@ -127,19 +151,21 @@ def test_events_reach_a_cache_map_as_vllm_bytes(profile):
         if msg is not None:
             ingest.apply(msg)
 
-    cluster = VirtualCluster(
-        [
-            VirtualInstance(f"v{i}", profile, num_gpu_blocks=200, on_events=on_events)
-            for i in range(2)
-        ]
-    )
+    instances = [
+        VirtualInstance(f"v{i}", profile, num_gpu_blocks=200, on_events=on_events) for i in range(2)
+    ]
     work = _workload(60, seed=5)
-    cluster.replay(work, round_robin())
+    for i, (t, r) in enumerate(work):
+        for inst in instances:
+            inst.run_until(t)
+        instances[i % 2].submit(r, t)
+    for inst in instances:
+        inst.drain()
     hasher = BlockHasher("sim", BS)
     ours = {
         s: o for _, r in work for s, o in zip(r.block_hashes, hasher(r.token_ids), strict=False)
     }
-    for inst in cluster.instances:
+    for inst in instances:
         assert seqs[inst.instance_id] == list(range(len(seqs[inst.instance_id])))
         assert {ours[h] for h in inst.blocks.gpu_hashes()} == set(
             cmap.resident(inst.instance_id, Tier.GPU)
