@@ -54,7 +54,7 @@ class RouterConfig(_Strict):
     @field_validator("scorer")
     @classmethod
     def _known(cls, v: str) -> str:
-        valid = [*scorer_names(), RAY_PREFIX_ROUTER]
+        valid = list(dict.fromkeys([*scorer_names(), RAY_PREFIX_ROUTER]))
         if v not in valid and ":" not in v:
             raise ValueError(f"unknown scorer {v!r}; valid: {', '.join(valid)}")
         return v

@@ -108,6 +108,7 @@ _SCORERS: dict[str, tuple[str, str]] = {
     "sglang_cache_aware": ("router.scorers.sglang", "SglangCacheAwareScorer"),
     "dynamo_cost": ("router.scorers.dynamo", "DynamoCostScorer"),
     "llmd_weighted": ("router.scorers.llmd", "LlmdWeightedScorer"),
+    "ray_prefix": ("router.scorers.ray_prefix", "RayPrefixScorer"),
 }
 
 
