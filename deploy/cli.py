@@ -19,6 +19,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "engines.profile_cmd",
         "measure a real engine and write a latency profile for the sim engine",
     ),
+    "simulate": (
+        "loadgen.simulate_cmd",
+        "replay a workload on a virtual cluster placed by the real router core, per router",
+    ),
     "cachesim": (
         "loadgen.cachesim_cmd",
         "replay a trace through eviction policies and report hit rates",

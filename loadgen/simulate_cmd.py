@@ -1,0 +1,358 @@
+"""``kvroute simulate``: replay a trace or synthetic workload on a virtual cluster of sim engines,
+placed by the production routing core, once per router; print the comparison table and write
+``--json`` / ``--report`` outputs (see ``loadgen.simulator`` for what is and is not modelled)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from loadgen.cli import _positive, add_workload_arguments, plan_workload
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_workload_arguments(p)
+    c = p.add_argument_group("cluster")
+    c.add_argument("--instances", type=int, default=16, help="engines [16]")
+    c.add_argument(
+        "--profile", default="h100-llama3.1-8b", help="engines' latency profile (name or JSON)"
+    )
+    c.add_argument(
+        "--router-profile", help="the profile the router prices with [same name, loaded apart]"
+    )
+    c.add_argument(
+        "--router",
+        default="kv_ttft,round_robin",
+        help="comma-separated scorers, each NAME or NAME@key=value+key=value [kv_ttft,round_robin]",
+    )
+    c.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine option for every instance (num_gpu_blocks, cpu_capacity_blocks, cpu_policy, "
+        "max_num_batched_tokens, long_prefill_token_threshold, max_num_seqs, max_model_len)",
+    )
+    c.add_argument("--block-size", type=int, help="engine block size [the workload's]")
+    t = p.add_argument_group("truth and lag")
+    t.add_argument("--speed-sigma", type=float, default=0.1, help="per-engine speed spread [0.1]")
+    t.add_argument("--jitter", type=float, default=0.05, help="per-step time jitter sigma [0.05]")
+    t.add_argument("--stragglers", type=float, default=0.0, help="fraction of slow engines [0]")
+    t.add_argument("--straggler-slowdown", type=float, default=3.0, help="their slowdown [3]")
+    t.add_argument("--lag-ms", type=float, default=10.0, help="KV event and load sample lag [10]")
+    o = p.add_argument_group("output")
+    o.add_argument("--slo-ttft-ms", type=float, help="goodput SLO on TTFT")
+    o.add_argument("--slo-tpot-ms", type=float, help="goodput SLO on time per output token")
+    o.add_argument(
+        "--admit",
+        action="store_true",
+        help="reject (429) requests whose best "
+        "estimate breaks --slo-ttft-ms, as the router's admission does",
+    )
+    o.add_argument("--json", action="store_true", help="print the results as JSON")
+    o.add_argument("--report", help="directory for summary.json, CSV files and PNG plots")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def parse_options(items: list[str], flag: str) -> dict[str, Any]:
+    """``key=value`` items as a dict (values as JSON, else strings)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag}: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def parse_routers(spec: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """``--router`` as ``(label, scorer name, options)``; raises naming the bad entry."""
+    from router.placement import create_scorer
+
+    out = []
+    for label in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, opts = label.partition("@")
+        options = parse_options([o for o in opts.split("+") if o], f"--router {label}")
+        try:
+            create_scorer(name, **options)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--router {label}: {e}") from None
+        out.append((label, name, options))
+    if not out:
+        raise ValueError("--router: give at least one scorer")
+    return out
+
+
+def _profile(name: str, flag: str) -> Any:
+    from engines.sim.profile import LatencyProfile
+
+    try:
+        return LatencyProfile.load(name)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{flag}: cannot load profile {name!r}: {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from loadgen.metrics import summarize
+    from loadgen.simulator import Perturbation, SimSettings, simulate
+    from loadgen.workloads import ideal_hit_rate
+
+    for value, flag in (
+        (args.slo_ttft_ms, "--slo-ttft-ms"),
+        (args.slo_tpot_ms, "--slo-tpot-ms"),
+        (args.instances, "--instances"),
+        (args.block_size, "--block-size"),
+    ):
+        _positive(value, flag)
+    if args.lag_ms < 0:
+        raise ValueError(f"--lag-ms must be >= 0, got {args.lag_ms}")
+    if args.admit and args.slo_ttft_ms is None:
+        raise ValueError("--admit needs --slo-ttft-ms")
+    if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
+        raise ValueError(f"--report: {args.report} exists and is not a directory")
+    routers = parse_routers(args.router)
+    truth = _profile(args.profile, "--profile")
+    belief = _profile(args.router_profile, "--router-profile") if args.router_profile else None
+    plan, block_size, source = plan_workload(args)
+    if not plan:
+        raise ValueError("the workload has no requests (check --duration / --max-requests)")
+    try:
+        settings = SimSettings(
+            instances=args.instances,
+            block_size=args.block_size,
+            engine=parse_options(args.engine, "--engine"),
+            perturbation=Perturbation(
+                args.speed_sigma, args.jitter, args.stragglers, args.straggler_slowdown, args.seed
+            ),
+            event_lag_s=args.lag_ms / 1e3,
+            load_lag_s=args.lag_ms / 1e3,
+            slo_ttft_s=args.slo_ttft_ms / 1e3 if args.admit else None,
+        )
+        settings.validate()
+    except ValueError as e:  # name the flag, not the field
+        msg = str(e).replace("perturbation: ", "")
+        for name in ("speed_sigma", "jitter", "straggler_slowdown", "stragglers"):
+            msg = msg.replace(name, "--" + name.replace("_", "-"))
+        raise ValueError(msg) from None
+    ideal = ideal_hit_rate((p.req for p in plan), block_size)
+    span = plan[-1].offset_s if len(plan) > 1 else 0.0
+    results: dict[str, Any] = {}
+    runs = {}
+    for label, name, options in routers:
+        progress = None if args.no_progress or not sys.stderr.isatty() else _bar(label)
+        try:
+            sim = simulate(
+                plan,
+                block_size,
+                truth,
+                name,
+                settings,
+                scorer_options=options,
+                router_profile=belief,
+                progress=progress,
+            )
+        finally:
+            if progress is not None:
+                progress.close()  # type: ignore[attr-defined]
+        runs[label] = sim
+        s = summarize(
+            sim.records,
+            duration_s=sim.span_s,
+            requested_span_s=span,
+            slo_ttft_ms=args.slo_ttft_ms,
+            slo_itl_ms=args.slo_tpot_ms,
+            ideal_hit_rate=ideal,
+        )
+        results[label] = _row(s, sim)
+    meta = {
+        "source": source,
+        "requests": len(plan),
+        "instances": args.instances,
+        "block_size": settings.block_size or block_size,
+        "profile": truth.name,
+        "router_profile": belief.name if belief else truth.name,
+        "perturbation": {
+            "speed_sigma": args.speed_sigma,
+            "jitter": args.jitter,
+            "stragglers": args.stragglers,
+            "straggler_slowdown": args.straggler_slowdown,
+            "seed": args.seed,
+        },
+        "lag_ms": args.lag_ms,
+        "engine": settings.engine,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "admission": bool(args.admit),
+        "ideal_hit_rate_tokens": round(ideal[1], 4),
+        "not_modelled": "network/ingress time, admission's concurrency gate, engine failures",
+    }
+    doc = {"meta": meta, "routers": results}
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        _print_table(meta, results)
+    if args.report:
+        written = write_report(Path(args.report), doc, runs)
+        print(f"simulate: wrote {len(written)} files to {args.report}", file=sys.stderr)
+    return 0
+
+
+def _row(s: dict[str, Any], sim: Any) -> dict[str, Any]:
+    return {
+        "requests": s["requests"],
+        "completed": s["completed"],
+        "rejected": s["errors"].get("http_429", 0),
+        "errors": s["errors"],
+        "ttft_ms": {k: s["ttft_ms"][k] for k in ("p50", "p90", "p99")},
+        "tpot_ms": {k: s["tpot_ms"][k] for k in ("p50", "p99")},
+        "hit_rate": s["server_hit_rate"],
+        "gpu_hit_rate": s["gpu_hit_rate"],
+        "cpu_hit_rate": s["cpu_hit_rate"],
+        "goodput_rps": s["goodput_rps"],
+        "good_requests": s["good_requests"],
+        "load_spread": {k: v for k, v in (s["per_instance"] or {}).items() if k != "requests"},
+        "calibration": sim.calibration,
+        "wall_s": round(sim.wall_s, 3),
+        "sim_req_per_wall_s": round(sim.requests_per_wall_s, 1),
+    }
+
+
+def _bar(label: str) -> Any:
+    from rich.progress import Progress
+
+    bar = Progress(transient=True)
+    bar.start()
+    task = bar.add_task(f"simulate {label}", total=None)
+
+    class _Fn:
+        def __call__(self, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        def close(self) -> None:
+            bar.stop()
+
+    return _Fn()
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:,.{digits}f}" if isinstance(v, float) else f"{v:,}"
+
+
+def _print_table(meta: dict[str, Any], results: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=140)
+    console.print(
+        f"simulate: {meta['source']}, {meta['requests']:,} requests, {meta['instances']} x "
+        f"{meta['profile']} (router prices with {meta['router_profile']}), block "
+        f"{meta['block_size']}, ideal hit rate {meta['ideal_hit_rate_tokens']:.3f}"
+    )
+    table = Table()
+    for col in (
+        "router", "TTFT p50", "p90", "p99", "TPOT p50", "p99", "hit", "GPU", "CPU",
+        "goodput/s", "rejected", "max/mean load", "wall s",
+    ):  # fmt: skip
+        table.add_column(col, justify="left" if col == "router" else "right")
+    for label, r in results.items():
+        table.add_row(
+            label,
+            _fmt(r["ttft_ms"]["p50"]),
+            _fmt(r["ttft_ms"]["p90"]),
+            _fmt(r["ttft_ms"]["p99"]),
+            _fmt(r["tpot_ms"]["p50"], 2),
+            _fmt(r["tpot_ms"]["p99"], 2),
+            _fmt(r["hit_rate"], 3),
+            _fmt(r["gpu_hit_rate"], 3),
+            _fmt(r["cpu_hit_rate"], 3),
+            _fmt(r["goodput_rps"], 2),
+            _fmt(r["rejected"]),
+            _fmt(r["load_spread"].get("requests_max_over_mean"), 2),
+            _fmt(r["wall_s"], 2),
+        )
+    console.print(table)
+    console.print("times in ms; hit rates over prompt tokens; goodput under the given SLOs")
+
+
+def write_report(out: Path, doc: dict[str, Any], runs: dict[str, Any]) -> list[Path]:
+    """summary.json, routers.csv, requests-<router>.csv, queue-<router>.csv, ttft_cdf.png and
+    queue-<router>.png (per-instance waiting requests over time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from loadgen.report import RECORD_FIELDS, record_row
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "summary.json", out / "routers.csv"]
+    written[0].write_text(json.dumps(doc, indent=1) + "\n")
+    with written[1].open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["router", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms",
+                    "tpot_p99_ms", "hit_rate", "gpu_hit_rate", "cpu_hit_rate", "goodput_rps",
+                    "rejected"])  # fmt: skip
+        for label, r in doc["routers"].items():
+            w.writerow([label, r["ttft_ms"]["p50"], r["ttft_ms"]["p90"], r["ttft_ms"]["p99"],
+                        r["tpot_ms"]["p50"], r["tpot_ms"]["p99"], r["hit_rate"],
+                        r["gpu_hit_rate"], r["cpu_hit_rate"], r["goodput_rps"],
+                        r["rejected"]])  # fmt: skip
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, sim in runs.items():
+        safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in label)
+        path = out / f"requests-{safe}.csv"
+        with path.open("w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(RECORD_FIELDS))
+            wr.writeheader()
+            wr.writerows(record_row(r) for r in sim.records)
+        qpath = out / f"queue-{safe}.csv"
+        with qpath.open("w", newline="") as f:
+            wq = csv.writer(f)
+            wq.writerow(["t_s", "instance", "waiting", "running"])
+            wq.writerows(sim.queue)
+        written += [path, qpath]
+        ttft = np.sort([r.ttft_s * 1e3 for r in sim.records if r.ok])
+        if ttft.size:
+            ax.plot(ttft, np.arange(1, ttft.size + 1) / ttft.size, label=label)
+        qfig, qax = plt.subplots(figsize=(8, 4.5))
+        by_inst: dict[str, tuple[list[float], list[int]]] = {}
+        for t, inst, waiting, _running in sim.queue:
+            xs, ys = by_inst.setdefault(inst, ([], []))
+            xs.append(t)
+            ys.append(waiting)
+        for inst, (xs, ys) in sorted(by_inst.items()):
+            qax.plot(xs, ys, lw=0.6, label=inst if len(by_inst) <= 16 else None)
+        qax.set_xlabel("time (s)")
+        qax.set_ylabel("waiting requests")
+        qax.set_title(f"Per-instance queue, {label}")
+        qax.grid(alpha=0.3)
+        if len(by_inst) <= 16:
+            qax.legend(fontsize=6, ncol=4)
+        qfig.tight_layout()
+        qpng = out / f"queue-{safe}.png"
+        qfig.savefig(qpng, dpi=100)
+        plt.close(qfig)
+        written.append(qpng)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, log)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("Time to first token, CDF per router")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    cdf = out / "ttft_cdf.png"
+    fig.savefig(cdf, dpi=100)
+    plt.close(fig)
+    written.append(cdf)
+    return written

@@ -1,0 +1,427 @@
+"""The cluster simulator: a schedule replayed in virtual time on sim engines, placed by the
+production routing core.
+
+Nothing of the router is written twice. Every request is placed by a ``router.state.RouterCore``
+(the object the ingress runs) with a registered scorer, on the clock of the simulation:
+
+- the engines are ``engines.sim.VirtualInstance``s. Their KV events leave as the bytes vLLM's
+  publisher sends, go through the forwarder's ``EngineEventTranslator`` (trusted-hash mode: the
+  trace's block ids are the chained hashes), onto an in-process event bus, and reach the core's
+  ``CacheMap`` through its ``EngineWatcher`` and ``CacheMapIngestor`` after ``event_lag_s``;
+- load samples are taken on every engine each ``load_interval_s`` (the production interval),
+  encoded as on the load bus, and read by the core's watcher after ``load_lag_s``. Only the
+  latest sample before a placement is ever read, so only those are materialised;
+- first tokens and finishes reach the core when they happen (the ingress sees the stream), so
+  the core's in-flight accounting and kv_ttft's online calibration learn as in production;
+- SLO admission is the core's ``Admission.check_slo``: a rejected request is a 429.
+
+Truth and belief are different objects: engines run on the workload's *truth* profile stretched
+per engine (a seeded speed factor, per-step jitter, optional stragglers: ``Perturbation``); the
+router prices with its own profile, loaded separately (by default the same shipped profile,
+unperturbed). What is not modelled: network and ingress time, the concurrency gate of admission
+(``max_in_flight``), engine failures, request cancellation.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from cachemap.bus import InProcessBus
+from cachemap.events import encode_message
+from cachemap.ingest import EngineEventTranslator
+from engines.base import LOAD_INTERVAL_S
+from engines.forwarder import encode_load
+from engines.sim.profile import LatencyProfile
+from engines.sim.request import SimRequest
+from engines.sim.virtual import VirtualInstance, trace_arrival
+from loadgen.cachesim import request_info
+from loadgen.records import RequestRecord
+from loadgen.workloads import Planned
+from router.admission import Admission, Rejected
+from router.placement import PlacementRequest, Scorer, create_scorer
+from router.state import PlacementRecorder, RouterCore
+
+# VirtualInstance options an ``--engine key=value`` may set
+ENGINE_OPTIONS: tuple[str, ...] = (
+    "num_gpu_blocks",
+    "cpu_capacity_blocks",
+    "cpu_policy",
+    "max_num_batched_tokens",
+    "long_prefill_token_threshold",
+    "max_num_seqs",
+    "max_model_len",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Perturbation:
+    """How the simulated engines' truth departs from the profile, all seeded.
+
+    ``speed_sigma``: each engine's slowdown is log-normal with this sigma and mean 1;
+    ``jitter``: per-step log-normal sigma (mean 1); ``stragglers``: the fraction of engines
+    (rounded) that run ``straggler_slowdown`` times slower on top of their speed factor."""
+
+    speed_sigma: float = 0.1
+    jitter: float = 0.05
+    stragglers: float = 0.0
+    straggler_slowdown: float = 3.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "speed_sigma": 0 <= self.speed_sigma < 2,
+            "jitter": 0 <= self.jitter < 2,
+            "stragglers": 0 <= self.stragglers <= 1,
+            "straggler_slowdown": self.straggler_slowdown >= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"perturbation: {name} out of range: {getattr(self, name)}")
+
+    def slowdowns(self, n: int) -> list[float]:
+        rng = random.Random(f"speed/{self.seed}")
+        s = self.speed_sigma
+        out = [math.exp(rng.gauss(-s * s / 2, s)) if s else 1.0 for _ in range(n)]
+        for i in rng.sample(range(n), round(self.stragglers * n)):
+            out[i] *= self.straggler_slowdown
+        return out
+
+
+EXACT = Perturbation(speed_sigma=0.0, jitter=0.0)
+
+
+@dataclass(slots=True)
+class SimSettings:
+    """One simulated cluster: engines, their truth, the router's lags and SLO gate."""
+
+    instances: int = 16
+    block_size: int | None = None  # default: the workload's (Mooncake 512, synthetic 16)
+    engine: dict[str, Any] = field(default_factory=dict)  # VirtualInstance options
+    perturbation: Perturbation = field(default_factory=Perturbation)
+    event_lag_s: float = 0.01
+    load_lag_s: float = 0.01
+    load_interval_s: float = LOAD_INTERVAL_S
+    slo_ttft_s: float | None = None  # admission: reject when the best estimate breaks it
+
+    def validate(self) -> None:
+        if self.instances < 1:
+            raise ValueError(f"--instances must be >= 1, got {self.instances}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        for name in ("event_lag_s", "load_lag_s"):
+            if not 0 <= getattr(self, name) < 60:
+                raise ValueError(f"{name} must be in [0, 60) seconds, got {getattr(self, name)}")
+        if not self.load_interval_s > 0:
+            raise ValueError(f"load_interval_s must be > 0, got {self.load_interval_s}")
+        unknown = sorted(set(self.engine) - set(ENGINE_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"--engine: unknown option {unknown[0]!r}; valid: {', '.join(ENGINE_OPTIONS)}"
+            )
+
+
+@dataclass(slots=True)
+class SimRun:
+    """What one simulated run produced."""
+
+    router: str
+    records: list[RequestRecord]
+    queue: list[tuple[float, str, int, int]]  # (t, instance, waiting, running) per load sample
+    span_s: float  # first arrival to last finish, virtual seconds
+    wall_s: float
+    skipped: int  # requests that can never fit an engine (counted, reported as errors)
+    calibration: dict[str, float] | None
+    slowdowns: list[float]
+    placements: int
+
+    @property
+    def requests_per_wall_s(self) -> float:
+        return len(self.records) / self.wall_s if self.wall_s > 0 else math.inf
+
+
+ProgressFn = Callable[[int, int], None]  # (requests placed, total)
+
+
+class ClusterSimulator:
+    """``instances`` virtual engines behind one routing core. ``run`` replays a schedule."""
+
+    def __init__(
+        self,
+        truth: LatencyProfile,
+        scorer: Scorer | str,
+        settings: SimSettings,
+        trace_block_size: int,
+        *,
+        router_profile: LatencyProfile | None = None,
+        recorder: PlacementRecorder | None = None,
+    ) -> None:
+        settings.validate()
+        self.settings = s = settings
+        self.block_size = bs = s.block_size or trace_block_size
+        self.trace_block_size = trace_block_size
+        eng = dict(s.engine)
+        # the engines' limits bind the router's cost model too (as ``deploy.app`` does)
+        truth = truth.with_limits(
+            eng.get("max_num_batched_tokens"), eng.get("long_prefill_token_threshold")
+        )
+        belief = router_profile if router_profile is not None else LatencyProfile.load(truth.name)
+        belief = belief.with_limits(
+            eng.get("max_num_batched_tokens"), eng.get("long_prefill_token_threshold")
+        )
+        if belief is truth:  # never price with the truth object itself
+            raise ValueError("the router's profile must not be the engines' truth object")
+        self.truth, self.belief = truth, belief
+        p = s.perturbation
+        self.slowdowns = p.slowdowns(s.instances)
+        self.kv_bus, self.load_bus = InProcessBus(1 << 16), InProcessBus(1 << 16)
+        gpu_blocks = eng.get("num_gpu_blocks") or truth.kv_capacity_tokens // bs
+        self.core = RouterCore(
+            scorer,
+            belief,
+            bs,
+            gpu_blocks,
+            kv_bus=self.kv_bus,
+            load_bus=self.load_bus,
+            admission=Admission(slo_ttft_s=s.slo_ttft_s),
+            recorder=recorder,
+        )
+        self._events: dict[str, deque[tuple[float, bytes]]] = {}
+        self._progress: list[tuple[float, int, str, SimRequest, bool]] = []
+        self._progress_seq = 0
+        self.translators: dict[str, EngineEventTranslator] = {}
+        self.instances: list[VirtualInstance] = []
+        for i in range(s.instances):
+            iid = f"sim-{i}"
+            self.translators[iid] = EngineEventTranslator(iid, "sim", bs, trusted_hashes=True)
+            self._events[iid] = deque()
+            self.instances.append(
+                VirtualInstance(
+                    iid,
+                    truth,
+                    block_size=bs,
+                    on_events=self._on_events,
+                    on_progress=self._progress_fn(iid),
+                    slowdown=self.slowdowns[i],
+                    jitter=p.jitter,
+                    seed=p.seed * 100_003 + i,
+                    **eng,
+                )
+            )
+        self.by_id = {inst.instance_id: inst for inst in self.instances}
+        self.core.sync_instances(self.by_id)
+
+    # -- what the engines emit ---------------------------------------------------------------
+
+    def _on_events(self, instance: str, seq: int, payload: bytes) -> None:
+        """An engine's KV event batch, through the forwarder's translator, queued for the bus
+        until its lag has passed."""
+        ts = self.by_id[instance].clock
+        msg = self.translators[instance].feed(payload, seq, ts)
+        if msg is not None:
+            self._events[instance].append((ts, encode_message(msg)))
+
+    def _progress_fn(self, iid: str) -> Callable[[float, SimRequest, bool], None]:
+        def on_progress(t: float, req: SimRequest, finished: bool) -> None:
+            self._progress_seq += 1
+            heapq.heappush(self._progress, (t, self._progress_seq, iid, req, finished))
+
+        return on_progress
+
+    # -- the replay --------------------------------------------------------------------------
+
+    def run(self, plan: Sequence[Planned], progress: ProgressFn | None = None) -> SimRun:
+        """Replay ``plan`` (send offsets in seconds, in order) to completion."""
+        s, core, bs = self.settings, self.core, self.block_size
+        by_id = self.by_id
+        interval, load_lag, event_lag = s.load_interval_s, s.load_lag_s, s.event_lag_s
+        mml = self.instances[0].max_model_len
+        preqs: dict[str, tuple[PlacementRequest, Planned]] = {}
+        records: dict[str, RequestRecord] = {}
+        queue: list[tuple[float, str, int, int]] = []
+        roots: dict[int, int] = {}  # chat id -> its session's first chat id
+        last_tick = -1
+        sampled: list[tuple[tuple[int, int], Any]] = [((-1, -1), None)] * len(self.instances)
+        skipped = placements = 0
+        wall0 = time.perf_counter()
+        total = len(plan)
+        for n, p in enumerate(plan):
+            t, tr = p.offset_s, p.req
+            rid = str(p.index)
+            # 1. load samples: the latest taken before t - lag is what the router can have read
+            tick = math.floor((t - load_lag) / interval)
+            if tick > last_tick and tick >= 0:
+                last_tick = tick
+                ts = tick * interval
+                for i, inst in enumerate(self.instances):
+                    inst.run_until(ts)
+                    state = (inst.steps, inst.submitted)
+                    if state == sampled[i][0]:  # nothing changed: the same sample, restamped
+                        snap = msgspec.structs.replace(sampled[i][1], ts=ts)
+                    else:
+                        snap = inst.load(ts)
+                    sampled[i] = (state, snap)
+                    self.load_bus.publish(encode_load(snap))
+                    queue.append((ts, inst.instance_id, snap.waiting, snap.running))
+            for inst in self.instances:
+                inst.run_until(t)
+            # 2. what the ingress saw of the streams up to t
+            self._deliver_progress(t, preqs)
+            # 3. KV events older than the lag, through the bus into the map
+            horizon = t - event_lag
+            for dq in self._events.values():
+                while dq and dq[0][0] <= horizon:
+                    self.kv_bus.publish(dq.popleft()[1])
+            self._pump(t)
+            # 4. place, admit, send
+            rec = RequestRecord(
+                p.index,
+                tr.category,
+                tr.chat_id,
+                tr.input_length,
+                tr.output_length,
+                t,
+                sent_s=t,
+                prompt_tokens=tr.input_length,
+            )
+            records[rid] = rec
+            session = _session_key(tr.chat_id, tr.parent_chat_id, roots)
+            try:
+                _, req = trace_arrival(
+                    rid,
+                    t,
+                    tr.input_length,
+                    tr.output_length,
+                    tr.hash_ids,
+                    self.trace_block_size,
+                    bs,
+                    mml,
+                    request_info(tr, p.index),
+                )
+            except ValueError as e:
+                rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
+                skipped += 1
+                continue
+            preq = PlacementRequest(
+                rid,
+                tr.input_length,
+                req.block_hashes[: tr.input_length // bs],
+                max_tokens=max(tr.output_length, 1),
+                session_key=session,
+                category=tr.category,
+            )
+            placement = core.place(preq, t)
+            placements += 1
+            try:
+                core.admission.check_slo(placement.estimated_ttft_s)
+            except Rejected as e:
+                rec.error, rec.status, rec.error_detail, rec.done_s = "http_429", 429, e.reason, t
+                continue
+            inst = by_id[placement.instance_id]
+            try:
+                inst.submit(req, t)
+            except ValueError as e:
+                rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
+                skipped += 1
+                continue
+            core.assigned(preq, placement, t)
+            rec.instance = placement.instance_id
+            preqs[rid] = (preq, p)
+            if progress is not None and n % 1000 == 999:
+                progress(n + 1, total)
+        for inst in self.instances:
+            inst.drain()
+        self._deliver_progress(math.inf, preqs)
+        wall = time.perf_counter() - wall0
+        if progress is not None:
+            progress(total, total)
+        for inst in self.instances:
+            for r in inst.finished:
+                rec = records[r.request_id]
+                rec.first_token_s, rec.done_s = r.first_token_s, r.finish_s
+                rec.output_tokens = r.num_output
+                rec.cached_tokens, rec.cpu_cached_tokens = r.cached_tokens, r.cpu_cached_tokens
+                rec.preemptions, rec.status = r.num_preemptions, 200
+        out = sorted(records.values(), key=lambda r: r.index)
+        done = [r.done_s for r in out if not math.isnan(r.done_s)]
+        first = out[0].intended_s if out else 0.0
+        cal = getattr(core.scorer, "calibration", None)
+        return SimRun(
+            router=core.scorer.name,
+            records=out,
+            queue=queue,
+            span_s=(max(done) - first) if done else 0.0,
+            wall_s=wall,
+            skipped=skipped,
+            calibration=(
+                {"a": cal.a, "b": cal.b, "c": cal.c, "d": cal.d, "samples": cal.samples}
+                if cal is not None
+                else None
+            ),
+            slowdowns=self.slowdowns,
+            placements=placements,
+        )
+
+    def _deliver_progress(
+        self, t: float, preqs: dict[str, tuple[PlacementRequest, Planned]]
+    ) -> None:
+        heap, core = self._progress, self.core
+        while heap and heap[0][0] <= t:
+            at, _, iid, req, finished = heapq.heappop(heap)
+            if finished:
+                entry = preqs.pop(req.request_id, None)
+                if entry is not None:
+                    core.finished(entry[0], iid)
+            else:
+                core.first_token(req.request_id, at)
+
+    def _pump(self, now: float) -> None:
+        core = self.core
+        while True:  # a burst larger than one bus read is applied whole, as a busy pump would
+            fetched = core.fetch()
+            core.apply(fetched, now)
+            if fetched is None or max(len(fetched[0].items), len(fetched[1].items)) < 4096:
+                return
+
+
+def _session_key(chat_id: int | None, parent: int | None, roots: dict[int, int]) -> str | None:
+    """The session a Bailian-shaped request belongs to (its first turn's chat id), as the
+    ingress's session header would carry it; None for session-less traces (Mooncake)."""
+    if chat_id is None:
+        return None
+    root = roots.get(parent, parent) if parent is not None else chat_id
+    roots[chat_id] = root if root is not None else chat_id
+    return str(roots[chat_id])
+
+
+def simulate(
+    plan: Sequence[Planned],
+    trace_block_size: int,
+    truth: LatencyProfile,
+    router: str,
+    settings: SimSettings,
+    *,
+    scorer_options: dict[str, Any] | None = None,
+    router_profile: LatencyProfile | None = None,
+    recorder: PlacementRecorder | None = None,
+    progress: ProgressFn | None = None,
+) -> SimRun:
+    """One router over one schedule on a fresh cluster (see ``ClusterSimulator``)."""
+    scorer = create_scorer(router, **(scorer_options or {}))
+    sim = ClusterSimulator(
+        truth,
+        scorer,
+        settings,
+        trace_block_size,
+        router_profile=router_profile,
+        recorder=recorder,
+    )
+    return sim.run(plan, progress)
