@@ -292,32 +292,10 @@ class RouterCore:
 
 class RouterState:
     """A ``RouterCore`` behind a lock, on the wall clock, with a bus pump thread. Takes the
-    core's arguments; ``now`` defaults to ``time.time()`` where a caller may pass it."""
+    core's arguments; ``now`` defaults to ``clock()`` where a caller may pass it."""
 
-    def __init__(
-        self,
-        scorer: Scorer | str = "kv_ttft",
-        latency: LatencyModel | None = None,
-        block_size: int = 16,
-        kv_capacity_blocks: int = 0,
-        kv_bus: EventBus | None = None,
-        load_bus: EventBus | None = None,
-        admission: Admission | None = None,
-        stale_after_s: float = STALE_AFTER_S,
-        recorder: PlacementRecorder | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.core = RouterCore(
-            scorer,
-            latency,
-            block_size,
-            kv_capacity_blocks,
-            kv_bus,
-            load_bus,
-            admission,
-            stale_after_s,
-            recorder,
-        )
+    def __init__(self, *args: Any, clock: Callable[[], float] = time.time, **kwargs: Any) -> None:
+        self.core = RouterCore(*args, **kwargs)
         self.clock = clock
         self._lock = threading.Lock()
         self._stop = threading.Event()
