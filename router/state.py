@@ -307,6 +307,11 @@ class RouterState:
     def scorer(self) -> Scorer:
         return self.core.scorer
 
+    @scorer.setter
+    def scorer(self, scorer: Scorer) -> None:
+        with self._lock:
+            self.core.scorer = scorer
+
     @property
     def cache_map(self) -> CacheMap:
         return self.core.cache_map
