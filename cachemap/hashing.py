@@ -25,6 +25,8 @@ InstanceId = NewType("InstanceId", str)
 HASH_SEED = 0x6B76726F75746521  # b"kvroute!"
 MAX_TOKEN_ID = 2**32 - 1
 
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
 _xxh3 = xxhash.xxh3_64_intdigest
 _U32_FAST = array("I").itemsize == 4 and sys.byteorder == "little"
 _pack_u64 = struct.Struct("<Q").pack_into
@@ -123,3 +125,12 @@ class BlockHasher:
         cache_salt: str | None = None,
     ) -> list[BlockHash]:
         return block_hashes(tokens, self.block_size, self.salt(lora_name, cache_salt))
+
+
+def mix64(x: int) -> int:
+    """splitmix64: a cheap, well-spread 64-bit hash of an int, and a bijection on 64 bits (the
+    sim's synthetic hashes and output tokens; the text ``ray_prefix`` builds from hashes)."""
+    x = (x + _GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)

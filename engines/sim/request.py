@@ -15,14 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from cachemap.hashing import block_hashes, hash_block, salt_hash
+from cachemap.hashing import block_hashes, hash_block, mix64, salt_hash
 from policies.base import RequestInfo
 
 if TYPE_CHECKING:
     from engines.sim.blocks import Block
 
-_MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
 _HIGH_BIT = 1 << 63
 # NOTE: the sim's engine hashes are opaque to consumers, like vLLM's; they differ from
 # cachemap's chained hashes (the forwarder must translate from token_ids, not pass them through).
@@ -34,14 +32,6 @@ class Status(IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
-
-
-def mix64(x: int) -> int:
-    """splitmix64 finaliser: a cheap, well-spread 64-bit hash of an int."""
-    x = (x + _GOLDEN) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
 
 
 def output_token(seed: int, index: int, vocab_size: int, token_offset: int) -> int:

@@ -27,21 +27,21 @@ What is Ray's (ray 2.60, imported from the installed ``ray``, not copied):
 
 What is ours (the glue a hash-only simulator needs):
 
-- **Text from block hashes.** Ray's tree matches characters of the prompt text; simulated
-  requests carry only ``block_hashes`` (Mooncake ``hash_ids``, or our chained xxh3 hashes). Each
-  hash is scrambled by the splitmix64 finaliser (a bijection on 64 bits, so the small sequential
-  Mooncake ids look random too) and written as ``chars_per_block`` 16-bit characters (surrogate
-  code points moved to plane 1, so the mapping stays injective); the request's text is the
-  concatenation. A shared leading run of blocks is therefore a shared leading run of characters
-  and ``match_rate`` is matched blocks / blocks. Faithful because Ray's decision only looks at
-  the length of the matched prefix relative to the prompt and at per-tenant character counts,
-  both proportional to blocks here. Where it is not: real text shares partial blocks and its
-  characters per token vary, so Ray's rate counts partial blocks and differs by a few percent;
-  two different blocks share the first character of their code with probability 2^-16 (a
-  fraction of a block of spurious match); a prompt's partial last block has no hash (whatever
-  the caller leaves out of ``block_hashes`` is invisible), and a prompt with no full block
-  becomes the empty string, where Ray would divide by zero (``len(matched) / len(text)``): here
-  its rate is 0, so it takes Ray's low-match branch (smallest tenant).
+- **Text from block hashes.** Ray's tree matches characters of the prompt text; simulated requests
+  carry only ``block_hashes`` (Mooncake ``hash_ids``, or our chained xxh3 hashes). Each hash is
+  scrambled by splitmix64 (``cachemap.hashing.mix64``, a bijection on 64 bits, so the small
+  sequential Mooncake ids look random too) and written as ``chars_per_block`` 16-bit characters
+  (surrogate code points moved to plane 1, so the mapping stays injective); the request's text is
+  the concatenation. A shared leading run of blocks is therefore a shared leading run of
+  characters and ``match_rate`` is matched blocks / blocks. Faithful because Ray's decision only
+  looks at the length of the matched prefix relative to the prompt and at per-tenant character
+  counts, both proportional to blocks here. Where it is not: real text shares partial blocks and
+  its characters per token vary, so Ray's rate counts partial blocks and differs by a few percent;
+  two different blocks share the first character of their code with probability 2^-16 (a fraction
+  of a block of spurious match); a prompt's partial last block has no hash (whatever the caller
+  leaves out of ``block_hashes`` is invisible), and a prompt with no full block becomes the empty
+  string, where Ray would divide by zero (``len(matched) / len(text)``): here its rate is 0, so it
+  takes Ray's low-match branch (smallest tenant).
 - **Tenants.** The instance ids the caller passes (healthy or not) are the tenants: new ids are
   ``add_tenants``-ed, ids no longer passed are ``remove_tenants``-ed (Ray drops a replica that
   left the deployment). Only healthy instances are candidates. When Ray's smallest tenants
@@ -60,56 +60,36 @@ What is ours (the glue a hash-only simulator needs):
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Mapping, Sequence
 
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
 from cachemap import Match
+from cachemap.hashing import mix64
 from router.placement import InstanceView, Placement, PlacementRequest, Scorer, healthy
 
-_U64 = (1 << 64) - 1
-_CODE_CACHE_MAX = 1 << 18  # hashes whose code is kept (a trace's prefixes repeat)
-_code_cache: dict[int, str] = {}
 
-
+@functools.lru_cache(maxsize=1 << 18)  # a trace's prefixes repeat
 def _block_code(h: int) -> str:
-    """Four characters for one hash: splitmix64's finaliser, then 16 bits per character."""
-    x = h & _U64
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & _U64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & _U64
-    x ^= x >> 31
-    a, b, c, d = x & 0xFFFF, (x >> 16) & 0xFFFF, (x >> 32) & 0xFFFF, x >> 48
-    # surrogate code points (U+D800..DFFF) -> plane 1 (U+1D800..1DFFF): valid, still injective
-    if 0xD800 <= a < 0xE000:
-        a += 0x10000
-    if 0xD800 <= b < 0xE000:
-        b += 0x10000
-    if 0xD800 <= c < 0xE000:
-        c += 0x10000
-    if 0xD800 <= d < 0xE000:
-        d += 0x10000
-    return chr(a) + chr(b) + chr(c) + chr(d)
+    """Four characters for one hash: splitmix64 (a bijection), 16 bits per character."""
+    x = mix64(h)
+    chars = []
+    for shift in (0, 16, 32, 48):
+        c = (x >> shift) & 0xFFFF
+        # surrogate code points (U+D800..DFFF) -> plane 1 (U+1D800..1DFFF): valid, injective
+        chars.append(chr(c + 0x10000 if 0xD800 <= c < 0xE000 else c))
+    return "".join(chars)
 
 
 def block_text(block_hashes: Sequence[int], chars_per_block: int = 4) -> str:
     """``chars_per_block`` characters per block hash (1..4), concatenated: equal leading hashes
     give equal leading characters. With 4 (all 64 bits) distinct hashes give distinct codes;
     fewer characters keep 16 bits each, and a prefix of text still matches block for block."""
-    cache = _code_cache
-    if len(cache) > _CODE_CACHE_MAX:
-        cache.clear()
-    parts = []
-    for h in block_hashes:
-        code = cache.get(h)
-        if code is None:
-            code = cache[h] = _block_code(h)
-        parts.append(code)
     if chars_per_block == 4:
-        return "".join(parts)
-    return "".join(p[:chars_per_block] for p in parts)
+        return "".join(map(_block_code, block_hashes))
+    return "".join(_block_code(h)[:chars_per_block] for h in block_hashes)
 
 
 class RayPrefixScorer(Scorer):
