@@ -47,17 +47,10 @@ log = logging.getLogger(__name__)
 
 
 class PlacementRecorder(Protocol):
-    """Receives every placement with what the scorer saw: the record to read when routing looks
-    wrong. Called outside the core's lock; must not raise."""
+    """Receives every placement as a ``placement_record`` entry: the record to read when routing
+    looks wrong. Called outside the router's lock; must not raise."""
 
-    def record(
-        self,
-        now: float,
-        request: PlacementRequest,
-        views: Sequence[InstanceView],
-        match: Mapping[str, Match],
-        placement: Placement,
-    ) -> None: ...
+    def record(self, entry: dict[str, Any]) -> None: ...
 
 
 def placement_record(
@@ -100,15 +93,8 @@ class JsonlRecorder:
         self._lock = threading.Lock()
         self.errors = 0
 
-    def record(
-        self,
-        now: float,
-        request: PlacementRequest,
-        views: Sequence[InstanceView],
-        match: Mapping[str, Match],
-        placement: Placement,
-    ) -> None:
-        line = json.dumps(placement_record(now, request, views, match, placement)) + "\n"
+    def record(self, entry: dict[str, Any]) -> None:
+        line = json.dumps(entry) + "\n"
         with self._lock:
             try:
                 if self._file is None:
@@ -127,20 +113,13 @@ class JsonlRecorder:
 
 
 class MemoryRecorder:
-    """Keeps every ``placement_record`` in ``records`` (tests, the simulator's --placement-log)."""
+    """Keeps every ``placement_record`` entry in ``records`` (tests, simulated runs)."""
 
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
 
-    def record(
-        self,
-        now: float,
-        request: PlacementRequest,
-        views: Sequence[InstanceView],
-        match: Mapping[str, Match],
-        placement: Placement,
-    ) -> None:
-        self.records.append(placement_record(now, request, views, match, placement))
+    def record(self, entry: dict[str, Any]) -> None:
+        self.records.append(entry)
 
 
 # -- the routing core --------------------------------------------------------------------------
@@ -242,18 +221,20 @@ class RouterCore:
         exclude: Iterable[str] = (),
     ) -> Placement:
         """Choose an instance among ``candidates`` (default: all known) minus ``exclude``."""
-        placement, views, match = self._place(request, now, candidates, exclude)
-        if self.recorder is not None:
-            self.recorder.record(now, request, views, match, placement)
+        placement, entry = self.decide(request, now, candidates, exclude)
+        if entry is not None and self.recorder is not None:
+            self.recorder.record(entry)
         return placement
 
-    def _place(
+    def decide(
         self,
         request: PlacementRequest,
         now: float,
-        candidates: Sequence[str] | None,
-        exclude: Iterable[str],
-    ) -> tuple[Placement, list[InstanceView], Mapping[str, Match]]:
+        candidates: Sequence[str] | None = None,
+        exclude: Iterable[str] = (),
+    ) -> tuple[Placement, dict[str, Any] | None]:
+        """``place`` without recording: the placement, and its ``placement_record`` entry when
+        there is a recorder to give it to (the caller records it, e.g. outside a lock)."""
         excluded = set(exclude)
         allowed = set(candidates) if candidates is not None else None
         views = [
@@ -264,7 +245,10 @@ class RouterCore:
         if not views:
             raise NoInstanceError("no engine instance available")
         match = self.cache_map.match(request.block_hashes)
-        return self.scorer.place(request, views, match), views, match
+        placement = self.scorer.place(request, views, match)
+        if self.recorder is None:
+            return placement, None
+        return placement, placement_record(now, request, views, match, placement)
 
     def cached_tokens(self, request: PlacementRequest, placement: Placement) -> int:
         """Prompt tokens ``placement`` expects its instance to spare ``request``."""
@@ -375,10 +359,9 @@ class RouterState:
         """Choose an instance among ``candidates`` (default: all known) minus ``exclude``."""
         now = self.clock() if now is None else now
         with self._lock:
-            placement, views, match = self.core._place(request, now, candidates, exclude)
-        recorder = self.core.recorder
-        if recorder is not None:  # outside the lock: a file write
-            recorder.record(now, request, views, match, placement)
+            placement, entry = self.core.decide(request, now, candidates, exclude)
+        if entry is not None and self.core.recorder is not None:  # outside the lock: a file write
+            self.core.recorder.record(entry)
         return placement
 
     def cached_tokens(self, request: PlacementRequest, placement: Placement) -> int:
