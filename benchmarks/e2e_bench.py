@@ -38,11 +38,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from loadgen.simulate_cmd import parse_options, parse_router
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "small"
@@ -58,24 +59,6 @@ WORKLOAD = [
 
 def median_or_none(values: list[Any]) -> Any:
     return statistics.median(values) if None not in values else None
-
-
-def parse_options(items: Iterable[str]) -> dict[str, Any]:
-    """``key=value`` items as a dict (values as JSON, else strings)."""
-    options: dict[str, Any] = {}
-    for item in items:
-        key, _, raw = item.partition("=")
-        try:
-            options[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            options[key] = raw
-    return options
-
-
-def parse_router(spec: str) -> tuple[str, dict[str, Any]]:
-    """``name`` or ``name@key=value+key=value`` (scorer options)."""
-    name, _, opts = spec.partition("@")
-    return name, parse_options(filter(None, opts.split("+")))
 
 
 def serve_config(router: str, port: int, engine_opts: dict[str, Any] | None = None) -> Any:
@@ -247,7 +230,7 @@ def main() -> None:
         if flag not in workload or not value:
             ap.error(f"--workload-arg: expected a workload flag as FLAG=VALUE, got {item!r}")
         workload[workload.index(flag) + 1] = value
-    engine_opts = parse_options(args.engine)
+    engine_opts = parse_options(args.engine, "--engine")
     routers = args.routers.split(",")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")

@@ -73,14 +73,19 @@ def parse_options(items: list[str], flag: str) -> dict[str, Any]:
     return out
 
 
+def parse_router(spec: str) -> tuple[str, dict[str, Any]]:
+    """One scorer spec, ``NAME`` or ``NAME@key=value+key=value``: ``(name, options)``."""
+    name, _, opts = spec.partition("@")
+    return name, parse_options([o for o in opts.split("+") if o], f"--router {spec}")
+
+
 def parse_routers(spec: str) -> list[tuple[str, str, dict[str, Any]]]:
     """``--router`` as ``(label, scorer name, options)``; raises naming the bad entry."""
     from router.placement import create_scorer
 
     out = []
     for label in filter(None, (x.strip() for x in spec.split(","))):
-        name, _, opts = label.partition("@")
-        options = parse_options([o for o in opts.split("+") if o], f"--router {label}")
+        name, options = parse_router(label)
         try:
             create_scorer(name, **options)
         except (TypeError, ValueError) as e:
@@ -101,6 +106,8 @@ def _profile(name: str, flag: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
     from loadgen.metrics import summarize
     from loadgen.simulator import Perturbation, SimSettings, simulate
     from loadgen.workloads import ideal_hit_rate
@@ -112,43 +119,36 @@ def run(args: argparse.Namespace) -> int:
         (args.block_size, "--block-size"),
     ):
         _positive(value, flag)
-    if args.lag_ms < 0:
-        raise ValueError(f"--lag-ms must be >= 0, got {args.lag_ms}")
     if args.admit and args.slo_ttft_ms is None:
         raise ValueError("--admit needs --slo-ttft-ms")
     if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
         raise ValueError(f"--report: {args.report} exists and is not a directory")
+    settings = SimSettings(
+        instances=args.instances,
+        block_size=args.block_size,
+        engine=parse_options(args.engine, "--engine"),
+        perturbation=Perturbation(
+            args.speed_sigma, args.jitter, args.stragglers, args.straggler_slowdown, args.seed
+        ),
+        event_lag_s=args.lag_ms / 1e3,
+        load_lag_s=args.lag_ms / 1e3,
+        slo_ttft_s=args.slo_ttft_ms / 1e3 if args.admit else None,
+    )
+    settings.validate()  # before the workload is read: a bad flag fails fast
     routers = parse_routers(args.router)
     truth = _profile(args.profile, "--profile")
     belief = _profile(args.router_profile, "--router-profile") if args.router_profile else None
     plan, block_size, source = plan_workload(args)
     if not plan:
         raise ValueError("the workload has no requests (check --duration / --max-requests)")
-    try:
-        settings = SimSettings(
-            instances=args.instances,
-            block_size=args.block_size,
-            engine=parse_options(args.engine, "--engine"),
-            perturbation=Perturbation(
-                args.speed_sigma, args.jitter, args.stragglers, args.straggler_slowdown, args.seed
-            ),
-            event_lag_s=args.lag_ms / 1e3,
-            load_lag_s=args.lag_ms / 1e3,
-            slo_ttft_s=args.slo_ttft_ms / 1e3 if args.admit else None,
-        )
-        settings.validate()
-    except ValueError as e:  # name the flag, not the field
-        msg = str(e).replace("perturbation: ", "")
-        for name in ("speed_sigma", "jitter", "straggler_slowdown", "stragglers"):
-            msg = msg.replace(name, "--" + name.replace("_", "-"))
-        raise ValueError(msg) from None
     ideal = ideal_hit_rate((p.req for p in plan), block_size)
     span = plan[-1].offset_s if len(plan) > 1 else 0.0
     results: dict[str, Any] = {}
     runs = {}
+    quiet = args.no_progress or not sys.stderr.isatty()
     for label, name, options in routers:
-        progress = None if args.no_progress or not sys.stderr.isatty() else _bar(label)
-        try:
+        with Progress(transient=True, disable=quiet) as bar:
+            task = bar.add_task(f"simulate {label}", total=len(plan))
             sim = simulate(
                 plan,
                 block_size,
@@ -157,11 +157,8 @@ def run(args: argparse.Namespace) -> int:
                 settings,
                 scorer_options=options,
                 router_profile=belief,
-                progress=progress,
+                progress=lambda done, _total, task=task, bar=bar: bar.update(task, completed=done),
             )
-        finally:
-            if progress is not None:
-                progress.close()  # type: ignore[attr-defined]
         runs[label] = sim
         s = summarize(
             sim.records,
@@ -223,23 +220,6 @@ def _row(s: dict[str, Any], sim: Any) -> dict[str, Any]:
         "wall_s": round(sim.wall_s, 3),
         "sim_req_per_wall_s": round(sim.requests_per_wall_s, 1),
     }
-
-
-def _bar(label: str) -> Any:
-    from rich.progress import Progress
-
-    bar = Progress(transient=True)
-    bar.start()
-    task = bar.add_task(f"simulate {label}", total=None)
-
-    class _Fn:
-        def __call__(self, done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        def close(self) -> None:
-            bar.stop()
-
-    return _Fn()
 
 
 def _fmt(v: Any, digits: int = 1) -> str:

@@ -77,15 +77,16 @@ class Perturbation:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        # named by the ``kvroute simulate`` flag that sets each field
         checks = {
-            "speed_sigma": 0 <= self.speed_sigma < 2,
-            "jitter": 0 <= self.jitter < 2,
-            "stragglers": 0 <= self.stragglers <= 1,
-            "straggler_slowdown": self.straggler_slowdown >= 1,
+            "--speed-sigma": (self.speed_sigma, 0 <= self.speed_sigma < 2, "in [0, 2)"),
+            "--jitter": (self.jitter, 0 <= self.jitter < 2, "in [0, 2)"),
+            "--stragglers": (self.stragglers, 0 <= self.stragglers <= 1, "in [0, 1]"),
+            "--straggler-slowdown": (self.straggler_slowdown, self.straggler_slowdown >= 1, ">= 1"),
         }
-        for name, ok in checks.items():
+        for flag, (value, ok, valid) in checks.items():
             if not ok:
-                raise ValueError(f"perturbation: {name} out of range: {getattr(self, name)}")
+                raise ValueError(f"{flag} must be {valid}, got {value}")
 
     def slowdowns(self, n: int) -> list[float]:
         rng = random.Random(f"speed/{self.seed}")
@@ -117,9 +118,9 @@ class SimSettings:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
-        for name in ("event_lag_s", "load_lag_s"):
-            if not 0 <= getattr(self, name) < 60:
-                raise ValueError(f"{name} must be in [0, 60) seconds, got {getattr(self, name)}")
+        for lag in (self.event_lag_s, self.load_lag_s):
+            if not 0 <= lag < 60:
+                raise ValueError(f"--lag-ms must be in [0, 60000), got {lag * 1e3:g}")
         if not self.load_interval_s > 0:
             raise ValueError(f"load_interval_s must be > 0, got {self.load_interval_s}")
         unknown = sorted(set(self.engine) - set(ENGINE_OPTIONS))
@@ -138,10 +139,8 @@ class SimRun:
     queue: list[tuple[float, str, int, int]]  # (t, instance, waiting, running) per load sample
     span_s: float  # first arrival to last finish, virtual seconds
     wall_s: float
-    skipped: int  # requests that can never fit an engine (counted, reported as errors)
     calibration: dict[str, float] | None
-    slowdowns: list[float]
-    placements: int
+    slowdowns: list[float]  # each engine's speed factor over the profile
 
     @property
     def requests_per_wall_s(self) -> float:
@@ -177,9 +176,6 @@ class ClusterSimulator:
         belief = belief.with_limits(
             eng.get("max_num_batched_tokens"), eng.get("long_prefill_token_threshold")
         )
-        if belief is truth:  # never price with the truth object itself
-            raise ValueError("the router's profile must not be the engines' truth object")
-        self.truth, self.belief = truth, belief
         p = s.perturbation
         self.slowdowns = p.slowdowns(s.instances)
         self.kv_bus, self.load_bus = InProcessBus(1 << 16), InProcessBus(1 << 16)
@@ -250,7 +246,6 @@ class ClusterSimulator:
         roots: dict[int, int] = {}  # chat id -> its session's first chat id
         last_tick = -1
         sampled: list[tuple[tuple[int, int], Any]] = [((-1, -1), None)] * len(self.instances)
-        skipped = placements = 0
         wall0 = time.perf_counter()
         total = len(plan)
         for n, p in enumerate(plan):
@@ -308,7 +303,6 @@ class ClusterSimulator:
                 )
             except ValueError as e:
                 rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
-                skipped += 1
                 continue
             preq = PlacementRequest(
                 rid,
@@ -319,7 +313,6 @@ class ClusterSimulator:
                 category=tr.category,
             )
             placement = core.place(preq, t)
-            placements += 1
             try:
                 core.admission.check_slo(placement.estimated_ttft_s)
             except Rejected as e:
@@ -330,7 +323,6 @@ class ClusterSimulator:
                 inst.submit(req, t)
             except ValueError as e:
                 rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
-                skipped += 1
                 continue
             core.assigned(preq, placement, t)
             rec.instance = placement.instance_id
@@ -360,14 +352,12 @@ class ClusterSimulator:
             queue=queue,
             span_s=(max(done) - first) if done else 0.0,
             wall_s=wall,
-            skipped=skipped,
             calibration=(
                 {"a": cal.a, "b": cal.b, "c": cal.c, "d": cal.d, "samples": cal.samples}
                 if cal is not None
                 else None
             ),
             slowdowns=self.slowdowns,
-            placements=placements,
         )
 
     def _deliver_progress(
@@ -397,9 +387,8 @@ def _session_key(chat_id: int | None, parent: int | None, roots: dict[int, int])
     ingress's session header would carry it; None for session-less traces (Mooncake)."""
     if chat_id is None:
         return None
-    root = roots.get(parent, parent) if parent is not None else chat_id
-    roots[chat_id] = root if root is not None else chat_id
-    return str(roots[chat_id])
+    roots[chat_id] = root = chat_id if parent is None else roots.get(parent, parent)
+    return str(root)
 
 
 def simulate(
