@@ -139,14 +139,12 @@ class VirtualInstance:
         end = self.clock + step.duration_s * self._stretch(1)
         progress = self.on_progress
         for r, _ in sched.complete(step, end):
+            if progress is not None and r.first_token_s == end:
+                progress(end, r, False)
             if r.status == Status.FINISHED:
                 self.finished.append(r)
                 if progress is not None:
-                    if r.first_token_s == end:
-                        progress(end, r, False)
                     progress(end, r, True)
-            elif progress is not None and r.first_token_s == end:
-                progress(end, r, False)
         self.clock = end
         self.steps += 1
         self._flush_events()
@@ -167,7 +165,7 @@ class VirtualInstance:
             self.on_events(self.instance_id, self.event_seq, payload)
             self.event_seq += 1
 
-    # -- what a placement may look at ---------------------------------------------------------
+    # -- what the router may read ---------------------------------------------------------------
 
     def load(self, ts: float | None = None) -> LoadSnapshot:
         """This engine's load sample, stamped ``ts`` (default: its clock)."""
@@ -177,14 +175,6 @@ class VirtualInstance:
             self.clock if ts is None else ts,
             len(s.waiting) + len(self._pending),
         )
-
-    def outstanding(self) -> int:
-        return len(self._pending) + len(self.scheduler.waiting) + len(self.scheduler.running)
-
-    def cached_prefix_blocks(self, req: SimRequest) -> tuple[int, int]:
-        """Leading blocks of ``req`` this instance would hit now: (GPU, CPU after GPU)."""
-        hit, n_cpu = self.blocks.lookup(req)
-        return len(hit), n_cpu
 
 
 def trace_arrival(
