@@ -137,12 +137,11 @@ class RouterCore:
         admission: Admission | None = None,
         stale_after_s: float = STALE_AFTER_S,
         recorder: PlacementRecorder | None = None,
-        request_resync: Callable[[str], None] | None = None,
     ) -> None:
         """``kv_bus`` and ``load_bus`` come together (or neither: the caller then drives the
         core by hand); an instance silent on the load bus for ``stale_after_s`` is dropped.
-        ``request_resync`` asks an instance's forwarder for a snapshot after a sequence gap
-        (default: the event bus's own ``request_resync``, if it has one)."""
+        After a sequence gap the event bus's own ``request_resync`` (where it has one) asks the
+        instance's forwarder for a snapshot."""
         self.scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
         self.latency = latency
         self.block_size = block_size
@@ -160,7 +159,7 @@ class RouterCore:
                 load_bus,
                 self.ingestor,
                 timeout_s=stale_after_s,
-                request_resync=request_resync or getattr(kv_bus, "request_resync", None),
+                request_resync=getattr(kv_bus, "request_resync", None),
             )
             if kv_bus is not None and load_bus is not None
             else None
