@@ -32,6 +32,9 @@ from loadgen.workloads import Planned
 Api = Literal["completions", "chat"]
 
 
+_TIMER_TICK_S = 1e-3  # uvloop (libuv) timer granularity
+
+
 @dataclass(slots=True)
 class RunConfig:
     url: str  # base URL; "/v1/completions" or "/v1/chat/completions" is appended
@@ -166,9 +169,11 @@ class Runner:
             target = t0 + p.offset_s
             if target > perf_counter():
                 ahead = self._prepare_ahead(max(ahead, i), target)
-                delay = target - perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                # NOTE: uvloop's millisecond timers wake a sleep up to ~1 ms early on
+                # perf_counter. Nothing may leave before its time, so a remainder waits one
+                # more timer tick (at most ~1 ms late) instead of spinning the loop on it.
+                while (delay := target - perf_counter()) > 0:
+                    await asyncio.sleep(max(delay, _TIMER_TICK_S))
             rec = self.records[p.index]
             if sem is not None:
                 if sem.locked():
