@@ -169,12 +169,14 @@ class RouterCore:
 
     def sync_instances(self, instance_ids: Iterable[str]) -> None:
         """Make the known instances exactly ``instance_ids`` (Serve's live replica set); an
-        instance that left is dropped from the cache map too."""
+        instance that left is dropped from the cache map too. New instances are registered in
+        sorted order, so scorers that break ties by position see the same order in every
+        process (router replicas, repeated simulations), not a set's hash order."""
         want = set(instance_ids)
         have = set(self.load.instance_ids())
-        for iid in want - have:
+        for iid in sorted(want - have):
             self.add_instance(iid)
-        for iid in have - want:
+        for iid in sorted(have - want):
             self.remove_instance(iid)
 
     def add_instance(self, iid: str) -> None:

@@ -149,3 +149,28 @@ def test_cli_names_the_bad_trace_line(tmp_path, capsys):
     )
     assert kvroute(["simulate", "--trace", str(bad), "--no-progress"]) == 2
     assert f"{bad}:2: field 'input_length'" in capsys.readouterr().err
+
+
+def test_results_do_not_depend_on_the_process_hash_seed():
+    """Two processes with different string-hash seeds (set and dict orders differ) simulate the
+    same run to the same result: nothing breaks ties by iteration order of a set."""
+    import os
+    import subprocess
+    import sys
+
+    argv = [
+        sys.executable, "-m", "deploy.cli", "simulate", "--workload", "to-b", "--rate", "60",
+        "--duration", "20", "--instances", "8", "--router", "kv_ttft,least_loaded", "--json",
+        "--no-progress",
+    ]  # fmt: skip
+    outs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        for row in doc["routers"].values():
+            row.pop("wall_s")
+            row.pop("sim_req_per_wall_s")
+        outs.append(doc)
+    assert outs[0] == outs[1]
