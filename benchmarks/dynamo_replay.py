@@ -75,8 +75,14 @@ DYNAMO_DEPS = (
 )
 ROUTERS = ("kv_router", "round_robin")
 TRACE_BLOCK = 512
-# H100 80GB + Llama-3.1-8B: ~440,000 tokens of KV (engines/profiles/h100-llama3.1-8b.json)
-DEFAULT_GPU_BLOCKS = 440_000 // TRACE_BLOCK  # 859 blocks = 439,808 tokens
+# H100 80GB + Llama-3.1-8B's KV capacity, from kvroute's profile (read as JSON: this file also
+# runs inside Dynamo's venv, where kvroute is not installed): 859 blocks = 439,808 tokens
+DEFAULT_GPU_BLOCKS = (
+    json.loads((REPO / "engines" / "profiles" / "h100-llama3.1-8b.json").read_text())[
+        "kv_capacity_tokens"
+    ]
+    // TRACE_BLOCK
+)
 # aisimulate-core 0.13.0, engine/common/perf_model.rs (the mocker's default timing model)
 PREFILL_POLY = (4.209989e-07, 1.518344e-02, 1.650142e01)  # ms = a T^2 + b T + c
 DECODE_POLY = (-25.74, 54.01, 5.74)  # ms = max(1, a p^2 + b p + c), p = active KV / capacity
