@@ -3,14 +3,18 @@
 From Dynamo's router documentation (docs.nvidia.com/dynamo, "KV Router" / "Router Design"):
 per worker,
 
-    potential_prefill_blocks = (input tokens - overlap_blocks * block_size) / block_size
+    potential_prefill_blocks = (active prefill tokens on the worker
+                                + input tokens - overlap_blocks * block_size) / block_size
     potential_decode_blocks  = active blocks on the worker + the request's blocks
     cost = overlap_score_weight * potential_prefill_blocks + potential_decode_blocks
 
 lowest cost wins (``--router-temperature 0``: deterministic; ties broken at random in Dynamo,
-by instance id here). Overlap comes from worker KV events (our cache map, GPU tier); active
-blocks are tracked by the router: here, the engine's reported KV usage times its capacity plus
-the blocks of requests this router has in flight there.
+by instance id here). Overlap comes from worker KV events (our cache map, GPU tier). Dynamo's
+router counts active prefill tokens and blocks from its own in-flight requests; here the
+prefill term is the engine's reported prefill queue plus this router's newer assignments
+(``pending_prefill_tokens``) and the active blocks are the engine's reported KV usage times its
+capacity. Without the prefill term (our first version) nothing in the cost moves between two
+load samples, and a hot prefix's holder took every request in between.
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ class DynamoCostScorer(Scorer):
     def cost(self, request: PlacementRequest, inst: InstanceView, m: Match | None) -> float:
         bs = inst.block_size
         overlap = m.gpu_blocks if m else 0
-        prefill_blocks = max(0, request.prompt_tokens - overlap * bs) / bs
+        new_tokens = max(0, request.prompt_tokens - overlap * bs)
+        prefill_blocks = (inst.pending_prefill_tokens + new_tokens) / bs
         request_blocks = -(-request.prompt_tokens // bs)
         active = inst.gpu_kv_usage * inst.kv_capacity_blocks
-        if not inst.kv_capacity_blocks:  # unknown capacity: count in-flight prompts instead
-            active = inst.pending_prefill_tokens / bs + inst.running
+        if not inst.kv_capacity_blocks:  # unknown capacity: no occupancy term, only the queue
+            active = 0.0
         return self.overlap_score_weight * prefill_blocks + active + request_blocks
 
     def place(

@@ -140,6 +140,13 @@ def test_dynamo_cost_and_llmd_weighted() -> None:
     # a: 0 prefill + 500 active + 100 request = 600; b: 100 + 0 + 100 = 200
     assert d.cost(r, a, Match(100, 100)) == pytest.approx(600)  # type: ignore[attr-defined]
     assert d.place(r, [a, b], {"a": Match(100, 100)}).instance_id == "b"
+    # The prefill term counts the worker's queued prefill, so a hot prefix's holder stops
+    # winning once its queue is long, between two load samples (usage has not moved yet).
+    a_queued = view("a", kv_capacity_blocks=1000, pending_prefill_tokens=16 * 160)
+    b_idle = view("b", kv_capacity_blocks=1000)
+    # a: 160 queued blocks + 0 new + 0 active + 100 = 260; b: 100 new + 0 + 100 = 200
+    assert d.cost(r, a_queued, Match(100, 100)) == pytest.approx(260)  # type: ignore[attr-defined]
+    assert d.place(r, [a_queued, b_idle], {"a": Match(100, 100)}).instance_id == "b"
     lw = create_scorer("llmd_weighted")
     # a: 2*1.0 + 1*0.5 + 1*0 = 2.5 ; b: 0 + 1*1 + 1*1 = 2.0
     a2 = view("a", gpu_kv_usage=0.5, waiting=4)
