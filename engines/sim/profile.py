@@ -180,6 +180,23 @@ class LatencyProfile:
             ),
         )
 
+    def slowed(self, factor: float) -> LatencyProfile:
+        """This profile on an engine ``factor`` times slower at everything it times (steps,
+        request overhead, CPU->GPU loads): the truth of an engine that runs slower than it was
+        profiled, e.g. one sharing its core."""
+        if factor <= 0:
+            raise ValueError(f"slowdown factor must be > 0, got {factor}")
+        return replace(
+            self,
+            base_ms=self.base_ms * factor,
+            prefill_token_ms=self.prefill_token_ms * factor,
+            prefill_attn_ms=self.prefill_attn_ms * factor,
+            decode_seq_ms=self.decode_seq_ms * factor,
+            decode_ctx_ms=self.decode_ctx_ms * factor,
+            request_overhead_ms=self.request_overhead_ms * factor,
+            cpu_load_gbps=self.cpu_load_gbps / factor,
+        )
+
     # -- I/O ---------------------------------------------------------------------------------
 
     @classmethod

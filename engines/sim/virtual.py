@@ -210,14 +210,19 @@ def expand_trace_hashes(
     """Engine block hashes for a trace request's full blocks.
 
     Trace ids identify a whole prefix, so they serve as hashes directly when the engine block
-    size equals the trace's; a smaller size that divides it gets ``id * ratio + sub-block``.
+    size equals the trace's; a smaller size that divides it gets ``id * ratio + sub-block``; a
+    multiple of it takes the id of the last trace block it covers (which names the same prefix).
     """
     n_full = input_length // block_size
     if block_size == trace_block_size:
         return list(hash_ids[:n_full])
+    if block_size % trace_block_size == 0:
+        k = block_size // trace_block_size
+        return [hash_ids[(i + 1) * k - 1] for i in range(n_full)]
     if trace_block_size % block_size:
         raise ValueError(
-            f"block_size {block_size} must equal or divide the trace's {trace_block_size}"
+            f"block_size {block_size} must divide, equal or be a multiple of the trace's "
+            f"{trace_block_size}"
         )
     ratio = trace_block_size // block_size
     return [hash_ids[i // ratio] * ratio + i % ratio for i in range(n_full)]

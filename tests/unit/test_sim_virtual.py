@@ -176,7 +176,10 @@ def test_events_reach_a_cache_map_as_vllm_bytes(profile):
 def test_expand_trace_hashes():
     assert expand_trace_hashes([7, 8, 9], 1100, 512, 512) == [7, 8]
     assert expand_trace_hashes([7, 8], 600, 512, 256) == [14, 15]
-    with pytest.raises(ValueError):
+    # coarser engine blocks (loadgen's 16-token synthetic ids on 32-token engines): each takes
+    # the id of the last trace block it covers; a partial engine block is not hashed
+    assert expand_trace_hashes([7, 8, 9, 10, 11], 80, 16, 32) == [8, 10]
+    with pytest.raises(ValueError, match="must divide, equal or be a multiple"):
         expand_trace_hashes([7], 512, 512, 300)
 
 
