@@ -3,7 +3,7 @@ external peer for kvroute's cluster simulator. Prints JSON.
 
     .venv/bin/python benchmarks/dynamo_replay.py [--instances 16] [--routers kv_router,round_robin]
         [--seeds 3] [--rate-scale 1] [--num-gpu-blocks 859] [--slo-ttft-ms 1000]
-        [--slo-tpot-ms 50] [--trace PATH] [--setup]
+        [--slo-tpot-ms 50] [--trace PATH] [--setup] [--kvroute kv_ttft,round_robin]
 
 Dynamo runs in its own virtual environment, ``.venv-dynamo`` (git-ignored), never in kvroute's:
 this script, run with kvroute's python, re-invokes itself there (``--inner``) once per replay,
@@ -34,7 +34,15 @@ another: each request's prefill at the cache hit it got, alone on a worker, from
 above), the wall time of the replay call, and Dynamo's own goodput count and hit ratio as a
 cross-check. Dynamo's logs go to stderr (``DYN_LOG``, default ``warn``).
 
-engines/profiles/dynamo-mocker-h100.json is this engine in kvroute's profile form.
+engines/profiles/dynamo-mocker-h100.json is this engine in kvroute's profile form. With it,
+``--kvroute ROUTERS`` (default ``kv_ttft,round_robin``; empty: none) replays the same trace on
+kvroute's cluster simulator lined up with the mocker: the same workers, block size, KV blocks,
+batch limits and rate scale, that profile as the engines' truth (no perturbation) and as the
+router's prices, KV events and load samples lagged by ``--kv-event-lag-ms`` (default 0, as the
+replay). Its runs are reported under ``kvroute`` with the same metrics, computed the same way,
+and ``comparison`` sets each kvroute router beside each Dynamo router (medians): kvroute's
+router on kvroute's sim, Dynamo's router on Dynamo's mocker, each simulator's round_robin the
+common baseline.
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ DYNAMO_DEPS = (
     "uvloop",
 )
 ROUTERS = ("kv_router", "round_robin")
+KVROUTE_PROFILE = "dynamo-mocker-h100"
 TRACE_BLOCK = 512
 # H100 80GB + Llama-3.1-8B's KV capacity, from kvroute's profile (read as JSON: this file also
 # runs inside Dynamo's venv, where kvroute is not installed): 859 blocks = 439,808 tokens
@@ -328,6 +337,63 @@ def run_inner(spec: dict[str, Any]) -> dict[str, Any]:
         return result
 
 
+def kvroute_run(router: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``router`` on kvroute's cluster simulator, lined up with the mocker (see the module doc),
+    measured as ``run_metrics`` measures a Dynamo replay. Runs in kvroute's venv only."""
+    from engines.sim.profile import LatencyProfile
+    from loadgen.simulator import EXACT, SimSettings, simulate
+    from loadgen.traces import load_trace
+    from loadgen.workloads import build_schedule
+
+    trace = load_trace(args.trace)
+    plan = build_schedule(trace.requests, time_scale=1 / args.rate_scale)
+    lag_s = (args.kv_event_lag_ms or 0.0) / 1e3
+    settings = SimSettings(
+        instances=args.instances,
+        block_size=TRACE_BLOCK,
+        engine={
+            "num_gpu_blocks": args.num_gpu_blocks,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+        },
+        perturbation=EXACT,
+        event_lag_s=lag_s,
+        load_lag_s=lag_s,
+    )
+    truth, prices = (LatencyProfile.load(KVROUTE_PROFILE) for _ in range(2))
+    run = simulate(plan, trace.block_size, truth, router, settings, router_profile=prices)
+    records = []
+    for r in run.records:  # as Dynamo's per-request records, for run_metrics
+        records.append({
+            "terminal_status": "completed" if r.ok else "failed",
+            "ttft_ms": r.ttft_s * 1e3 if r.ok else None,
+            "itl_ms": r.tpot_s * 1e3 if r.ok and r.output_tokens > 1 else None,
+            "output_length": r.output_tokens,
+            "arrival_time_ms": r.intended_s * 1e3,
+            "input_length": r.input_tokens,
+            "reused_input_tokens": r.cached_tokens or 0,
+            "decode_worker_idx": r.instance,
+        })  # fmt: skip
+    spec = {
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    return {**run_metrics(records, spec), "wall_s": run.wall_s}
+
+
+def comparison(dynamo: dict[str, Any], kvroute: dict[str, Any]) -> dict[str, Any]:
+    """Each kvroute router's median beside each Dynamo router's, on the headline metrics."""
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p99_ms", "goodput_rps", "prefix_hit_rate")
+    out: dict[str, Any] = {}
+    for k_name, k in kvroute.items():
+        for d_name, d in dynamo.items():
+            out[f"kvroute:{k_name} vs dynamo:{d_name}"] = {
+                key: {"kvroute": k["median"][key], "dynamo": d["median"][key]} for key in keys
+            }
+    return out
+
+
 def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in runs[0]:
@@ -360,6 +426,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--kv-event-lag-ms", type=float, default=None, help="delay KV events to the router"
     )
+    ap.add_argument(
+        "--kvroute",
+        default="kv_ttft,round_robin",
+        help="kvroute routers to run on kvroute's simulator, lined up (empty: none)",
+    )
     ap.add_argument("--setup", action="store_true", help=f"(re)create {VENV.name} first")
     ap.add_argument("--inner", help=argparse.SUPPRESS)
     ap.add_argument("--inner-out", help=argparse.SUPPRESS)
@@ -371,6 +442,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad or not routers:
         ap.error(f"--routers: unknown {bad}; valid: {', '.join(ROUTERS)}")
     args.router_list = routers
+    from router.placement import scorer_names  # kvroute's venv from here on
+
+    unknown = [r for r in args.kvroute.split(",") if r and r not in scorer_names()]
+    if unknown:
+        ap.error(f"--kvroute: unknown {unknown}; valid: {', '.join(scorer_names())}")
     for name in ("instances", "num_gpu_blocks", "seeds", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
@@ -410,6 +486,12 @@ def main(argv: list[str] | None = None) -> None:
             runs.append(run_inner({**base, "router": router})["run"])
             log(f"  TTFT p50 {runs[-1]['ttft_p50_ms']:.1f} ms, {runs[-1]['wall_s']:.1f} s wall")
         routers[router] = {"runs": runs, "median": medians(runs)}
+    ours: dict[str, Any] = {}
+    for router in [r for r in args.kvroute.split(",") if r]:
+        log(f"kvroute {router} (x{args.rate_scale} rate)")
+        run = kvroute_run(router, args)
+        log(f"  TTFT p50 {run['ttft_p50_ms']:.1f} ms, {run['wall_s']:.1f} s wall")
+        ours[router] = {"runs": [run], "median": run}  # seeded: one run is every run
     capacity = args.num_gpu_blocks * TRACE_BLOCK
     out = {
         "benchmark": "dynamo_replay",
@@ -442,6 +524,8 @@ def main(argv: list[str] | None = None) -> None:
             "venv_setup_s": setup_s,
         },
         "routers": routers,
+        "kvroute": {"profile": KVROUTE_PROFILE, "perturbation": "none", "routers": ours},
+        "comparison": comparison(routers, ours),
         "total_wall_s": time.perf_counter() - t0,
     }
     print(json.dumps(out, indent=2))
