@@ -37,8 +37,12 @@ def base_url() -> Iterator[str]:
 
 def test_ray_prefix_router_serves_and_keeps_affinity(base_url: str) -> None:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=60)
-    prompt = "The same long shared prefix for Ray's prefix-affinity router. " * 30
-    first = client.completions.create(model="sim-tiny", prompt=prompt + "one", max_tokens=3)
-    assert first.usage.completion_tokens == 3
-    second = client.completions.create(model="sim-tiny", prompt=prompt + "two", max_tokens=3)
-    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    # With two replicas one repeated prompt lands on its first replica half the time by luck;
+    # six distinct prefixes, each sent twice, all hit only if the router keeps affinity
+    # (1 in 64 by chance).
+    for i in range(6):
+        prompt = f"Prefix {i}: a long shared prefix for Ray's prefix-affinity router. " * 30
+        first = client.completions.create(model="sim-tiny", prompt=prompt + "one", max_tokens=3)
+        assert first.usage.completion_tokens == 3
+        again = client.completions.create(model="sim-tiny", prompt=prompt + "two", max_tokens=3)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0, f"prefix {i} lost affinity"
