@@ -9,26 +9,20 @@ from typing import Any
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
     model_validator,
 )
 
-from engines.config import EngineDeploymentConfig
+from engines.config import EngineDeploymentConfig, StrictModel
 from router.placement import create_scorer, scorer_names
 from router.state import JsonlRecorder
 
 RAY_PREFIX_ROUTER = "ray_prefix"  # Ray Serve's own PrefixCacheAffinityRouter, as a peer
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class RouterConfig(_Strict):
+class RouterConfig(StrictModel):
     scorer: str = Field(
         "kv_ttft", description=f"placement: one of the scorers or {RAY_PREFIX_ROUTER!r}"
     )
@@ -77,7 +71,7 @@ def placement_recorder(cfg: RouterConfig) -> JsonlRecorder | None:
     return JsonlRecorder(path) if path else None
 
 
-class ServeConfig(_Strict):
+class ServeConfig(StrictModel):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     app_name: str = Field("kvroute", min_length=1)

@@ -19,11 +19,14 @@ EngineKind = Literal["sim", "vllm"]
 BusBackend = Literal["ray", "redis"]
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """Configuration that refuses unknown fields (a typo is an error, not a silent default)
+    and cannot change after validation."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class EngineConfig(_Strict):
+class EngineConfig(StrictModel):
     """One engine instance. Fields a kind does not use are ignored by it."""
 
     kind: EngineKind = "sim"
@@ -111,12 +114,12 @@ class EngineConfig(_Strict):
         return self.served_model_name or self.model
 
 
-class ReplicaResources(_Strict):
+class ReplicaResources(StrictModel):
     num_cpus: float = Field(1.0, ge=0)
     num_gpus: float = Field(0.0, ge=0)
 
 
-class BusConfig(_Strict):
+class BusConfig(StrictModel):
     backend: BusBackend = "ray"
     name: str = Field("kvroute", min_length=1, description="hub actor / stream name prefix")
     maxlen: int = Field(100_000, ge=1, description="KV-event log length (entries)")
@@ -137,7 +140,7 @@ class BusConfig(_Strict):
         return f"{self.name}-loads"
 
 
-class EngineDeploymentConfig(_Strict):
+class EngineDeploymentConfig(StrictModel):
     """A pool of identical engine instances behind one Serve deployment."""
 
     name: str = Field("engine", min_length=1, description="Serve deployment name")
