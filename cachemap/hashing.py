@@ -39,6 +39,17 @@ class Tier(StrEnum):
     CPU = "CPU"
 
 
+_TIER_OF: dict[str, Tier] = {t.value: t for t in Tier}
+
+
+def as_tier(value: str) -> Tier:
+    """``Tier(value)``, without the enum call's cost on the hot path (it runs per KV event).
+
+    Raises ``ValueError`` for a value that is no tier, as ``Tier(value)`` does."""
+    tier = _TIER_OF.get(value)
+    return tier if tier is not None else Tier(value)
+
+
 def salt_hash(model: str, lora_name: str | None = None, cache_salt: str | None = None) -> BlockHash:
     """The chain's root ``h[-1]``: distinct per model, LoRA adapter and per-request cache salt."""
     key = "\x00".join((model, lora_name or "", cache_salt or "")).encode()

@@ -18,6 +18,7 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 
@@ -37,11 +38,23 @@ from cachemap.events import (
     Update,
     decode_vllm_batch,
 )
-from cachemap.hashing import BlockHasher, Tier, block_hashes
+from cachemap.hashing import BlockHasher, Tier, as_tier, block_hashes
 from cachemap.map import CacheMap
 
 log = logging.getLogger(__name__)
-_TIER_INDEX = {Tier.GPU: 0, Tier.CPU: 1}
+
+
+class _Tier(NamedTuple):
+    """A tier as the translator uses it, resolved once (this runs per event)."""
+
+    tier: Tier
+    slot: int  # its count in ``_Block.refs``
+    value: str  # ``tier.value``, the name on the bus
+
+
+_TIERS: dict[str, _Tier] = {
+    t.value: _Tier(t, i, t.value) for i, t in enumerate((Tier.GPU, Tier.CPU))
+}
 
 
 class _Block:
@@ -53,7 +66,7 @@ class _Block:
         self.ours = ours
         self.parent = parent  # the engine hash of the parent block
         self.depth = depth
-        self.refs = refs  # announcements per tier, indexed by _TIER_INDEX
+        self.refs = refs  # announcements per tier, indexed by _Tier.slot
 
 
 class EngineEventTranslator:
@@ -120,26 +133,44 @@ class EngineEventTranslator:
             self._skip("undecodable batch", e)
             return None
         updates: list[Update] = []
+        # NOTE: vLLM (and the sim) emit one BlockRemoved per evicted block: a run of them on
+        # one tier is gathered and translated at its end, in one pass, into one update.
+        removed: list[EngineHash] = []
+        removed_medium: str | None = None  # the run's, valid while it is not empty
+        removed_tier = _TIERS[Tier.GPU.value]
         for ev in events:
-            if isinstance(ev, msgspec.DecodeError):
-                self._skip("undecodable event", ev)
-            elif isinstance(ev, BlockStored):
+            if isinstance(ev, BlockRemoved):
+                if not removed or ev.medium != removed_medium:
+                    tier = self._tier(ev.medium)
+                    if tier is None:
+                        continue
+                    if removed and tier is not removed_tier:
+                        self._removed(removed_tier, removed, updates)
+                        removed = []
+                    removed_medium, removed_tier = ev.medium, tier
+                removed.extend(ev.block_hashes)
+                continue
+            if removed:
+                self._removed(removed_tier, removed, updates)
+                removed = []
+            if isinstance(ev, BlockStored):
                 self._stored(ev, updates)
-            elif isinstance(ev, BlockRemoved):
-                self._removed(ev, updates)
             elif isinstance(ev, AllBlocksCleared):
                 self._cleared(updates)
+            elif isinstance(ev, msgspec.DecodeError):
+                self._skip("undecodable event", ev)
+        if removed:
+            self._removed(removed_tier, removed, updates)
         if not updates:
             return None
         self.seq += 1
         return InstanceEvents(self.instance, self.seq, ts, updates)
 
-    def _tier(self, medium: str | None) -> Tier | None:
-        try:
-            return Tier(medium or Tier.GPU)
-        except ValueError:
+    def _tier(self, medium: str | None) -> _Tier | None:
+        tier = _TIERS.get(medium or Tier.GPU.value)
+        if tier is None:
             self._skip(f"unsupported medium {medium!r}")
-            return None
+        return tier
 
     def _stored(self, ev: BlockStored, out: list[Update]) -> None:
         tier = self._tier(ev.medium)
@@ -180,7 +211,7 @@ class EngineEventTranslator:
             except ValueError as e:
                 self._skip("bad token_ids", e)
                 return
-        ti = _TIER_INDEX[tier]
+        ti = tier.slot
         table = self._table
         get = table.get
         prev = ev.parent_block_hash
@@ -205,8 +236,8 @@ class EngineEventTranslator:
         members.reverse()
         return members
 
-    def _placeholder(self, hashes: list[EngineHash], tier: Tier, out: list[Update]) -> None:
-        ti = _TIER_INDEX[tier]
+    def _placeholder(self, hashes: list[EngineHash], tier: _Tier, out: list[Update]) -> None:
+        ti = tier.slot
         for last in hashes:
             if last not in self._table:
                 self._skip("placeholder for unknown block", last)
@@ -226,27 +257,26 @@ class EngineEventTranslator:
                 )
             )
 
-    def _removed(self, ev: BlockRemoved, out: list[Update]) -> None:
-        tier = self._tier(ev.medium)
-        if tier is None:
-            return
-        ti = _TIER_INDEX[tier]
+    def _removed(self, tier: _Tier, hashes: list[EngineHash], out: list[Update]) -> None:
+        """Removals of ``hashes`` (from one or more BlockRemoved events) on ``tier``."""
+        ti = tier.slot
+        table = self._table
+        chunks = self._chunks if tier.tier is Tier.CPU else None
         gone: list[int] = []
-        for eh in ev.block_hashes:
-            members = self._chunks.pop(eh, None) if tier is Tier.CPU else None
+        for eh in hashes:
+            members = chunks.pop(eh, None) if chunks is not None else None
             for m in members or (eh,):
-                b = self._table.get(m)
+                b = table.get(m)
                 if b is None or b.refs[ti] == 0:
                     self._skip("removal of unknown block", m)
                     continue
-                b.refs[ti] -= 1
-                if b.refs[ti] == 0:
+                refs = b.refs
+                refs[ti] -= 1
+                if refs[ti] == 0:
                     gone.append(b.ours)
-                    if not any(b.refs):
-                        del self._table[m]
-        if gone:
-            # NOTE: vLLM (and the sim) emit one BlockRemoved per evicted block; adjacent
-            # removals on one tier become one update, which the map applies in one call.
+                    if not any(refs):
+                        del table[m]
+        if gone:  # adjacent removals on one tier become one update: one call to the map
             last = out[-1] if out else None
             if isinstance(last, Removed) and last.tier == tier.value:
                 last.hashes.extend(gone)
@@ -255,7 +285,7 @@ class EngineEventTranslator:
 
     def _cleared(self, out: list[Update]) -> None:
         # NOTE: vLLM emits AllBlocksCleared from the GPU block pool (reset_prefix_cache).
-        ti = _TIER_INDEX[Tier.GPU]
+        ti = _TIERS[Tier.GPU.value].slot
         for eh in [eh for eh, b in self._table.items() if b.refs[ti]]:
             b = self._table[eh]
             b.refs[ti] = 0
@@ -269,7 +299,7 @@ class EngineEventTranslator:
         blocks = []
         for b in table.values():
             parent = table.get(b.parent) if b.parent is not None else None
-            tiers = [t.value for t, i in _TIER_INDEX.items() if b.refs[i]]
+            tiers = [t.value for t in _TIERS.values() if b.refs[t.slot]]
             blocks.append(SnapshotBlock(b.ours, parent.ours if parent else None, b.depth, tiers))
         return Snapshot(self.instance, self.seq, blocks)
 
@@ -328,11 +358,11 @@ class CacheMapIngestor:
 
     def _apply_update(self, instance: str, u: Update) -> None:
         if isinstance(u, Stored):
-            self.map.store(instance, Tier(u.tier), u.hashes, u.parent, u.depth)
+            self.map.store(instance, as_tier(u.tier), u.hashes, u.parent, u.depth)
         elif isinstance(u, Removed):
-            self.map.remove(instance, Tier(u.tier), u.hashes)
+            self.map.remove(instance, as_tier(u.tier), u.hashes)
         else:
-            self.map.clear(instance, Tier(u.tier) if u.tier is not None else None)
+            self.map.clear(instance, as_tier(u.tier) if u.tier is not None else None)
 
     def _apply_snapshot(self, snap: Snapshot) -> None:
         if snap.seq < self._next.get(snap.instance, 0) - 1:
@@ -341,7 +371,7 @@ class CacheMapIngestor:
         self.map.clear(snap.instance)
         for b in snap.blocks:
             for t in b.tiers:
-                self.map.store(snap.instance, Tier(t), [b.hash], b.parent, b.depth)
+                self.map.store(snap.instance, as_tier(t), [b.hash], b.parent, b.depth)
         self._next[snap.instance] = snap.seq + 1
         self.needs_resync.discard(snap.instance)
 

@@ -15,16 +15,17 @@ leading run at once.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
 
-from cachemap.hashing import BlockHash, InstanceId, Tier
+from cachemap.hashing import BlockHash, InstanceId, Tier, as_tier
 from cachemap.index import HashIndex
 from cachemap.jit import jit
 
 _TIERS: tuple[Tier, ...] = tuple(Tier)
+_T = TypeVar("_T")
 
 
 class Match(NamedTuple):
@@ -40,8 +41,8 @@ class Match(NamedTuple):
 
 
 class MatchResult(Mapping[InstanceId, Match]):
-    """``match``'s answer: a read-only mapping built lazily from per-instance-bit arrays, so a
-    prefix held by dozens of instances costs nothing until a scorer asks about them."""
+    """``match``'s answer: a read-only mapping built lazily from per-instance-bit run lengths, so
+    a prefix held by dozens of instances costs nothing until a scorer asks about them."""
 
     __slots__ = ("_bit_of", "_instance_at", "_n_any", "_n_gpu")
 
@@ -49,21 +50,36 @@ class MatchResult(Mapping[InstanceId, Match]):
         self,
         bit_of: dict[str, int],
         instance_at: dict[int, InstanceId],
-        n_gpu: npt.NDArray[np.int64],
-        n_any: npt.NDArray[np.int64],
+        n_gpu: list[int],
+        n_any: list[int],
     ) -> None:
         self._bit_of, self._instance_at = bit_of, instance_at
         self._n_gpu, self._n_any = n_gpu, n_any
 
     def __getitem__(self, instance: str) -> Match:
+        m = self.get(instance)
+        if m is None:
+            raise KeyError(instance)
+        return m
+
+    # NOTE: scorers call ``get`` once per candidate on every placement; the Mapping mixin's
+    # version goes through ``__getitem__`` and a raised KeyError for every instance without a hit.
+    @overload
+    def get(self, instance: str, /) -> Match | None: ...
+    @overload
+    def get(self, instance: str, /, default: Match | _T) -> Match | _T: ...
+    def get(self, instance: str, /, default: object = None) -> object:
         b = self._bit_of.get(instance)
         if b is None or not self._n_any[b]:
-            raise KeyError(instance)
-        return Match(int(self._n_gpu[b]), int(self._n_any[b]))
+            return default
+        return Match(self._n_gpu[b], self._n_any[b])
+
+    def __contains__(self, instance: object) -> bool:
+        return isinstance(instance, str) and self.get(instance) is not None
 
     def __iter__(self) -> Iterator[InstanceId]:
         inst = self._instance_at
-        return (inst[b] for b in np.flatnonzero(self._n_any).tolist() if b in inst)
+        return (inst[b] for b, n in enumerate(self._n_any) if n and b in inst)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -86,7 +102,9 @@ class CacheMap:
     def __init__(self, initial_slots: int = 1024) -> None:
         cap = max(16, initial_slots)
         self._index = HashIndex(cap)
-        self._free = np.empty(0, np.int64)  # released slots, reused first
+        # released slots, reused first (last in, first out); a list, as it grows and shrinks
+        # by a few slots per call
+        self._free: list[int] = []
         self._next = 0  # slots [0, _next) have been handed out at least once
         self._words = 1
         self._hash = np.zeros(cap, np.uint64)
@@ -157,39 +175,37 @@ class CacheMap:
         """
         if not hashes:
             return 0
-        tier = Tier(tier)
+        tier = as_tier(tier)
         bit = self._bit(instance)
         hs = np.asarray(hashes, np.uint64)
         idx = self._index.get(hs)
-        new = idx < 0
-        if new.any():
-            # NOTE: a hash may repeat within one call; its first position defines the node.
-            keys, first = np.unique(hs[new], return_index=True)
-            pos = np.flatnonzero(new)[first]
-            at = self._alloc(len(keys))
-            self._index.insert(keys, at)
-            parents = np.empty(len(hs), np.uint64)
-            parents[1:] = hs[:-1]
-            parents[0] = parent if parent is not None else 0
-            self._hash[at] = keys
-            self._parent[at] = parents[pos]
-            self._has_parent[at] = (pos > 0) | (parent is not None)
-            self._depth[at] = depth + pos
-            idx = self._index.get(hs)
-        if len(idx) > 1:
-            idx = np.unique(idx)  # NOTE: a hash may repeat within one call
         w, m = divmod(bit, 64)
-        flag = np.uint64(1 << m)
-        col = self._mask[tier][:, w]
-        added = int(np.count_nonzero((col[idx] & flag) == 0))
-        col[idx] |= flag
+        added, missing = _set_bits(self._mask[tier], idx, w, m)
+        if missing:
+            # NOTE: a hash may repeat within one call; its first position defines the node.
+            pos = _first_missing(hs, idx)
+            at = self._alloc(len(pos))
+            self._index.insert(hs[pos], at)
+            _init_nodes(
+                self._hash,
+                self._parent,
+                self._has_parent,
+                self._depth,
+                at,
+                hs,
+                pos,
+                np.uint64(parent if parent is not None else 0),
+                parent is not None,
+                depth,
+            )
+            added += _set_bits(self._mask[tier], at, w, m)[0]  # NOTE: _alloc may regrow it
         self._count[tier][instance] += added
-        return added
+        return int(added)
 
     def _alloc(self, n: int) -> npt.NDArray[np.int64]:
         reuse = min(n, len(self._free))
-        got = self._free[len(self._free) - reuse :]
-        self._free = self._free[: len(self._free) - reuse]
+        got = np.array(self._free[len(self._free) - reuse :], np.int64)
+        del self._free[len(self._free) - reuse :]
         fresh = n - reuse
         if self._next + fresh > len(self._hash):
             size = len(self._hash)
@@ -205,22 +221,20 @@ class CacheMap:
     def remove(self, instance: str, tier: Tier, hashes: Iterable[int]) -> int:
         """Forget ``instance``'s copies of ``hashes`` on ``tier``; unknown hashes are ignored.
         Returns how many entries were removed."""
-        tier = Tier(tier)
+        tier = as_tier(tier)
         bit = self._bit_of.get(instance)
         if bit is None:
             return 0
         idx = self._index.get(np.fromiter(hashes, np.uint64))
-        idx = np.unique(idx[idx >= 0])
-        if len(idx) == 0:
-            return 0
         w, m = divmod(bit, 64)
-        flag = np.uint64(1 << m)
-        col = self._mask[tier][:, w]
-        held = idx[(col[idx] & flag) != 0]
-        col[held] &= ~flag
-        self._count[tier][instance] -= len(held)
-        self._release(held)
-        return len(held)
+        dead = np.empty(len(idx), np.int64)
+        held, n_dead = _clear_bits(
+            self._mask[tier], self._mask[Tier.GPU], self._mask[Tier.CPU], idx, w, m, dead
+        )
+        self._count[tier][instance] -= held
+        if n_dead:
+            self._free_slots(np.sort(dead[:n_dead]))
+        return int(held)
 
     def clear(self, instance: str, tier: Tier | None = None) -> int:
         """Forget everything ``instance`` holds on ``tier`` (all tiers when None)."""
@@ -231,7 +245,7 @@ class CacheMap:
         flag = np.uint64(1 << m)
         removed = 0
         touched: list[npt.NDArray[np.int64]] = []
-        for t in _TIERS if tier is None else (Tier(tier),):
+        for t in _TIERS if tier is None else (as_tier(tier),):
             col = self._mask[t][: self._next, w]
             held = np.flatnonzero(col & flag)
             col[held] &= ~flag
@@ -263,11 +277,14 @@ class CacheMap:
         for t in _TIERS:
             live |= self._mask[t][slots].any(axis=1)
         dead = slots[~live]
-        if len(dead) == 0:
-            return
+        if len(dead) > 0:
+            self._free_slots(dead)
+
+    def _free_slots(self, dead: npt.NDArray[np.int64]) -> None:
+        """Free the nodes at ``dead`` (distinct slots, ascending), which nothing holds any more."""
         self._index.delete(self._hash[dead])
         self._has_parent[dead] = False
-        self._free = np.concatenate([self._free, dead])
+        self._free.extend(dead.tolist())
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -284,7 +301,7 @@ class CacheMap:
         n_any = np.zeros(n_bits, np.int64)
         if not _leading_runs(self._mask[Tier.GPU], self._mask[Tier.CPU], idx, n_gpu, n_any):
             return {}
-        return MatchResult(self._bit_of, self._instance_at, n_gpu, n_any)
+        return MatchResult(self._bit_of, self._instance_at, n_gpu.tolist(), n_any.tolist())
 
     def resident(self, instance: str, tier: Tier) -> list[BlockHash]:
         """Every hash ``instance`` holds on ``tier`` (for resync dumps and tests)."""
@@ -292,7 +309,7 @@ class CacheMap:
         if bit is None:
             return []
         w, m = divmod(bit, 64)
-        col = self._mask[Tier(tier)][: self._next, w]
+        col = self._mask[as_tier(tier)][: self._next, w]
         held = np.flatnonzero(col & np.uint64(1 << m))
         return [BlockHash(h) for h in self._hash[held].tolist()]
 
@@ -316,7 +333,7 @@ class CacheMap:
         return {k: frozenset(v) for k, v in out.items()}
 
     def count(self, instance: str, tier: Tier) -> int:
-        return self._count[Tier(tier)].get(instance, 0)
+        return self._count[as_tier(tier)].get(instance, 0)
 
     def _slot(self, block: int) -> int:
         return int(self._index.get(np.asarray([block], np.uint64))[0])
@@ -341,7 +358,8 @@ class CacheMap:
         used = np.zeros(len(self._hash), np.bool_)
         keys, slots = self._index.items()
         used[slots] = True
-        if len(np.unique(self._free)) != len(self._free) or used[self._free].any():
+        free = np.array(self._free, np.int64)
+        if len(np.unique(free)) != len(free) or used[free].any():
             raise RuntimeError("free list overlaps live slots")
         if len(slots) + len(self._free) != self._next:
             raise RuntimeError("slots leaked: live + free != handed out")
@@ -410,6 +428,79 @@ def _leading_runs(gpu, cpu, idx, n_gpu, n_any):  # type: ignore[no-untyped-def]
             run_g[w] = new_g
             run_a[w] = new_a
     return True
+
+
+@jit
+def _first_missing(hs, idx):  # type: ignore[no-untyped-def]
+    """Positions of the first occurrence of each key of ``hs`` absent from the index (``idx``
+    < 0), in ascending key order: ``np.unique(hs[idx < 0], return_index=True)``'s indices."""
+    miss = np.flatnonzero(idx < 0)
+    keys = hs[miss]
+    order = np.argsort(keys, kind="mergesort")  # stable: equal keys keep their first position
+    out = np.empty(len(miss), np.int64)
+    n = 0
+    for j in range(len(order)):
+        if j == 0 or keys[order[j]] != keys[order[j - 1]]:
+            out[n] = miss[order[j]]
+            n += 1
+    return out[:n]
+
+
+@jit
+def _init_nodes(hash_, parent, has_parent, depth, at, hs, pos, root, has_root, depth0):  # type: ignore[no-untyped-def]
+    """Fill the columns of new slots ``at``, each the node of chain position ``pos``: the chain
+    ``hs`` starts at ``depth0`` below ``root`` (a parent only when ``has_root``)."""
+    for j in range(at.shape[0]):
+        s, p = at[j], pos[j]
+        hash_[s] = hs[p]
+        if p > 0:
+            parent[s], has_parent[s] = hs[p - 1], True
+        else:
+            parent[s], has_parent[s] = root, has_root
+        depth[s] = depth0 + p
+
+
+@jit
+def _set_bits(mask, idx, w, m):  # type: ignore[no-untyped-def]
+    """Set bit ``m`` of word ``w`` in rows ``idx`` of ``mask`` (a row may repeat; -1: absent,
+    skipped). Returns (rows that did not have it yet, absent entries)."""
+    flag = np.uint64(1) << np.uint64(m)
+    added = 0
+    missing = 0
+    for i in range(idx.shape[0]):
+        s = idx[i]
+        if s < 0:
+            missing += 1
+        elif not mask[s, w] & flag:
+            mask[s, w] |= flag
+            added += 1
+    return added, missing
+
+
+@jit
+def _clear_bits(mask, gpu, cpu, idx, w, m, dead):  # type: ignore[no-untyped-def]
+    """Clear bit ``m`` of word ``w`` in rows ``idx`` of ``mask`` (-1: absent, skipped; a row may
+    repeat). Rows left with no bit on either tier (``gpu``, ``cpu``) go to ``dead``, in order.
+    Returns (rows cleared, rows written to ``dead``)."""
+    flag = np.uint64(1) << np.uint64(m)
+    words = mask.shape[1]
+    held = 0
+    n_dead = 0
+    for i in range(idx.shape[0]):
+        s = idx[i]
+        if s < 0 or not mask[s, w] & flag:
+            continue
+        mask[s, w] &= ~flag
+        held += 1
+        live = False
+        for v in range(words):
+            if gpu[s, v] or cpu[s, v]:
+                live = True
+                break
+        if not live:
+            dead[n_dead] = s
+            n_dead += 1
+    return held, n_dead
 
 
 def _bit_counts(runs: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:

@@ -24,12 +24,14 @@ unperturbed). What is not modelled: network and ingress time, the concurrency ga
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import math
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +151,9 @@ class SimRun:
 
 ProgressFn = Callable[[int, int], None]  # (requests placed, total)
 
+# the young generation's collection threshold during a replay (CPython's default: 700)
+_REPLAY_GC_THRESHOLD = 20_000
+
 
 class ClusterSimulator:
     """``instances`` virtual engines behind one routing core. ``run`` replays a schedule."""
@@ -236,6 +241,11 @@ class ClusterSimulator:
 
     def run(self, plan: Sequence[Planned], progress: ProgressFn | None = None) -> SimRun:
         """Replay ``plan`` (send offsets in seconds, in order) to completion."""
+        wall0 = time.perf_counter()  # the collector's set-up counts too
+        with _replay_collector():
+            return self._replay(plan, progress, wall0)
+
+    def _replay(self, plan: Sequence[Planned], progress: ProgressFn | None, wall0: float) -> SimRun:
         s, core, bs = self.settings, self.core, self.block_size
         by_id = self.by_id
         interval, load_lag, event_lag = s.load_interval_s, s.load_lag_s, s.event_lag_s
@@ -246,7 +256,6 @@ class ClusterSimulator:
         roots: dict[int, int] = {}  # chat id -> its session's first chat id
         last_tick = -1
         sampled: list[tuple[tuple[int, int], Any]] = [((-1, -1), None)] * len(self.instances)
-        wall0 = time.perf_counter()
         total = len(plan)
         for n, p in enumerate(plan):
             t, tr = p.offset_s, p.req
@@ -380,6 +389,30 @@ class ClusterSimulator:
             core.apply(fetched, now)
             if fetched is None or max(len(fetched[0].items), len(fetched[1].items)) < 4096:
                 return
+
+
+@contextlib.contextmanager
+def _replay_collector() -> Iterator[None]:
+    """The garbage collector's settings for one replay. A replay allocates millions of small
+    objects, most short-lived: with the default young-generation threshold (700) the collector
+    runs every few placements, and its full passes walk the whole heap again each time (the
+    plan alone: a million requests at scale). So the heap the replay starts with is frozen out
+    of collection (unless the process froze its own), and the young generation is collected
+    less often; both are restored afterwards. Cycles are still collected. What is garbage
+    already is collected before the freeze (a finished replay's cluster is a reference cycle:
+    frozen, it would stay in memory through this replay)."""
+    thresholds = gc.get_threshold()
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    gc.set_threshold(_REPLAY_GC_THRESHOLD, *thresholds[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+        if freeze:
+            gc.unfreeze()
 
 
 def _session_key(chat_id: int | None, parent: int | None, roots: dict[int, int]) -> str | None:

@@ -9,7 +9,7 @@ used. Time is an argument (``now``, seconds on the same clock as ``LoadSnapshot.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engines.base import LoadSnapshot
 from engines.liveness import STALE_AFTER_S
@@ -34,11 +34,53 @@ class _Instance:
     failures: int = 0
 
 
+@dataclass(slots=True)
+class _Local:
+    """This router's in-flight requests on one instance, kept up to date as they progress so
+    ``views`` does not go over every request in flight on every placement."""
+
+    unprefilled: dict[str, Assignment] = field(default_factory=dict)  # in assignment order
+    unprefilled_tokens: int = 0
+    prefilled: int = 0
+    # assigned_at never decreases along ``unprefilled`` (true unless the clock went back)
+    in_time_order: bool = True
+
+    def add(self, request_id: str, a: Assignment) -> None:
+        if self.unprefilled:
+            last = next(reversed(self.unprefilled.values()))
+            self.in_time_order = self.in_time_order and a.assigned_at >= last.assigned_at
+        self.unprefilled[request_id] = a
+        self.unprefilled_tokens += a.prefill_tokens
+
+    def discard(self, request_id: str) -> None:
+        a = self.unprefilled.pop(request_id)
+        self.unprefilled_tokens -= a.prefill_tokens
+        if not self.unprefilled:
+            self.in_time_order = True
+
+    def newer(self, since: float) -> tuple[int, int]:
+        """(requests, prefill tokens) of the unprefilled ones assigned after ``since``."""
+        n = tokens = 0
+        if self.in_time_order:  # only the tail is newer: stop at the first older one
+            for a in reversed(self.unprefilled.values()):
+                if a.assigned_at <= since:
+                    break
+                n, tokens = n + 1, tokens + a.prefill_tokens
+            return n, tokens
+        for a in self.unprefilled.values():
+            if a.assigned_at > since:
+                n, tokens = n + 1, tokens + a.prefill_tokens
+        return n, tokens
+
+
 class LoadTracker:
     def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
         self.stale_after_s = stale_after_s
         self._instances: dict[str, _Instance] = {}
         self._requests: dict[str, Assignment] = {}
+        # NOTE: keyed by the assignment's instance whether or not it is registered: an instance
+        # removed and registered again sees the requests still in flight on it.
+        self._local: dict[str, _Local] = {}
 
     def register(
         self, instance_id: str, block_size: int, latency: LatencyModel, kv_capacity_blocks: int = 0
@@ -71,7 +113,13 @@ class LoadTracker:
         now: float,
         placement: Placement | None = None,
     ) -> None:
-        self._requests[request_id] = Assignment(instance_id, prefill_tokens, now, placement)
+        self.finished(request_id)  # a request id assigned again replaces its old assignment
+        a = Assignment(instance_id, prefill_tokens, now, placement)
+        self._requests[request_id] = a
+        local = self._local.get(instance_id)
+        if local is None:
+            local = self._local[instance_id] = _Local()
+        local.add(request_id, a)
 
     def prefill_done(self, request_id: str) -> Assignment | None:
         """Mark the request's prefill done; its assignment the first time, else None."""
@@ -79,41 +127,55 @@ class LoadTracker:
         if a is None or a.prefilled:
             return None
         a.prefilled = True
+        local = self._local[a.instance_id]
+        local.discard(request_id)
+        local.prefilled += 1
         return a
 
     def finished(self, request_id: str) -> None:
-        self._requests.pop(request_id, None)
+        a = self._requests.pop(request_id, None)
+        if a is None:
+            return
+        local = self._local[a.instance_id]
+        if a.prefilled:
+            local.prefilled -= 1
+        else:
+            local.discard(request_id)
+        if not local.prefilled and not local.unprefilled:
+            del self._local[a.instance_id]
 
     def in_flight(self) -> int:
         return len(self._requests)
 
     def views(self, now: float) -> list[InstanceView]:
-        local: dict[str, list[Assignment]] = {i: [] for i in self._instances}
-        for a in self._requests.values():
-            if a.instance_id in local:
-                local[a.instance_id].append(a)
         out = []
+        local_of = self._local.get
         for iid, inst in self._instances.items():
-            mine = local[iid]
+            local = local_of(iid)
             snap = inst.snapshot
-            fresh = snap is not None and now - snap.ts <= self.stale_after_s
-            since = snap.ts if fresh and snap is not None else float("-inf")
-            newer = [a for a in mine if not a.prefilled and a.assigned_at > since]
-            view = InstanceView(
-                iid,
-                inst.block_size,
-                inst.latency,
-                inst.kv_capacity_blocks,
-                healthy=inst.failures == 0,
-            )
-            if fresh and snap is not None:
-                view.waiting = snap.waiting + len(newer)
-                view.running = snap.running
-                view.gpu_kv_usage = snap.gpu_kv_usage
-                view.pending_prefill_tokens = snap.queued_prefill_tokens
+            if snap is not None and now - snap.ts <= self.stale_after_s:  # fresh
+                n_newer, newer_tokens = (
+                    local.newer(snap.ts) if local is not None and local.unprefilled else (0, 0)
+                )
+                waiting, running = snap.waiting + n_newer, snap.running
+                kv_usage, pending = snap.gpu_kv_usage, snap.queued_prefill_tokens + newer_tokens
+            elif local is not None:
+                waiting, running = len(local.unprefilled), local.prefilled
+                kv_usage, pending = 0.0, local.unprefilled_tokens
             else:
-                view.waiting = len(newer)
-                view.running = sum(1 for a in mine if a.prefilled)
-            view.pending_prefill_tokens += sum(a.prefill_tokens for a in newer)
-            out.append(view)
+                waiting = running = pending = 0
+                kv_usage = 0.0
+            out.append(
+                InstanceView(
+                    iid,
+                    inst.block_size,
+                    inst.latency,
+                    inst.kv_capacity_blocks,
+                    waiting=waiting,
+                    running=running,
+                    gpu_kv_usage=kv_usage,
+                    pending_prefill_tokens=pending,
+                    healthy=inst.failures == 0,
+                )
+            )
         return out

@@ -277,10 +277,10 @@ class KVBlockManager:
     def _stored(self, req: SimRequest, start: int, end: int, tokens: list[int]) -> BlockStored:
         """vLLM's ``BlockStored`` for blocks ``start:end`` of ``req`` (GPU, KV group 0)."""
         lora, salt = req.lora_name, req.cache_salt
-        extra: list[tuple[Any, ...] | None] = []
-        for i in range(start, end):  # NOTE: vLLM's order: LoRA name, then the salt on block 0
-            keys = tuple(k for k in (lora, salt if i == 0 else None) if k)
-            extra.append(keys or None)
+        # every block carries the LoRA name; block 0 also the salt, after it (vLLM's order)
+        extra: list[tuple[Any, ...] | None] = [(lora,) if lora else None] * (end - start)
+        if start == 0:
+            extra[0] = tuple(k for k in (lora, salt) if k) or None
         hashes = req.block_hashes
         return BlockStored(
             block_hashes=hashes[start:end],  # type: ignore[arg-type]

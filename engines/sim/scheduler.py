@@ -321,7 +321,10 @@ class Scheduler:
         def need(steps: int) -> int:
             return sum(max(cdiv(r.num_computed + steps, bs) - len(r.blocks), 0) for r in running)
 
-        if need(k) > free:
+        # NOTE: a request's blocks cover what it computed, so k more tokens need at most
+        # cdiv(k, bs) new blocks each: when that fits, the exact count (a pass over the batch)
+        # is not needed.
+        if batch * cdiv(k, bs) > free and need(k) > free:
             lo, hi = 0, k  # largest steps with need <= free
             while lo < hi:
                 mid = (lo + hi + 1) // 2

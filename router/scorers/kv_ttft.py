@@ -38,7 +38,6 @@ routing there would preempt running decodes. If every instance is vetoed the vet
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -59,8 +58,12 @@ class TtftCalibration:
         if min(window, refit_every, min_samples) < 1 or min_samples > window:
             raise ValueError("window, refit_every, min_samples must be >= 1, min_samples <= window")
         self.window, self.refit_every, self.min_samples = window, refit_every, min_samples
-        self._x: deque[tuple[float, float, float]] = deque(maxlen=window)
-        self._y: deque[float] = deque(maxlen=window)
+        # NOTE: the window is a ring of design rows (estimate, running, waiting, 1) and their
+        # observations: a refit (every few first tokens) then slices arrays, row order kept.
+        self._rows = np.empty((window, 4))
+        self._obs = np.empty(window)
+        self._filled = 0
+        self._next = 0  # the ring's next row: its oldest once full
         self._since = 0
         self.a, self.b, self.d, self.c = 1.0, 0.0, 0.0, 0.0
         self.samples = 0
@@ -71,18 +74,25 @@ class TtftCalibration:
     def observe(self, estimate_s: float, running: int, waiting: int, observed_s: float) -> None:
         if not (observed_s >= 0.0 and estimate_s >= 0.0):  # also drops NaN
             return
-        self._x.append((estimate_s, float(running), float(waiting)))
-        self._y.append(observed_s)
+        i = self._next
+        self._rows[i] = (estimate_s, running, waiting, 1.0)
+        self._obs[i] = observed_s
+        self._next = (i + 1) % self.window
+        self._filled = min(self._filled + 1, self.window)
         self.samples += 1
         self._since += 1
-        if self._since >= self.refit_every and len(self._y) >= self.min_samples:
+        if self._since >= self.refit_every and self._filled >= self.min_samples:
             self._refit()
 
     def _refit(self) -> None:
         self._since = 0
-        x = np.asarray(self._x, dtype=float)
-        design = np.column_stack([x, np.ones(len(x))])
-        coef, *_ = np.linalg.lstsq(design, np.asarray(self._y, dtype=float), rcond=None)
+        if self._filled < self.window:
+            design, observed = self._rows[: self._filled], self._obs[: self._filled]
+        else:  # oldest first, as the samples came
+            i = self._next
+            design = np.concatenate((self._rows[i:], self._rows[:i]))
+            observed = np.concatenate((self._obs[i:], self._obs[:i]))
+        coef, *_ = np.linalg.lstsq(design, observed, rcond=None)
         if np.all(np.isfinite(coef)):
             self.a, self.b, self.d, self.c = (
                 float(min(max(v, lo), hi)) for v, (lo, hi) in zip(coef, self.BOUNDS, strict=True)
@@ -148,7 +158,27 @@ class KvTtftScorer(Scorer):
     ) -> Placement:
         alive = healthy(instances)
         pool = [i for i in alive if not self._vetoed(request, i)] or alive
-        scored = [(*self.estimate(request, i, match.get(i.instance_id)), i) for i in pool]
+        cal = self.calibration
+        # NOTE: what ``estimate`` does, but instances in the same state for the profile (often:
+        # no cached prefix, the same queue) are priced once: the profile's walk is the cost.
+        priced: dict[tuple[int, ...], tuple[float, int]] = {}
+        scored: list[tuple[float, int, float, InstanceView]] = []
+        for inst in pool:
+            m = match.get(inst.instance_id)
+            key = (
+                id(inst.latency),
+                inst.block_size,
+                m.gpu_blocks if m else 0,
+                m.total_blocks if m else 0,
+                inst.pending_prefill_tokens,
+                inst.waiting,
+            )
+            got = priced.get(key)
+            if got is None:
+                got = priced[key] = self.profile_estimate(request, inst, m)
+            base, cached = got
+            est = cal.correct(base, inst.running, inst.waiting) if cal else base
+            scored.append((est, cached, base, inst))
         best = min(x[0] for x in scored)
         near = [x for x in scored if x[0] <= best + self.tie_s]
         s, cached, base, inst = min(near, key=lambda x: (x[3].running + x[3].waiting, x[0]))

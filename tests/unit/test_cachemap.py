@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -131,3 +132,23 @@ def test_dropped_instance_bit_is_reused_cleanly() -> None:
     assert m.match([1, 2, 3]) == {"new": Match(1, 1)}
     assert len(m) == 1
     m.check_integrity()
+
+
+def test_a_store_that_outgrows_the_slots_and_repeats_hashes() -> None:
+    m = CacheMap(initial_slots=16)
+    m.store("a", Tier.GPU, [1, 2])
+    chain = [*range(1, 100), 5, 7]  # grows the columns mid-call; 5 and 7 repeat
+    assert m.store("b", Tier.GPU, chain) == 99
+    assert m.store("a", Tier.GPU, chain) == 97
+    m.check_integrity()
+    assert m.match(chain) == {"a": Match(101, 101), "b": Match(101, 101)}
+    assert m.node(5) == (4, 4)
+    assert m.remove("a", Tier.GPU, [1, 1, 2, 500]) == 2
+    assert m.remove("b", Tier.GPU, chain) == 99
+    m.check_integrity()
+    assert m.match([1]) == {} and m.count("a", Tier.GPU) == 97 and 1 not in m
+    got = m.match([3, 4])
+    assert "a" in got and "b" not in got and got.get("b", None) is None
+    assert got["a"] == Match(2, 2) and list(got) == ["a"]
+    with pytest.raises(KeyError):
+        got["b"]

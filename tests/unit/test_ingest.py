@@ -16,6 +16,7 @@ from cachemap.events import (
     InstanceGone,
     KVEventBatch,
     Removed,
+    Stored,
     encode_message,
     encode_vllm_batch,
 )
@@ -249,3 +250,31 @@ def test_adjacent_removals_become_one_update() -> None:
     gone = [BlockRemoved(block_hashes=[h], medium="GPU") for h in (3, 2, 1)]
     msg = tr.feed(batch(*gone), 1, 0.0)
     assert msg is not None and msg.updates == [Removed("GPU", [3, 2, 1])]
+
+
+def test_removal_runs_split_by_tier_and_skip_unsupported_media_per_event() -> None:
+    tr = EngineEventTranslator("a", MODEL, BS, trusted_hashes=True)
+    tr.feed(batch(stored([1, 2, 3, 4], None, [])), 0, 0.0)
+    tr.feed(batch(stored([1, 2], None, [], medium="CPU")), 1, 0.0)
+    events = [
+        BlockRemoved(block_hashes=[4], medium="GPU"),
+        BlockRemoved(block_hashes=[3], medium=None),  # None is the GPU as well
+        BlockRemoved(block_hashes=[9], medium="DISK"),  # skipped, does not end the run
+        BlockRemoved(block_hashes=[2], medium="GPU"),
+        BlockRemoved(block_hashes=[2], medium="CPU"),
+        BlockRemoved(block_hashes=[1], medium="GPU"),
+        stored([5], None, []),
+        BlockRemoved(block_hashes=[5], medium="GPU"),
+        BlockRemoved(block_hashes=[77], medium="GPU"),  # unknown: skipped
+    ]
+    msg = tr.feed(batch(*events), 2, 0.0)
+    assert msg is not None and msg.updates == [
+        Removed("GPU", [4, 3, 2]),
+        Removed("CPU", [2]),
+        Removed("GPU", [1]),
+        Stored("GPU", [5], None, 0),
+        Removed("GPU", [5]),
+    ]
+    assert tr.skipped["unsupported medium 'DISK'"] == 1
+    assert tr.skipped["removal of unknown block"] == 1
+    assert len(tr) == 1  # only block 1, still on the CPU tier

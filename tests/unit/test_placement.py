@@ -311,3 +311,29 @@ def test_router_core_takes_time_as_an_argument() -> None:
     p = core.place(req(4), now=103.0)
     core.assigned(req(4), p, now=103.0)
     assert core.load.views(103.0)[0].waiting + core.load.views(103.0)[1].waiting == 1
+
+
+def test_load_tracker_survives_reassignment_clock_steps_and_re_registration() -> None:
+    lt = LoadTracker(stale_after_s=1.0)
+    lt.register("a", BS, Linear())
+    lt.register("b", BS, Linear())
+    lt.on_snapshot(LoadSnapshot("a", 10.0, 0, 0, 0.0, 0.0, 0))
+    lt.assigned("r1", "a", 100, now=10.5)
+    lt.assigned("r2", "a", 200, now=9.5)  # the clock stepped back: older than the snapshot
+    lt.assigned("r3", "a", 400, now=10.6)
+    a, b = lt.views(now=10.7)
+    assert (a.waiting, a.pending_prefill_tokens) == (2, 500)
+    lt.assigned("r1", "b", 800, now=10.7)  # assigned again elsewhere: replaces the first
+    lt.prefill_done("r3")
+    a, b = lt.views(now=10.7)
+    assert (a.waiting, a.running, a.pending_prefill_tokens) == (0, 0, 0)  # fresh: engine's
+    assert (b.waiting, b.running, b.pending_prefill_tokens) == (1, 0, 800)  # no snapshot
+    lt.remove("b")
+    lt.register("b", BS, Linear())  # back again: its requests in flight still count
+    assert [v.waiting for v in lt.views(now=10.7)] == [0, 1]
+    a, _ = lt.views(now=20.0)  # stale: r2 waiting, r3 running
+    assert (a.waiting, a.running, a.pending_prefill_tokens) == (1, 1, 200)
+    for rid in ("r1", "r2", "r3", "r1"):
+        lt.finished(rid)
+    assert lt.in_flight() == 0
+    assert [(v.waiting, v.running) for v in lt.views(now=20.0)] == [(0, 0), (0, 0)]
