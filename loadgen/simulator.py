@@ -260,8 +260,12 @@ class ClusterSimulator:
         for n, p in enumerate(plan):
             t, tr = p.offset_s, p.req
             rid = str(p.index)
-            # 1. load samples: the latest taken before t - lag is what the router can have read
-            tick = math.floor((t - load_lag) / interval)
+            # 1. load samples: the latest taken strictly before t - lag is what the router can
+            # have read. NOTE: not "at": with no lag a sample stamped t would be taken before
+            # the requests placed at t, and LoadTracker counts only assignments newer than a
+            # sample, so every request arriving at t (traces share millisecond stamps) went
+            # unseen and --lag-ms 0 piled them on one engine.
+            tick = math.ceil((t - load_lag) / interval) - 1
             if tick > last_tick and tick >= 0:
                 last_tick = tick
                 ts = tick * interval

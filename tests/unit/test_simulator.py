@@ -174,3 +174,27 @@ def test_results_do_not_depend_on_the_process_hash_seed():
             row.pop("sim_req_per_wall_s")
         outs.append(doc)
     assert outs[0] == outs[1]
+
+
+def test_requests_sharing_a_timestamp_are_seen_by_the_next_placement_at_any_lag(profile):
+    """Traces stamp requests in whole milliseconds, so several arrive at one instant, and
+    instants on the 100 ms sampling grid carry a sample stamped with them. The router must
+    count each one it placed there: with no lag it once read a sample taken before them and,
+    counting only assignments newer than the sample, piled the whole burst on one engine."""
+    from loadgen.traces import TraceRequest
+    from loadgen.workloads import Planned
+
+    burst = [  # 4 distinct 2,000-token prompts at each of t = 1.0 s and 1.2 s
+        Planned(
+            i,
+            1.0 + 0.2 * (i // 4),
+            TraceRequest(0.0, 2000, 8, tuple(range(i * 200, i * 200 + 125))),
+        )
+        for i in range(8)
+    ]
+    for lag in (0.0, 0.001):
+        settings = SimSettings(instances=4, perturbation=EXACT, event_lag_s=lag, load_lag_s=lag)
+        sim = run(profile, "least_loaded", settings, workload=burst)
+        for t in (1.0, 1.2):
+            at_t = {r.instance for r in sim.records if r.intended_s == t}
+            assert len(at_t) == 4, (lag, t, at_t)  # one per engine, as least_loaded should
