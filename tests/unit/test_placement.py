@@ -79,9 +79,11 @@ def test_kv_ttft_prices_cpu_hits_between_gpu_hits_and_misses() -> None:
 
 
 def test_kv_ttft_vetoes_kv_exhaustion_and_breaks_ties_by_decode_load() -> None:
-    s = create_scorer("kv_ttft")
     r = req(10)
     full = [view("a", gpu_kv_usage=0.99), view("b", gpu_kv_usage=0.2)]
+    # off by default: a full instance holding the prefix keeps it (the engine queues it)
+    assert create_scorer("kv_ttft").place(r, full, {"a": Match(10, 10)}).instance_id == "a"
+    s = create_scorer("kv_ttft", kv_veto=0.95)
     assert s.place(r, full, {"a": Match(10, 10)}).instance_id == "b"
     small = [view("a", kv_capacity_blocks=100, gpu_kv_usage=0.95)]
     assert s.place(r, [*small, view("b")], {"a": Match(10, 10)}).instance_id == "b"
