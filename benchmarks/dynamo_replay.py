@@ -337,14 +337,17 @@ def run_inner(spec: dict[str, Any]) -> dict[str, Any]:
         return result
 
 
-def kvroute_run(router: str, args: argparse.Namespace) -> dict[str, Any]:
-    """``router`` on kvroute's cluster simulator, lined up with the mocker (see the module doc),
-    measured as ``run_metrics`` measures a Dynamo replay. Runs in kvroute's venv only."""
+def kvroute_runs(routers: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Each of ``routers`` on kvroute's cluster simulator, lined up with the mocker (see the
+    module doc), measured as ``run_metrics`` measures a Dynamo replay; one run each (seeded: one
+    run is every run). The trace is read once for all. Runs in kvroute's venv only."""
     from engines.sim.profile import LatencyProfile
     from loadgen.simulator import EXACT, SimSettings, simulate
     from loadgen.traces import load_trace
     from loadgen.workloads import build_schedule
 
+    if not routers:
+        return {}
     trace = load_trace(args.trace)
     plan = build_schedule(trace.requests, time_scale=1 / args.rate_scale)
     lag_s = (args.kv_event_lag_ms or 0.0) / 1e3
@@ -360,26 +363,32 @@ def kvroute_run(router: str, args: argparse.Namespace) -> dict[str, Any]:
         event_lag_s=lag_s,
         load_lag_s=lag_s,
     )
-    truth, prices = (LatencyProfile.load(KVROUTE_PROFILE) for _ in range(2))
-    run = simulate(plan, trace.block_size, truth, router, settings, router_profile=prices)
-    records = []
-    for r in run.records:  # as Dynamo's per-request records, for run_metrics
-        records.append({
-            "terminal_status": "completed" if r.ok else "failed",
-            "ttft_ms": r.ttft_s * 1e3 if r.ok else None,
-            "itl_ms": r.tpot_s * 1e3 if r.ok and r.output_tokens > 1 else None,
-            "output_length": r.output_tokens,
-            "arrival_time_ms": r.intended_s * 1e3,
-            "input_length": r.input_tokens,
-            "reused_input_tokens": r.cached_tokens or 0,
-            "decode_worker_idx": r.instance,
-        })  # fmt: skip
     spec = {
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tpot_ms": args.slo_tpot_ms,
         "max_num_batched_tokens": args.max_num_batched_tokens,
     }
-    return {**run_metrics(records, spec), "wall_s": run.wall_s}
+    out: dict[str, Any] = {}
+    for router in routers:
+        log(f"kvroute {router} (x{args.rate_scale} rate)")
+        truth, prices = (LatencyProfile.load(KVROUTE_PROFILE) for _ in range(2))
+        run = simulate(plan, trace.block_size, truth, router, settings, router_profile=prices)
+        records = []
+        for r in run.records:  # as Dynamo's per-request records, for run_metrics
+            records.append({
+                "terminal_status": "completed" if r.ok else "failed",
+                "ttft_ms": r.ttft_s * 1e3 if r.ok else None,
+                "itl_ms": r.tpot_s * 1e3 if r.ok and r.output_tokens > 1 else None,
+                "output_length": r.output_tokens,
+                "arrival_time_ms": r.intended_s * 1e3,
+                "input_length": r.input_tokens,
+                "reused_input_tokens": r.cached_tokens or 0,
+                "decode_worker_idx": r.instance,
+            })  # fmt: skip
+        metrics = {**run_metrics(records, spec), "wall_s": run.wall_s}
+        log(f"  TTFT p50 {metrics['ttft_p50_ms']:.1f} ms, {run.wall_s:.1f} s wall")
+        out[router] = {"runs": [metrics], "median": metrics}
+    return out
 
 
 def comparison(dynamo: dict[str, Any], kvroute: dict[str, Any]) -> dict[str, Any]:
@@ -486,12 +495,7 @@ def main(argv: list[str] | None = None) -> None:
             runs.append(run_inner({**base, "router": router})["run"])
             log(f"  TTFT p50 {runs[-1]['ttft_p50_ms']:.1f} ms, {runs[-1]['wall_s']:.1f} s wall")
         routers[router] = {"runs": runs, "median": medians(runs)}
-    ours: dict[str, Any] = {}
-    for router in [r for r in args.kvroute.split(",") if r]:
-        log(f"kvroute {router} (x{args.rate_scale} rate)")
-        run = kvroute_run(router, args)
-        log(f"  TTFT p50 {run['ttft_p50_ms']:.1f} ms, {run['wall_s']:.1f} s wall")
-        ours[router] = {"runs": [run], "median": run}  # seeded: one run is every run
+    ours = kvroute_runs([r for r in args.kvroute.split(",") if r], args)
     capacity = args.num_gpu_blocks * TRACE_BLOCK
     out = {
         "benchmark": "dynamo_replay",
