@@ -74,6 +74,18 @@ def median_or_none(values: list[Any]) -> Any:
     return statistics.median(values) if None not in values else None
 
 
+INSTANCES = 2
+
+
+def engine_config(engine_opts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Each real engine's configuration (``--engine`` options over the bench's own)."""
+    return {
+        "kind": "vllm", "model": MODEL, "served_model_name": MODEL, "block_size": 32,
+        "max_model_len": 4096, "kv_space_gib": 1, "cpu_bind": ["0", "1"],
+        "long_prefill_token_threshold": 512, **(engine_opts or {}),
+    }  # fmt: skip
+
+
 def serve_config(router: str, port: int, engine_opts: dict[str, Any] | None = None) -> Any:
     from deploy.config import ServeConfig
 
@@ -83,11 +95,8 @@ def serve_config(router: str, port: int, engine_opts: dict[str, Any] | None = No
         "port": port,
         "app_name": app,
         "engines": {
-            "instances": 2,
-            "engine": {"kind": "vllm", "model": MODEL, "served_model_name": MODEL,
-                       "block_size": 32, "max_model_len": 4096, "kv_space_gib": 1,
-                       "cpu_bind": ["0", "1"], "long_prefill_token_threshold": 512,
-                       **(engine_opts or {})},
+            "instances": INSTANCES,
+            "engine": engine_config(engine_opts),
             "resources": {"num_cpus": 1},
             "bus": {"name": app},
             "health_check_timeout_s": 120,
@@ -211,7 +220,9 @@ def simulate_routers(
     truth: LatencyProfile,
 ) -> dict[str, dict[str, Any]]:
     """Each router on the cluster simulator over the schedule ``kvroute loadgen`` sends for
-    ``workload`` at ``rate`` for ``duration``: two engines like the real ones, on ``truth``."""
+    ``workload`` at ``rate`` for ``duration``: engines configured as the real ones (the same
+    validated ``engine_config``), on ``truth``."""
+    from engines.config import EngineConfig
     from engines.sim.profile import LatencyProfile
     from loadgen.cli import add_workload_arguments, plan_workload
     from loadgen.metrics import summarize
@@ -222,12 +233,18 @@ def simulate_routers(
     # the prompt flags (--vocab-size, --token-offset) shape token ids, not the schedule
     args, _ = parser.parse_known_args([*workload, "--rate", str(rate), "--duration", str(duration)])
     plan, trace_block_size, _ = plan_workload(args)
-    cap = engine_opts.get("long_prefill_token_threshold", 512)
+    real = EngineConfig.model_validate(engine_config(engine_opts))
+    engine: dict[str, Any] = {
+        "max_model_len": real.max_model_len,
+        "long_prefill_token_threshold": real.long_prefill_token_threshold or 0,
+    }
+    if real.kv_blocks:  # else the profile's capacity, measured with the bench's KV space
+        engine["num_gpu_blocks"] = real.kv_blocks
+    for limit in ("max_num_batched_tokens", "max_num_seqs"):  # else the profile's
+        if getattr(real, limit) is not None:
+            engine[limit] = getattr(real, limit)
     settings = SimSettings(
-        instances=2,
-        block_size=32,
-        engine={"long_prefill_token_threshold": cap or 0, "max_model_len": 4096},
-        perturbation=EXACT,
+        instances=INSTANCES, block_size=real.block_size, engine=engine, perturbation=EXACT
     )
     out = {}
     for router in routers:
