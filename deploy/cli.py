@@ -23,6 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "loadgen.simulate_cmd",
         "replay a workload on a virtual cluster placed by the real router core, per router",
     ),
+    "plan": (
+        "loadgen.plan_cmd",
+        "size a cluster for a workload and SLO (engines, CPU tier, policy) in the simulator",
+    ),
     "cachesim": (
         "loadgen.cachesim_cmd",
         "replay a trace through eviction policies and report hit rates",

@@ -73,9 +73,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no live progress bar")
 
 
-def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """The workload flags ``kvroute loadgen`` and ``kvroute simulate`` share (``plan_workload``
-    reads them), so a simulated run replays exactly the schedule an HTTP run would send."""
+def add_workload_arguments(p: argparse.ArgumentParser, rate_scale_list: bool = False) -> None:
+    """The workload flags ``kvroute loadgen``, ``simulate`` and ``plan`` share
+    (``plan_workload`` reads them), so a simulated run replays exactly the schedule an HTTP run
+    would send. ``rate_scale_list``: ``--rate-scale`` takes a comma-separated list (the
+    caller reads it and clears it before ``plan_workload``)."""
     from loadgen.synthetic import SynthParams
 
     defaults = {f.name: f.default for f in fields(SynthParams)}
@@ -87,9 +89,11 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--time-scale", type=float, default=None, help="multiply trace gaps (0.5 = 2x)")
     w.add_argument(
         "--rate-scale",
-        type=float,
+        type=str if rate_scale_list else float,
         default=None,
-        help="multiply the trace's rate (= --time-scale 1/X)",
+        metavar="S[,S...]" if rate_scale_list else "S",
+        help="multiply the trace's rate (= --time-scale 1/X)"
+        + ("; a list plans each scale" if rate_scale_list else ""),
     )
     w.add_argument(
         "--rate", type=float, help="req/s: replaces trace timing; synthetic workload rate [5]"

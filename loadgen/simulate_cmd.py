@@ -20,31 +20,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cluster")
     c.add_argument("--instances", type=int, default=16, help="engines [16]")
     c.add_argument(
-        "--profile", default="h100-llama3.1-8b", help="engines' latency profile (name or JSON)"
-    )
-    c.add_argument(
-        "--router-profile", help="the profile the router prices with [same name, loaded apart]"
-    )
-    c.add_argument(
         "--router",
         default="kv_ttft,round_robin",
         help="comma-separated scorers, each NAME or NAME@key=value+key=value [kv_ttft,round_robin]",
     )
-    c.add_argument(
-        "--engine",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="engine option for every instance (num_gpu_blocks, cpu_capacity_blocks, cpu_policy, "
-        "max_num_batched_tokens, long_prefill_token_threshold, max_num_seqs, max_model_len)",
-    )
-    c.add_argument("--block-size", type=int, help="engine block size [the workload's]")
-    t = p.add_argument_group("truth and lag")
-    t.add_argument("--speed-sigma", type=float, default=0.1, help="per-engine speed spread [0.1]")
-    t.add_argument("--jitter", type=float, default=0.05, help="per-step time jitter sigma [0.05]")
-    t.add_argument("--stragglers", type=float, default=0.0, help="fraction of slow engines [0]")
-    t.add_argument("--straggler-slowdown", type=float, default=3.0, help="their slowdown [3]")
-    t.add_argument("--lag-ms", type=float, default=10.0, help="KV event and load sample lag [10]")
+    add_engine_arguments(c)
+    add_truth_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--slo-ttft-ms", type=float, help="goodput SLO on TTFT")
     o.add_argument("--slo-tpot-ms", type=float, help="goodput SLO on time per output token")
@@ -57,6 +38,66 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="print the results as JSON")
     o.add_argument("--report", help="directory for summary.json, CSV files and PNG plots")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
+    """The engines' flags ``simulate`` and ``plan`` share (``sim_settings`` reads them)."""
+    c.add_argument(
+        "--profile", default="h100-llama3.1-8b", help="engines' latency profile (name or JSON)"
+    )
+    c.add_argument(
+        "--router-profile", help="the profile the router prices with [same name, loaded apart]"
+    )
+    c.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine option for every instance (num_gpu_blocks, cpu_capacity_blocks, cpu_policy, "
+        "max_num_batched_tokens, long_prefill_token_threshold, max_num_seqs, max_model_len)",
+    )
+    c.add_argument("--block-size", type=int, help="engine block size [the workload's]")
+
+
+def add_truth_arguments(p: argparse.ArgumentParser) -> None:
+    """How the simulated engines depart from their profile, and the router's lag."""
+    t = p.add_argument_group("truth and lag")
+    t.add_argument("--speed-sigma", type=float, default=0.1, help="per-engine speed spread [0.1]")
+    t.add_argument("--jitter", type=float, default=0.05, help="per-step time jitter sigma [0.05]")
+    t.add_argument("--stragglers", type=float, default=0.0, help="fraction of slow engines [0]")
+    t.add_argument("--straggler-slowdown", type=float, default=3.0, help="their slowdown [3]")
+    t.add_argument("--lag-ms", type=float, default=10.0, help="KV event and load sample lag [10]")
+
+
+def sim_settings(args: argparse.Namespace, instances: int, slo_ttft_s: float | None = None) -> Any:
+    """The ``SimSettings`` the engine and truth flags describe (validated: raises naming the
+    flag)."""
+    from loadgen.simulator import Perturbation, SimSettings
+
+    _positive(args.block_size, "--block-size")
+    settings = SimSettings(
+        instances=instances,
+        block_size=args.block_size,
+        engine=parse_options(args.engine, "--engine"),
+        perturbation=Perturbation(
+            args.speed_sigma, args.jitter, args.stragglers, args.straggler_slowdown, args.seed
+        ),
+        event_lag_s=args.lag_ms / 1e3,
+        load_lag_s=args.lag_ms / 1e3,
+        slo_ttft_s=slo_ttft_s,
+    )
+    settings.validate()
+    return settings
+
+
+def perturbation_meta(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "speed_sigma": args.speed_sigma,
+        "jitter": args.jitter,
+        "stragglers": args.stragglers,
+        "straggler_slowdown": args.straggler_slowdown,
+        "seed": args.seed,
+    }
 
 
 def parse_options(items: list[str], flag: str) -> dict[str, Any]:
@@ -96,7 +137,7 @@ def parse_routers(spec: str) -> list[tuple[str, str, dict[str, Any]]]:
     return out
 
 
-def _profile(name: str, flag: str) -> Any:
+def load_profile(name: str, flag: str) -> Any:
     from engines.sim.profile import LatencyProfile
 
     try:
@@ -109,35 +150,24 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from loadgen.metrics import summarize
-    from loadgen.simulator import Perturbation, SimSettings, simulate
+    from loadgen.simulator import simulate
     from loadgen.workloads import ideal_hit_rate
 
     for value, flag in (
         (args.slo_ttft_ms, "--slo-ttft-ms"),
         (args.slo_tpot_ms, "--slo-tpot-ms"),
         (args.instances, "--instances"),
-        (args.block_size, "--block-size"),
     ):
         _positive(value, flag)
     if args.admit and args.slo_ttft_ms is None:
         raise ValueError("--admit needs --slo-ttft-ms")
     if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
         raise ValueError(f"--report: {args.report} exists and is not a directory")
-    settings = SimSettings(
-        instances=args.instances,
-        block_size=args.block_size,
-        engine=parse_options(args.engine, "--engine"),
-        perturbation=Perturbation(
-            args.speed_sigma, args.jitter, args.stragglers, args.straggler_slowdown, args.seed
-        ),
-        event_lag_s=args.lag_ms / 1e3,
-        load_lag_s=args.lag_ms / 1e3,
-        slo_ttft_s=args.slo_ttft_ms / 1e3 if args.admit else None,
-    )
-    settings.validate()  # before the workload is read: a bad flag fails fast
+    # before the workload is read: a bad flag fails fast
+    settings = sim_settings(args, args.instances, args.slo_ttft_ms / 1e3 if args.admit else None)
     routers = parse_routers(args.router)
-    truth = _profile(args.profile, "--profile")
-    belief = _profile(args.router_profile, "--router-profile") if args.router_profile else None
+    truth = load_profile(args.profile, "--profile")
+    belief = load_profile(args.router_profile, "--router-profile") if args.router_profile else None
     plan, block_size, source = plan_workload(args)
     if not plan:
         raise ValueError("the workload has no requests (check --duration / --max-requests)")
@@ -176,13 +206,7 @@ def run(args: argparse.Namespace) -> int:
         "block_size": settings.block_size or block_size,
         "profile": truth.name,
         "router_profile": belief.name if belief else truth.name,
-        "perturbation": {
-            "speed_sigma": args.speed_sigma,
-            "jitter": args.jitter,
-            "stragglers": args.stragglers,
-            "straggler_slowdown": args.straggler_slowdown,
-            "seed": args.seed,
-        },
+        "perturbation": perturbation_meta(args),
         "lag_ms": args.lag_ms,
         "engine": settings.engine,
         "slo_ttft_ms": args.slo_ttft_ms,

@@ -133,6 +133,41 @@ class SimSettings:
 
 
 @dataclass(slots=True)
+class SloBudget:
+    """Ends a replay early once more than ``max_misses`` requests have missed the SLO: the run
+    can no longer attain it, and simulating the rest would only cost time (the capacity
+    planner's early exit on configurations that fail). A request misses when it is refused (a
+    400 or 429), when its first token comes later than ``ttft_s`` after its arrival, or when it
+    finishes with a mean time per output token over ``tpot_s``; each counts once, under the
+    first of those. A request still waiting for its first token is not counted until then."""
+
+    ttft_s: float
+    tpot_s: float | None
+    max_misses: int
+    ttft_misses: int = 0
+    tpot_misses: int = 0
+    refused: int = 0
+
+    @property
+    def misses(self) -> int:
+        return self.ttft_misses + self.tpot_misses + self.refused
+
+    @property
+    def exhausted(self) -> bool:
+        return self.misses > self.max_misses
+
+    def first_token(self, ttft_s: float) -> None:
+        if ttft_s > self.ttft_s:
+            self.ttft_misses += 1
+
+    def finished(self, req: SimRequest) -> None:
+        if self.tpot_s is None or req.num_output < 2 or req.ttft_s > self.ttft_s:
+            return  # no TPOT to judge, or already counted at its first token
+        if (req.finish_s - req.first_token_s) / (req.num_output - 1) > self.tpot_s:
+            self.tpot_misses += 1
+
+
+@dataclass(slots=True)
 class SimRun:
     """What one simulated run produced."""
 
@@ -143,6 +178,7 @@ class SimRun:
     wall_s: float
     calibration: dict[str, float] | None
     slowdowns: list[float]  # each engine's speed factor over the profile
+    aborted: bool = False  # a ``SloBudget`` ran out: records after that point are unfinished
 
     @property
     def requests_per_wall_s(self) -> float:
@@ -198,6 +234,7 @@ class ClusterSimulator:
         self._events: dict[str, deque[tuple[float, bytes]]] = {}
         self._progress: list[tuple[float, int, str, SimRequest, bool]] = []
         self._progress_seq = 0
+        self._budget: SloBudget | None = None
         self.translators: dict[str, EngineEventTranslator] = {}
         self.instances: list[VirtualInstance] = []
         for i in range(s.instances):
@@ -239,9 +276,17 @@ class ClusterSimulator:
 
     # -- the replay --------------------------------------------------------------------------
 
-    def run(self, plan: Sequence[Planned], progress: ProgressFn | None = None) -> SimRun:
-        """Replay ``plan`` (send offsets in seconds, in order) to completion."""
+    def run(
+        self,
+        plan: Sequence[Planned],
+        progress: ProgressFn | None = None,
+        budget: SloBudget | None = None,
+    ) -> SimRun:
+        """Replay ``plan`` (send offsets in seconds, in order) to completion, or until
+        ``budget`` is exhausted (then ``SimRun.aborted``: requests in flight stay unfinished
+        and later ones have no record)."""
         wall0 = time.perf_counter()  # the collector's set-up counts too
+        self._budget = budget
         with _replay_collector():
             return self._replay(plan, progress, wall0)
 
@@ -257,6 +302,7 @@ class ClusterSimulator:
         last_tick = -1
         sampled: list[tuple[tuple[int, int], Any]] = [((-1, -1), None)] * len(self.instances)
         total = len(plan)
+        budget, aborted = self._budget, False
         for n, p in enumerate(plan):
             t, tr = p.offset_s, p.req
             rid = str(p.index)
@@ -283,6 +329,9 @@ class ClusterSimulator:
                 inst.run_until(t)
             # 2. what the ingress saw of the streams up to t
             self._deliver_progress(t, preqs)
+            if budget is not None and budget.exhausted:
+                aborted = True
+                break
             # 3. KV events older than the lag, through the bus into the map
             horizon = t - event_lag
             for dq in self._events.values():
@@ -316,6 +365,7 @@ class ClusterSimulator:
                 )
             except ValueError as e:
                 rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
+                self._refused()
                 continue
             preq = PlacementRequest(
                 rid,
@@ -330,21 +380,24 @@ class ClusterSimulator:
                 core.admission.check_slo(placement.estimated_ttft_s)
             except Rejected as e:
                 rec.error, rec.status, rec.error_detail, rec.done_s = "http_429", 429, e.reason, t
+                self._refused()
                 continue
             inst = by_id[placement.instance_id]
             try:
                 inst.submit(req, t)
             except ValueError as e:
                 rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
+                self._refused()
                 continue
             core.assigned(preq, placement, t)
             rec.instance = placement.instance_id
             preqs[rid] = (preq, p)
             if progress is not None and n % 1000 == 999:
                 progress(n + 1, total)
-        for inst in self.instances:
-            inst.drain()
-        self._deliver_progress(math.inf, preqs)
+        if not aborted:
+            for inst in self.instances:
+                inst.drain()
+            self._deliver_progress(math.inf, preqs)
         wall = time.perf_counter() - wall0
         if progress is not None:
             progress(total, total)
@@ -371,20 +424,29 @@ class ClusterSimulator:
                 else None
             ),
             slowdowns=self.slowdowns,
+            aborted=aborted,
         )
+
+    def _refused(self) -> None:
+        if self._budget is not None:
+            self._budget.refused += 1
 
     def _deliver_progress(
         self, t: float, preqs: dict[str, tuple[PlacementRequest, Planned]]
     ) -> None:
-        heap, core = self._progress, self.core
+        heap, core, budget = self._progress, self.core, self._budget
         while heap and heap[0][0] <= t:
             at, _, iid, req, finished = heapq.heappop(heap)
             if finished:
                 entry = preqs.pop(req.request_id, None)
                 if entry is not None:
                     core.finished(entry[0], iid)
+                if budget is not None:
+                    budget.finished(req)
             else:
                 core.first_token(req.request_id, at)
+                if budget is not None:
+                    budget.first_token(req.ttft_s)
 
     def _pump(self, now: float) -> None:
         core = self.core
@@ -439,6 +501,7 @@ def simulate(
     router_profile: LatencyProfile | None = None,
     recorder: PlacementRecorder | None = None,
     progress: ProgressFn | None = None,
+    budget: SloBudget | None = None,
 ) -> SimRun:
     """One router over one schedule on a fresh cluster (see ``ClusterSimulator``)."""
     scorer = create_scorer(router, **(scorer_options or {}))
@@ -450,4 +513,4 @@ def simulate(
         router_profile=router_profile,
         recorder=recorder,
     )
-    return sim.run(plan, progress)
+    return sim.run(plan, progress, budget)

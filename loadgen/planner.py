@@ -1,0 +1,625 @@
+"""Capacity planning: the cheapest cluster that serves a workload within its SLO, and the rate
+at which a given cluster stops doing so.
+
+Every configuration the search prices is one run of the cluster simulator
+(``loadgen.simulator``): the workload replayed in virtual time through the production routing
+core on sim engines of the chosen profile. Nothing is extrapolated from a utilisation formula.
+The search leans on one property: more instances (or a lower request rate) never make SLO
+attainment worse, up to the simulation's noise. So the instance count and the rate are found by
+bisection (``jobs`` probes per round, run in parallel processes), not by a sweep, and a
+configuration that has already missed more requests than the target allows is not simulated to
+the end (``SloBudget``).
+
+A *candidate* is one configuration: instances, CPU-tier size and eviction policy, and the rate
+scale it serves. Cost orders candidates by instances, then CPU-tier GiB; the eviction policy
+costs nothing. (A prefill/decode pool split becomes one more field of ``Candidate`` and one
+more key of ``Candidate.cost``.)
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from engines.sim.profile import LatencyProfile
+from loadgen.records import RequestRecord
+from loadgen.simulator import SimSettings, SloBudget, simulate
+from loadgen.workloads import Planned
+
+NO_TIER = "-"  # the policy of a candidate without a CPU tier
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """The service level a configuration must meet: at least ``attainment`` of all requests
+    (refused ones included) get their first token within ``ttft_ms`` of arrival and, if
+    ``tpot_ms`` is set, a mean time per output token within it."""
+
+    ttft_ms: float
+    tpot_ms: float | None = None
+    attainment: float = 0.99
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_ms > 0 and math.isfinite(self.ttft_ms)):
+            raise ValueError(f"--slo-ttft-ms must be > 0, got {self.ttft_ms}")
+        if self.tpot_ms is not None and not (self.tpot_ms > 0 and math.isfinite(self.tpot_ms)):
+            raise ValueError(f"--slo-tpot-ms must be > 0, got {self.tpot_ms}")
+        if not 0 < self.attainment <= 1:
+            raise ValueError(f"--attainment must be in (0, 1], got {self.attainment}")
+
+    @property
+    def percentile(self) -> str:
+        """The percentile the attainment target names: 0.99 -> ``p99``."""
+        return f"p{self.attainment * 100:g}"
+
+    def budget(self, requests: int) -> SloBudget:
+        """The misses a run of ``requests`` may have and still meet this SLO."""
+        allowed = math.floor(requests * (1 - self.attainment) + 1e-9)
+        return SloBudget(self.ttft_ms / 1e3, _s(self.tpot_ms), allowed)
+
+
+def _s(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1e3
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One configuration the planner prices."""
+
+    instances: int
+    cpu_tier_gib: float = 0.0
+    policy: str = NO_TIER
+    rate_scale: float = 1.0
+
+    @property
+    def cost(self) -> tuple[float, ...]:
+        return (self.instances, self.cpu_tier_gib)
+
+    @property
+    def label(self) -> str:
+        tier = f", CPU tier {self.cpu_tier_gib:g} GiB {self.policy}" if self.cpu_tier_gib else ""
+        return f"{self.instances} instances{tier}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "instances": self.instances,
+            "cpu_tier_gib": self.cpu_tier_gib,
+            "policy": self.policy if self.cpu_tier_gib else None,
+            "rate_scale": self.rate_scale,
+        }
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one candidate's simulation showed against the SLO. When the run ended early
+    (``aborted``: it had already missed more requests than the target allows) the attainment
+    figures are upper bounds and the percentiles count the unfinished requests as misses."""
+
+    candidate: Candidate
+    requests: int
+    met: int  # requests within every SLO
+    ttft_met: int
+    tpot_met: int  # requests within the TPOT SLO (every completed one when there is none)
+    refused: int  # 400 / 429 answers
+    ttft_ms_at: float  # TTFT at the attainment percentile (inf: beyond the run)
+    tpot_ms_at: float | None
+    hit_rate: float | None
+    aborted: bool
+    wall_s: float
+    # when ``aborted``: requests placed before the stop, and the misses counted by then
+    # (TTFT, TPOT, refused), more than ``allowed``
+    stopped_after: int = 0
+    early_misses: tuple[int, int, int] = (0, 0, 0)
+    allowed: int = 0
+
+    @property
+    def attainment(self) -> float:
+        return self.met / self.requests if self.requests else 0.0
+
+    def passes(self, slo: Slo) -> bool:
+        return not self.aborted and self.met >= math.ceil(self.requests * slo.attainment - 1e-9)
+
+    def why(self, slo: Slo) -> str:
+        """Which SLO this candidate misses and at what percentile ("" when it meets it)."""
+        if self.passes(slo):
+            return ""
+        if self.aborted:
+            t, d, r = self.early_misses
+            parts = [f"TTFT > {slo.ttft_ms:,.0f} ms for {t:,}"]
+            if slo.tpot_ms is not None:
+                parts.append(f"TPOT > {slo.tpot_ms:,.1f} ms for {d:,}")
+            if r:
+                parts.append(f"{r:,} refused")
+            return (
+                f"{t + d + r:,} misses by request {self.stopped_after:,} of {self.requests:,}, "
+                f"more than the {self.allowed:,} a {slo.attainment:.1%} target allows ("
+                + ", ".join(parts)
+                + "); stopped there"
+            )
+        reasons = []
+        need = math.ceil(self.requests * slo.attainment - 1e-9)
+        if self.ttft_met < need:
+            reasons.append(
+                f"TTFT {slo.percentile} {_ms(self.ttft_ms_at)} > {slo.ttft_ms:,.0f} ms "
+                f"({self.ttft_met / self.requests:.1%} within)"
+            )
+        if slo.tpot_ms is not None and self.tpot_ms_at is not None and self.tpot_met < need:
+            reasons.append(
+                f"TPOT {slo.percentile} {_ms(self.tpot_ms_at)} > {slo.tpot_ms:,.1f} ms "
+                f"({self.tpot_met / self.requests:.1%} within)"
+            )
+        if not reasons:  # each SLO alone holds; together they do not
+            reasons.append(f"TTFT and TPOT together: {self.attainment:.1%} within both")
+        if self.refused:
+            reasons.append(f"{self.refused:,} refused")
+        return "; ".join(reasons)
+
+    def to_dict(self, slo: Slo) -> dict[str, Any]:
+        return {
+            **self.candidate.to_dict(),
+            "attainment": round(self.attainment, 5),
+            "attainment_is_upper_bound": self.aborted,
+            "passes": self.passes(slo),
+            "why": self.why(slo) or None,
+            "ttft_ms_at_percentile": None if math.isinf(self.ttft_ms_at) else self.ttft_ms_at,
+            "tpot_ms_at_percentile": (
+                None if self.tpot_ms_at is None or math.isinf(self.tpot_ms_at) else self.tpot_ms_at
+            ),
+            "hit_rate": self.hit_rate,
+            "refused": self.refused,
+            "wall_s": round(self.wall_s, 3),
+        }
+
+
+def _ms(v: float) -> str:
+    return "beyond the run" if math.isinf(v) else f"{v:,.0f} ms"
+
+
+def judge(
+    records: Sequence[RequestRecord], requests: int, slo: Slo
+) -> tuple[int, int, int, int, float, float | None, float | None]:
+    """``(met, ttft_met, tpot_met, refused, TTFT at the percentile, TPOT at it, hit rate)``
+    of a run's records against ``slo``; requests without a record (an aborted run) miss."""
+    ttft_s, tpot_s = slo.ttft_ms / 1e3, _s(slo.tpot_ms)
+    ttft = np.full(requests, np.inf)
+    tpot = np.full(requests, np.inf)
+    refused = 0
+    prompt = cached = 0
+    for i, r in enumerate(records):
+        if r.status in (400, 429):
+            refused += 1
+        if not r.ok:
+            continue
+        ttft[i] = r.ttft_s
+        tp = r.tpot_s
+        tpot[i] = 0.0 if math.isnan(tp) else tp
+        if r.prompt_tokens and r.cached_tokens is not None:
+            prompt += r.prompt_tokens
+            cached += r.cached_tokens
+    t_ok = ttft <= ttft_s
+    d_ok = tpot <= tpot_s if tpot_s is not None else np.isfinite(tpot)
+    p_ok = t_ok & d_ok
+    q = slo.attainment
+
+    def at(values: np.ndarray) -> float:
+        return float(np.quantile(values, q, method="inverted_cdf")) * 1e3 if requests else 0.0
+
+    return (
+        int(p_ok.sum()),
+        int(t_ok.sum()),
+        int(d_ok.sum()),
+        refused,
+        round(at(ttft), 3),
+        round(at(tpot), 3) if tpot_s is not None else None,
+        cached / prompt if prompt else None,
+    )
+
+
+@dataclass(slots=True)
+class PlanSetup:
+    """Everything a candidate's simulation needs besides the candidate: the workload at rate
+    scale 1, the engines' truth, the router and the cluster settings every candidate shares."""
+
+    plan: list[Planned]
+    trace_block_size: int
+    truth: LatencyProfile
+    router: str = "kv_ttft"
+    router_options: dict[str, Any] = field(default_factory=dict)
+    settings: SimSettings = field(default_factory=SimSettings)
+    router_profile: LatencyProfile | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.settings.block_size or self.trace_block_size
+
+    @property
+    def rate(self) -> float:
+        """The workload's mean request rate at scale 1 (req/s)."""
+        span = self.plan[-1].offset_s - self.plan[0].offset_s if len(self.plan) > 1 else 0.0
+        return (len(self.plan) - 1) / span if span > 0 else math.inf
+
+    def cpu_blocks(self, gib: float) -> int:
+        """Blocks of this profile's KV in a CPU tier of ``gib`` GiB."""
+        return int(gib * 2**30 // (self.truth.kv_bytes_per_token * self.block_size))
+
+    def ceiling(self, slo: Slo) -> float:
+        """The attainment no cluster can beat: each request alone on an idle engine of the
+        profile, with every block that any earlier request carried already cached there. A
+        target above it is unreachable at any size (a prompt whose own prefill breaks the TTFT
+        SLO, or a decode step slower than the TPOT SLO)."""
+        eng = self.settings.engine
+        prof = self.truth.with_limits(
+            eng.get("max_num_batched_tokens"), eng.get("long_prefill_token_threshold")
+        )
+        seen: set[int] = set()
+        met = 0
+        tbs = self.trace_block_size
+        for p in self.plan:
+            r = p.req
+            k = 0
+            for h in r.hash_ids:
+                if h not in seen:
+                    break
+                k += 1
+            seen.update(r.hash_ids)
+            cached = min(k * tbs, r.input_length - 1) if r.input_length else 0
+            ok = prof.ttft_s(r.input_length, max(cached, 0)) * 1e3 <= slo.ttft_ms
+            if ok and slo.tpot_ms is not None and r.output_length > 1:
+                ctx = r.input_length + r.output_length // 2
+                ok = prof.decode_step_s(1, ctx) * 1e3 <= slo.tpot_ms
+            met += ok
+        return met / len(self.plan) if self.plan else 1.0
+
+    def scaled(self, rate_scale: float) -> list[Planned]:
+        if rate_scale == 1.0:
+            return self.plan
+        return [replace(p, offset_s=p.offset_s / rate_scale) for p in self.plan]
+
+    def evaluate(self, cand: Candidate, slo: Slo, early_exit: bool = True) -> Outcome:
+        """Simulate ``cand`` on this workload and judge it against ``slo``."""
+        engine = dict(self.settings.engine)
+        if cand.cpu_tier_gib > 0:
+            engine["cpu_capacity_blocks"] = self.cpu_blocks(cand.cpu_tier_gib)
+            engine["cpu_policy"] = cand.policy
+        settings = replace(self.settings, instances=cand.instances, engine=engine)
+        plan = self.scaled(cand.rate_scale)
+        budget = slo.budget(len(plan)) if early_exit else None
+        t0 = time.perf_counter()
+        run = simulate(
+            plan,
+            self.trace_block_size,
+            self.truth,
+            self.router,
+            settings,
+            scorer_options=self.router_options,
+            router_profile=self.router_profile,
+            budget=budget,
+        )
+        met, ttft_met, tpot_met, refused, ttft_at, tpot_at, hit = judge(run.records, len(plan), slo)
+        early = (0, 0, 0)
+        if run.aborted and budget is not None:
+            # at least ``misses`` requests missed: the attainment is at most the rest
+            met = len(plan) - budget.misses
+            early = (budget.ttft_misses, budget.tpot_misses, budget.refused)
+        return Outcome(
+            cand,
+            len(plan),
+            met,
+            ttft_met,
+            tpot_met,
+            refused,
+            ttft_at,
+            tpot_at,
+            hit,
+            run.aborted,
+            time.perf_counter() - t0,
+            stopped_after=len(run.records) if run.aborted else len(plan),
+            early_misses=early,
+            allowed=budget.max_misses if budget is not None else 0,
+        )
+
+
+# the setups forked workers evaluate against, by fidelity (inherited, never pickled)
+_WORKER_SETUPS: dict[str, PlanSetup] = {}
+
+FULL, GUIDE = "full", "guide"
+
+
+def _evaluate_in_worker(fidelity: str, cand: Candidate, slo: Slo, early_exit: bool) -> Outcome:
+    return _WORKER_SETUPS[fidelity].evaluate(cand, slo, early_exit)
+
+
+@dataclass(slots=True)
+class SizeResult:
+    """The cheapest passing candidate at one rate scale (None: none up to the maximum), the
+    next cheaper candidate that was priced and failed, and every outcome priced on the way."""
+
+    rate_scale: float
+    best: Outcome | None
+    cheaper_failing: Outcome | None
+    outcomes: list[Outcome]
+
+
+@dataclass(slots=True)
+class RateResult:
+    """The highest rate scale a candidate was shown to meet the SLO at (None: not even the
+    lowest searched), the lowest it was shown to fail at (None: not even the highest), and
+    every outcome priced on the way."""
+
+    candidate: Candidate
+    max_pass: Outcome | None
+    min_fail: Outcome | None
+    outcomes: list[Outcome]
+
+
+# the rate search's grid: scales 2 ** (i / RATE_STEPS_PER_DOUBLING), about 2% apart
+RATE_STEPS_PER_DOUBLING = 35
+
+
+class Planner:
+    """Searches configurations for one workload and SLO.
+
+    ``jobs`` > 1 prices that many candidates at once in forked processes (the workload is
+    shared, not copied); every outcome is kept, so no candidate is simulated twice.
+
+    With ``guide`` in (0, 1) and a workload of at least ``MIN_GUIDED`` requests, a search runs
+    first on the head of the workload (that fraction of its requests, a few times cheaper to
+    simulate) to find where the boundary probably is, then on the whole workload from that
+    guess outwards. The answer always rests on whole-workload runs on both sides of the
+    boundary; the guide only decides where to look first."""
+
+    MIN_GUIDED = 4000
+
+    def __init__(
+        self,
+        setup: PlanSetup,
+        slo: Slo,
+        *,
+        jobs: int = 1,
+        early_exit: bool = True,
+        guide: float = 0.25,
+        on_outcome: Callable[[str, Outcome], None] | None = None,
+    ) -> None:
+        if jobs < 1:
+            raise ValueError(f"--jobs must be >= 1, got {jobs}")
+        if not 0 <= guide < 1:
+            raise ValueError(f"guide fraction must be in [0, 1), got {guide}")
+        self.setup, self.slo, self.jobs, self.early_exit = setup, slo, jobs, early_exit
+        self.setups = {FULL: setup}
+        if guide > 0 and len(setup.plan) >= self.MIN_GUIDED:
+            head = setup.plan[: max(1, int(len(setup.plan) * guide))]
+            self.setups[GUIDE] = replace(setup, plan=head)
+        self.on_outcome = on_outcome
+        self.priced: dict[str, dict[Candidate, Outcome]] = {f: {} for f in self.setups}
+        self._pool: ProcessPoolExecutor | None = None
+
+    @property
+    def outcomes(self) -> dict[Candidate, Outcome]:
+        """Every whole-workload outcome priced so far."""
+        return self.priced[FULL]
+
+    def __enter__(self) -> Planner:
+        if self.jobs > 1:
+            _WORKER_SETUPS.update(self.setups)
+            ctx = multiprocessing.get_context("fork")
+            self._pool = ProcessPoolExecutor(self.jobs, mp_context=ctx)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+        _WORKER_SETUPS.clear()
+
+    def price(self, cands: Iterable[Candidate], fidelity: str = FULL) -> list[Outcome]:
+        """The outcome of each candidate (simulated now unless already priced)."""
+        cands = list(cands)
+        done = self.priced[fidelity]
+        todo = [c for c in dict.fromkeys(cands) if c not in done]
+        if self._pool is not None and len(todo) > 1:
+            futures: list[Future[Outcome]] = [
+                self._pool.submit(_evaluate_in_worker, fidelity, c, self.slo, self.early_exit)
+                for c in todo
+            ]
+            for fut in futures:
+                self._record(fidelity, fut.result())
+        else:
+            for c in todo:
+                self._record(fidelity, self.setups[fidelity].evaluate(c, self.slo, self.early_exit))
+        return [done[c] for c in cands]
+
+    def _record(self, fidelity: str, out: Outcome) -> None:
+        self.priced[fidelity][out.candidate] = out
+        if self.on_outcome is not None:
+            self.on_outcome(fidelity, out)
+
+    def _boundary(
+        self,
+        lo: int,
+        hi: int,
+        first: list[int],
+        fails: Callable[[int], bool],
+        price: Callable[[list[int]], None],
+        step: int = 1,
+    ) -> int | None:
+        """The smallest ``n`` in ``[lo, hi]`` with ``fails(n)`` false, for a ``fails`` that
+        is true below some point and false from it on (None: it fails everywhere). Prices
+        ``first`` first; then gallops away from the known side (``step``, doubling each
+        round) until both sides are known, and k-sects the gap between them, ``jobs``
+        probes a round."""
+        f, p = lo - 1, hi + 1  # the largest known failure below p; the smallest known pass
+        probes = sorted({min(max(n, lo), hi) for n in first})
+        while True:
+            price(probes)
+            for n in probes:
+                if not fails(n):
+                    p = min(p, n)
+            f = max([f, *(n for n in probes if n < p and fails(n))])
+            if p == f + 1:
+                return p if p <= hi else None
+            k = self.jobs
+            if p > hi:  # no pass yet: gallop up from the highest failure
+                probes = [min(f + step * i, hi) for i in range(1, k + 1)]
+                step *= 2
+            elif f < lo and p - lo > k:  # no failure yet: gallop down
+                probes = [max(p - step * i, lo) for i in range(1, k + 1)]
+                step *= 2
+            else:
+                k = min(k, p - f - 1)
+                probes = [f + round((p - f) * i / (k + 1)) for i in range(1, k + 1)]
+            probes = sorted({n for n in probes if f < n < p}) or [(f + p) // 2]
+
+    # -- how many instances ------------------------------------------------------------------
+
+    def size(
+        self,
+        min_instances: int,
+        max_instances: int,
+        tiers: Sequence[tuple[float, str]] = ((0.0, NO_TIER),),
+        rate_scale: float = 1.0,
+        curve: int = 0,
+    ) -> SizeResult:
+        """The fewest instances in ``[min_instances, max_instances]`` at which some tier
+        ``(GiB, policy)`` meets the SLO, the cheapest such tier there, and the next cheaper
+        candidate that fails. Every tier is priced at every instance count probed; ``curve``
+        more counts, evenly spread over the range, are priced for the attainment curve."""
+        if not 1 <= min_instances <= max_instances:
+            raise ValueError(
+                f"--min-instances ({min_instances}) must be >= 1 and <= --max-instances "
+                f"({max_instances})"
+            )
+        lo, hi = min_instances, max_instances
+
+        def at(n: int) -> list[Candidate]:
+            return [Candidate(n, gib, pol, rate_scale) for gib, pol in tiers]
+
+        def search(fidelity: str, first: list[int]) -> int | None:
+            done = self.priced[fidelity]
+            return self._boundary(
+                lo,
+                hi,
+                first,
+                lambda n: not any(done[c].passes(self.slo) for c in at(n)),
+                lambda ns: None if not ns else self.price([c for n in ns for c in at(n)], fidelity),
+            )
+
+        # both ends first (a failing end stops early, so it is cheap), then from the guess
+        # outwards: the guess and the count below it, the two runs that prove the answer
+        if GUIDE in self.setups:
+            g = search(GUIDE, [lo, hi])
+            g = hi if g is None else g
+            best = search(FULL, [g - 1, g])
+        else:
+            best = search(FULL, [lo, hi])
+        if curve > 0:
+            spread = {round(lo + (hi - lo) * i / max(curve - 1, 1)) for i in range(curve)}
+            self.price(c for n in sorted(spread) for c in at(n))
+        mine = sorted(
+            (o for o in self.outcomes.values() if o.candidate.rate_scale == rate_scale),
+            key=lambda o: (o.candidate.cost, o.candidate.policy),
+        )
+        chosen = None
+        if best is not None:
+            chosen = min(
+                (self.outcomes[c] for c in at(best) if self.outcomes[c].passes(self.slo)),
+                key=lambda o: (o.candidate.cost, -o.attainment),
+            )
+        cheaper = [
+            o
+            for o in mine
+            if not o.passes(self.slo)
+            and (chosen is None or o.candidate.cost < chosen.candidate.cost)
+        ]
+        # the most expensive of the cheaper failures; among equals, the one closest to passing
+        next_down = max(cheaper, key=lambda o: (o.candidate.cost, o.attainment), default=None)
+        return SizeResult(rate_scale, chosen, next_down, mine)
+
+    # -- at what rate it breaks ----------------------------------------------------------------
+
+    def max_rate(
+        self, cand: Candidate, *, lowest: float = 1 / 64, highest: float = 64.0
+    ) -> RateResult:
+        """The largest rate scale on a grid about 2% fine (``RATE_STEPS_PER_DOUBLING``) in
+        ``[lowest, highest]`` at which ``cand`` meets the SLO, and the next one up, which
+        fails: a gallop from scale 1 in doublings, then bisection of the bracket."""
+        if not 0 < lowest <= 1 <= highest:
+            raise ValueError("the rate search needs lowest <= 1 <= highest")
+        per = RATE_STEPS_PER_DOUBLING
+        ilo, ihi = math.floor(math.log2(lowest) * per), math.ceil(math.log2(highest) * per)
+
+        def scale(i: int) -> float:
+            return 2 ** (i / per)
+
+        def at(i: int) -> Candidate:
+            return replace(cand, rate_scale=scale(i))
+
+        # searched as "the smallest grid index that fails", i.e. passes(i) is "fails(i)"
+        def search(fidelity: str, first: list[int], step: int) -> int | None:
+            done = self.priced[fidelity]
+            return self._boundary(
+                ilo,
+                ihi,
+                first,
+                lambda i: done[at(i)].passes(self.slo),
+                lambda ns: None if not ns else self.price([at(i) for i in ns], fidelity),
+                step=step,
+            )
+
+        start = [0, per]
+        if GUIDE in self.setups:
+            g = search(GUIDE, start, per)
+            g = ihi if g is None else g
+            # from the guess outwards in single grid steps (doubling as it gallops)
+            brk = search(FULL, [g - 1, g], 1)
+        else:
+            brk = search(FULL, start, per)
+        first_fail = brk  # None: passes even at the highest scale
+        last_pass = (ihi if brk is None else brk - 1) if brk != ilo else None
+        base = replace(cand, rate_scale=1.0)
+        mine = sorted(
+            (o for o in self.outcomes.values() if replace(o.candidate, rate_scale=1.0) == base),
+            key=lambda o: o.candidate.rate_scale,
+        )
+        get = self.outcomes.get
+        return RateResult(
+            cand,
+            get(at(last_pass)) if last_pass is not None else None,
+            get(at(first_fail)) if first_fail is not None else None,
+            mine,
+        )
+
+
+def parse_tiers(gib_list: str, policies: str) -> list[tuple[float, str]]:
+    """``--cpu-tier-gib`` x ``--policy`` as ``(GiB, policy)`` pairs; a 0 GiB tier has no
+    policy. Raises naming the flag."""
+    from policies import policy_names
+
+    sizes: list[float] = []
+    for item in filter(None, (x.strip() for x in gib_list.split(","))):
+        try:
+            gib = float(item)
+        except ValueError:
+            raise ValueError(f"--cpu-tier-gib: {item!r} is not a number") from None
+        if not (gib >= 0 and math.isfinite(gib)):
+            raise ValueError(f"--cpu-tier-gib: sizes must be >= 0, got {item}")
+        sizes.append(gib)
+    names = [x.strip() for x in policies.split(",") if x.strip()]
+    known = policy_names()
+    for name in names:
+        if name not in known:
+            raise ValueError(f"--policy: unknown policy {name!r}; known: {', '.join(known)}")
+    if not sizes:
+        raise ValueError("--cpu-tier-gib: give at least one size (0: no CPU tier)")
+    if not names and any(sizes):
+        raise ValueError("--policy: give at least one eviction policy for the CPU tier")
+    out: list[tuple[float, str]] = []
+    for gib in sorted(set(sizes)):
+        out += [(gib, NO_TIER)] if gib == 0 else [(gib, name) for name in names]
+    return out

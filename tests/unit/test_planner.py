@@ -1,0 +1,215 @@
+"""The capacity planner: its search finds the boundary the simulations show, the early exit
+never changes a verdict, and ``kvroute plan`` answers bad input with the flag's name."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from deploy.cli import main
+from engines.sim.profile import LatencyProfile
+from loadgen.planner import (
+    NO_TIER,
+    RATE_STEPS_PER_DOUBLING,
+    Candidate,
+    Planner,
+    PlanSetup,
+    Slo,
+    judge,
+    parse_tiers,
+)
+from loadgen.records import RequestRecord
+from loadgen.simulator import SimSettings, SloBudget, simulate
+from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
+from loadgen.workloads import build_schedule
+
+PROFILE = "cpu-small-llama"
+
+
+@pytest.fixture(scope="module")
+def setup() -> PlanSetup:
+    """An API workload that one or two small CPU engines cannot serve within 1.5 s and a
+    few can: the planner has a boundary to find."""
+    reqs = generate("to-b", SynthParams(seed=3, rate=20.0, duration_s=20.0))
+    plan = build_schedule(reqs)
+    return PlanSetup(plan, SYNTH_BLOCK_SIZE, LatencyProfile.load(PROFILE))
+
+
+SLO = Slo(ttft_ms=1500, attainment=0.9)
+
+
+def test_slo_validates_and_budgets() -> None:
+    with pytest.raises(ValueError, match="--attainment"):
+        Slo(1000, attainment=1.5)
+    with pytest.raises(ValueError, match="--slo-tpot-ms"):
+        Slo(1000, tpot_ms=-1)
+    assert Slo(1000, attainment=0.99).percentile == "p99"
+    assert Slo(1000, attainment=0.99).budget(1000).max_misses == 10
+    assert Slo(1000, attainment=1.0).budget(1000).max_misses == 0
+
+
+def test_judge_counts_refused_and_missing_requests_as_misses() -> None:
+    def rec(i: int, ttft: float, done: float, out: int, status: int = 200) -> RequestRecord:
+        r = RequestRecord(i, "all", None, 100, out, 0.0, sent_s=0.0, prompt_tokens=100)
+        r.first_token_s, r.done_s, r.output_tokens, r.status = ttft, done, out, status
+        r.cached_tokens = 50
+        return r
+
+    records = [
+        rec(0, 0.5, 1.5, 11),  # ttft 500 ms, tpot 100 ms
+        rec(1, 2.0, 2.1, 11),  # ttft misses
+        rec(2, 0.1, 0.2, 11),  # both fine
+    ]
+    refused = RequestRecord(3, "all", None, 100, 10, 0.0, sent_s=0.0)
+    refused.status, refused.error, refused.done_s = 429, "http_429", 0.0
+    records.append(refused)
+    met, ttft_met, tpot_met, n_refused, ttft_at, tpot_at, hit = judge(
+        records, 5, Slo(1000, tpot_ms=50, attainment=0.5)
+    )
+    # request 4 has no record (a run stopped early): a miss on every count
+    assert (met, ttft_met, tpot_met, n_refused) == (1, 2, 2, 1)
+    # the p50 of 5: the 3rd smallest of (0.1, 0.5, 2.0, inf, inf) and of (10, 10, 100, inf, inf)
+    assert ttft_at == pytest.approx(2000.0)
+    assert tpot_at == pytest.approx(100.0)
+    assert hit == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("jobs", [1, 2, 3])
+def test_boundary_search_finds_every_threshold_in_few_probes(setup: PlanSetup, jobs: int) -> None:
+    planner = Planner(setup, SLO, jobs=jobs)
+    lo, hi = 3, 70
+    for threshold in range(lo, hi + 2):  # hi + 1: nothing passes
+        for first in ([lo, hi], [threshold - 1, threshold], [lo + 5, lo + 6]):
+            probed: list[int] = []
+            got = planner._boundary(lo, hi, first, lambda n, t=threshold: n < t, probed.extend)
+            assert got == (threshold if threshold <= hi else None), (threshold, first)
+            assert all(lo <= n <= hi for n in probed)
+            assert len(probed) == len(set(probed)), "a count was priced twice"
+            assert len(probed) <= 2 * jobs * math.ceil(math.log2(hi - lo + 2)) + 2
+
+
+def test_early_exit_never_changes_a_verdict(setup: PlanSetup) -> None:
+    for n in (1, 3, 4, 6):
+        cand = Candidate(n)
+        quick, exact = setup.evaluate(cand, SLO, True), setup.evaluate(cand, SLO, False)
+        assert quick.passes(SLO) == exact.passes(SLO), n
+        assert not exact.aborted
+        if quick.aborted:
+            assert not quick.passes(SLO)
+            assert quick.attainment >= exact.attainment  # an upper bound
+            assert quick.stopped_after < quick.requests
+            assert "more than the" in quick.why(SLO)
+        else:
+            assert quick.attainment == exact.attainment
+
+
+def test_simulator_stops_when_the_budget_runs_out(setup: PlanSetup) -> None:
+    budget = SloBudget(ttft_s=0.2, tpot_s=None, max_misses=5)
+    run = simulate(
+        setup.plan,
+        setup.trace_block_size,
+        setup.truth,
+        "kv_ttft",
+        SimSettings(instances=1),
+        budget=budget,
+    )
+    assert run.aborted and budget.exhausted  # first tokens come in batches: maybe past 6
+    assert len(run.records) < len(setup.plan)
+
+
+def test_size_answer_rests_on_both_sides(setup: PlanSetup) -> None:
+    with Planner(setup, SLO, jobs=2, guide=0.0) as planner:
+        result = planner.size(1, 8)
+    best, below = result.best, result.cheaper_failing
+    assert best is not None and below is not None
+    assert best.passes(SLO) and not below.passes(SLO)
+    assert below.candidate.instances == best.candidate.instances - 1
+    # proved by whole-workload runs without the early exit as well
+    n = best.candidate.instances
+    assert setup.evaluate(Candidate(n), SLO, False).passes(SLO)
+    assert not setup.evaluate(Candidate(n - 1), SLO, False).passes(SLO)
+    assert len(result.outcomes) < 8  # a search, not a sweep
+    # one process or two: the same simulations, the same answer
+    with Planner(setup, SLO, jobs=1, guide=0.0) as serial:
+        again = serial.size(1, 8)
+    assert again.best is not None and again.best.candidate == best.candidate
+    assert again.best.attainment == best.attainment
+
+
+def test_guided_search_gives_the_same_answer(setup: PlanSetup, monkeypatch) -> None:
+    monkeypatch.setattr(Planner, "MIN_GUIDED", 100)
+    seen: list[str] = []
+    with Planner(setup, SLO, jobs=2, on_outcome=lambda f, _o: seen.append(f)) as guided:
+        got = guided.size(1, 8)
+    with Planner(setup, SLO, jobs=2, guide=0.0) as plain:
+        want = plain.size(1, 8)
+    assert "guide" in seen and "full" in seen
+    assert got.best is not None and want.best is not None
+    assert got.best.candidate == want.best.candidate
+
+
+def test_max_rate_brackets_the_break_within_the_grid(setup: PlanSetup) -> None:
+    with Planner(setup, SLO, jobs=2, guide=0.0) as planner:
+        r = planner.max_rate(Candidate(2))
+    assert r.max_pass is not None and r.min_fail is not None
+    assert r.max_pass.passes(SLO) and not r.min_fail.passes(SLO)
+    ratio = r.min_fail.candidate.rate_scale / r.max_pass.candidate.rate_scale
+    assert ratio == pytest.approx(2 ** (1 / RATE_STEPS_PER_DOUBLING))
+
+
+def test_cpu_tier_candidates_get_blocks_and_policy(setup: PlanSetup) -> None:
+    assert parse_tiers("0,8", "wa,lru") == [(0.0, NO_TIER), (8.0, "wa"), (8.0, "lru")]
+    with pytest.raises(ValueError, match="--policy"):
+        parse_tiers("8", "nope")
+    with pytest.raises(ValueError, match="--cpu-tier-gib"):
+        parse_tiers("-1", "wa")
+    per_block = setup.truth.kv_bytes_per_token * setup.block_size
+    assert setup.cpu_blocks(1.0) == 2**30 // per_block
+    out = setup.evaluate(Candidate(2, 1.0, "wa"), SLO, False)
+    assert out.candidate.policy == "wa" and out.hit_rate is not None
+
+
+def test_ceiling_is_one_for_a_loose_slo_and_zero_for_an_impossible_one(setup: PlanSetup) -> None:
+    assert setup.ceiling(Slo(60_000)) == 1.0
+    assert setup.ceiling(Slo(0.001)) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--attainment", "1.5"], "--attainment"),
+        (["--find-max-rate"], "--instances"),
+        (["--instances", "3"], "--instances"),
+        (["--policy", "bogus", "--cpu-tier-gib", "4"], "--policy"),
+        (["--min-instances", "5", "--max-instances", "2"], "--min-instances"),
+        (["--rate-scale", "2,x"], "--rate-scale"),
+        (["--router", "kv_ttft,round_robin"], "--router"),
+        (["--engine", "warp=9"], "--engine"),
+    ],
+)
+def test_plan_cli_names_the_bad_flag(capsys, argv: list[str], flag: str) -> None:
+    base = ["plan", "--workload", "to-b", "--duration", "5", "--slo-ttft-ms", "1000"]
+    assert main([*base, *argv]) == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_plan_cli_json_and_report(capsys, tmp_path) -> None:
+    argv = [
+        "plan", "--workload", "to-b", "--rate", "20", "--duration", "20", "--seed", "3",
+        "--profile", PROFILE, "--slo-ttft-ms", "1500", "--attainment", "0.9",
+        "--max-instances", "12", "--json", "--no-progress", "--report", str(tmp_path),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    size = doc["sizes"][0]
+    assert size["best"]["passes"] and size["best"]["margin_points"] >= 0
+    assert not size["next_cheaper_failing"]["passes"] and size["next_cheaper_failing"]["why"]
+    a = doc["meta"]["assumptions"]
+    assert a["profile"] == PROFILE and a["router"] == "kv_ttft" and a["not_modelled"]
+    assert {p.name for p in tmp_path.iterdir()} == {"plan.json", "curve.csv", "attainment.png"}
+    # an SLO nothing meets: exit 1, and the answer says so
+    argv[argv.index("1500")] = "1"
+    assert main(argv) == 1
+    assert json.loads(capsys.readouterr().out)["sizes"][0]["best"] is None
