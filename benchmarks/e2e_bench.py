@@ -86,7 +86,9 @@ def engine_config(engine_opts: dict[str, Any] | None = None) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def serve_config(router: str, port: int, engine_opts: dict[str, Any] | None = None) -> Any:
+def serve_config(
+    router: str, port: int, engine_opts: dict[str, Any] | None = None, instances: int = INSTANCES
+) -> Any:
     from deploy.config import ServeConfig
 
     scorer, options = parse_router(router)
@@ -95,7 +97,7 @@ def serve_config(router: str, port: int, engine_opts: dict[str, Any] | None = No
         "port": port,
         "app_name": app,
         "engines": {
-            "instances": INSTANCES,
+            "instances": instances,
             "engine": engine_config(engine_opts),
             "resources": {"num_cpus": 1},
             "bus": {"name": app},
@@ -114,14 +116,16 @@ def run_router(
     profile: Any,
     keep: Path | None = None,
     engine_opts: dict[str, Any] | None = None,
+    instances: int = INSTANCES,
 ) -> dict[str, Any]:
-    """One deployment of ``router``, loaded with ``workload``; what it measured. ``profile``
-    prices each request's idle-engine TTFT at the cache hit it got (``idle_ttft_p50_ms``)."""
+    """One deployment of ``router`` on ``instances`` engines, loaded with ``workload``; what it
+    measured (``records``: loadgen's per-request rows). ``profile`` prices each request's
+    idle-engine TTFT at the cache hit it got (``idle_ttft_p50_ms``)."""
     from ray import serve
 
     from deploy.app import build_serve_app, delete_app, wait_until_ready
 
-    cfg = serve_config(router, port, engine_opts)
+    cfg = serve_config(router, port, engine_opts, instances)
     serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
     base = f"http://127.0.0.1:{port}"
     wait_until_ready(base, cfg.engines.instances)
@@ -141,6 +145,7 @@ def run_router(
         "errors": summary["errors"],
         "error_examples": summary.get("error_examples"),
         "router": router_view,
+        "records": records,
         "idle_ttft_p50_ms": round(
             1e3
             * statistics.median(
@@ -211,6 +216,40 @@ def scrape_router_metrics(base: str) -> dict[str, Any]:
     }
 
 
+def schedule(workload: list[str], rate: float, duration: float) -> tuple[list[Any], int]:
+    """The schedule ``kvroute loadgen`` sends for ``workload`` at ``rate`` for ``duration``,
+    and the block size of its hash ids."""
+    from loadgen.cli import add_workload_arguments, plan_workload
+
+    parser = argparse.ArgumentParser()
+    add_workload_arguments(parser)
+    # the prompt flags (--vocab-size, --token-offset) shape token ids, not the schedule
+    args, _ = parser.parse_known_args([*workload, "--rate", str(rate), "--duration", str(duration)])
+    plan, trace_block_size, _ = plan_workload(args)
+    return plan, trace_block_size
+
+
+def sim_settings(engine_opts: dict[str, Any] | None, instances: int = INSTANCES) -> Any:
+    """Sim engines configured as the real ones (the same validated ``engine_config``: block
+    size, limits, KV capacity), with an exact truth (no perturbation)."""
+    from engines.config import EngineConfig
+    from loadgen.simulator import EXACT, SimSettings
+
+    real = EngineConfig.model_validate(engine_config(engine_opts))
+    engine: dict[str, Any] = {
+        "max_model_len": real.max_model_len,
+        "long_prefill_token_threshold": real.long_prefill_token_threshold or 0,
+    }
+    if real.kv_blocks:  # else the profile's capacity, measured with the bench's KV space
+        engine["num_gpu_blocks"] = real.kv_blocks
+    for limit in ("max_num_batched_tokens", "max_num_seqs"):  # else the profile's
+        if getattr(real, limit) is not None:
+            engine[limit] = getattr(real, limit)
+    return SimSettings(
+        instances=instances, block_size=real.block_size, engine=engine, perturbation=EXACT
+    )
+
+
 def simulate_routers(
     routers: list[str],
     rate: float,
@@ -222,30 +261,12 @@ def simulate_routers(
     """Each router on the cluster simulator over the schedule ``kvroute loadgen`` sends for
     ``workload`` at ``rate`` for ``duration``: engines configured as the real ones (the same
     validated ``engine_config``), on ``truth``."""
-    from engines.config import EngineConfig
     from engines.sim.profile import LatencyProfile
-    from loadgen.cli import add_workload_arguments, plan_workload
     from loadgen.metrics import summarize
-    from loadgen.simulator import EXACT, SimSettings, simulate
+    from loadgen.simulator import simulate
 
-    parser = argparse.ArgumentParser()
-    add_workload_arguments(parser)
-    # the prompt flags (--vocab-size, --token-offset) shape token ids, not the schedule
-    args, _ = parser.parse_known_args([*workload, "--rate", str(rate), "--duration", str(duration)])
-    plan, trace_block_size, _ = plan_workload(args)
-    real = EngineConfig.model_validate(engine_config(engine_opts))
-    engine: dict[str, Any] = {
-        "max_model_len": real.max_model_len,
-        "long_prefill_token_threshold": real.long_prefill_token_threshold or 0,
-    }
-    if real.kv_blocks:  # else the profile's capacity, measured with the bench's KV space
-        engine["num_gpu_blocks"] = real.kv_blocks
-    for limit in ("max_num_batched_tokens", "max_num_seqs"):  # else the profile's
-        if getattr(real, limit) is not None:
-            engine[limit] = getattr(real, limit)
-    settings = SimSettings(
-        instances=INSTANCES, block_size=real.block_size, engine=engine, perturbation=EXACT
-    )
+    plan, trace_block_size = schedule(workload, rate, duration)
+    settings = sim_settings(engine_opts)
     out = {}
     for router in routers:
         scorer, options = parse_router(router)
@@ -377,6 +398,7 @@ def main() -> None:
                 res = run_router(
                     router, args.rate, args.duration, port, workload, profile, keep, engine_opts
                 )
+                res.pop("records")  # in the --keep files; too long for this report
                 runs[router].append(res)
                 if log_file is not None and log_file.exists():
                     log_file.rename(log_file.with_name(f"{router}-{round_}.jsonl"))

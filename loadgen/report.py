@@ -60,6 +60,38 @@ def record_row(r: RequestRecord) -> dict[str, Any]:
     }
 
 
+def record_from_row(row: dict[str, Any]) -> RequestRecord:
+    """A record back from ``record_row``'s dict (a ``--json`` file's ``records``); per-token
+    gaps come back where the row kept them (``itl_ms``)."""
+
+    def s(key: str) -> float:
+        v = row.get(key)
+        return math.nan if v is None else float(v)
+
+    return RequestRecord(
+        row["index"],
+        row["category"],
+        row["chat_id"],
+        row["input_tokens"],
+        row["max_tokens"],
+        s("intended_s"),
+        sent_s=s("sent_s"),
+        first_token_s=s("first_token_s"),
+        done_s=s("done_s"),
+        output_tokens=row.get("output_tokens") or 0,
+        prompt_tokens=row.get("prompt_tokens"),
+        cached_tokens=row.get("cached_tokens"),
+        itl_s=[g / 1e3 for g in row.get("itl_ms") or ()],
+        error=row.get("error"),
+        error_detail=row.get("error_detail"),
+        status=row.get("status") or 0,
+        cap_delayed=bool(row.get("cap_delayed")),
+        instance=row.get("instance"),
+        cpu_cached_tokens=row.get("cpu_cached_tokens"),
+        preemptions=row.get("preemptions") or 0,
+    )
+
+
 # the columns of requests.csv: record_row's keys (also for a run with no records)
 RECORD_FIELDS: tuple[str, ...] = tuple(record_row(RequestRecord(0, "", None, 0, 0, 0.0)))
 
