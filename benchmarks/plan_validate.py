@@ -31,6 +31,10 @@ the real runs see the same requests).
    ``1 - margin`` and ``1 + margin`` times the predicted break rate (the same schedule
    compressed, as ``--rate-scale`` does in both tools).
 
+Every real run starts on an idle box (``wait_quiet``). The sizing runs are repeated
+(``--repeats``): near a deployment's knee the measured attainment of identical runs moves by
+tens of points here, and the prediction is compared with their median.
+
 Targets: predicted attainment within 10 points of the measured for both sizes; two engines
 meet the SLO at ``1 - margin`` and miss it at ``1 + margin`` times the predicted break rate
 (the measured break rate is then within ``margin`` of the prediction).
@@ -41,7 +45,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +85,18 @@ def predicted(out: Any, slo: Any) -> dict[str, Any]:
         "hit_rate": round(out.hit_rate, 4) if out.hit_rate is not None else None,
         "passes": out.passes(slo),
     }
+
+
+def wait_quiet(limit_s: float = 180.0, busy_pct: float = 15.0) -> float:
+    """Wait until the box is idle (total CPU under ``busy_pct`` for 3 s in a row, at most
+    ``limit_s``): a deleted deployment's engines can go on working off their queue for a while,
+    and would slow the next run down. Returns the seconds waited."""
+    import psutil
+
+    t0, calm = time.monotonic(), 0
+    while calm < 3 and time.monotonic() - t0 < limit_s:
+        calm = calm + 1 if psutil.cpu_percent(interval=1.0) < busy_pct else 0
+    return round(time.monotonic() - t0, 1)
 
 
 def sim_p50_ms(plan: list[Any], tbs: int, n: int, truth: Any, belief: Any) -> float:
@@ -123,6 +141,12 @@ def main() -> None:
         "calibration runs)",
     )
     ap.add_argument("--skip-break", action="store_true", help="no break-rate runs")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="measured runs per deployment size at --rate; the median is compared [3]",
+    )
     args = ap.parse_args()
 
     from engines.sim.profile import LatencyProfile
@@ -159,7 +183,9 @@ def main() -> None:
     }
 
     def real(instances: int, rate: float, duration: float, workload: list[str]) -> Any:
+        quiet_after = wait_quiet()
         res = run_router(ROUTER, rate, duration, port, workload, profile, instances=instances)
+        res["waited_for_quiet_s"] = quiet_after
         print(f"real: {instances} engines, rate {rate}: {res['ttft_p50_ms']}", file=sys.stderr)
         return res
 
@@ -228,8 +254,18 @@ def main() -> None:
 
         meas: dict[str, Any] = {}
         for n in (1, 2):
-            res = real(n, args.rate, args.duration, list(WORKLOAD))
-            meas[str(n)] = measured_attainment(res["records"], slo)
+            runs = []
+            for _ in range(args.repeats):
+                res = real(n, args.rate, args.duration, list(WORKLOAD))
+                runs.append({**measured_attainment(res["records"], slo),
+                             "ttft_p50_ms": res["ttft_p50_ms"]})  # fmt: skip
+            atts = [r["attainment"] for r in runs]
+            meas[str(n)] = {
+                "attainment": statistics.median(atts),
+                "attainment_min": min(atts),
+                "attainment_max": max(atts),
+                "runs": runs,
+            }
         if brk is not None and not args.skip_break:
             for side, f in (("below", 1 - args.margin), ("above", 1 + args.margin)):
                 s = brk * f
@@ -251,6 +287,9 @@ def main() -> None:
         not report["predicted"]["1"]["passes"] and report["predicted"]["2"]["passes"]
     )
     meas = report["measured"]
+    checks["measured_1_fails_2_meets"] = (
+        meas["1"]["attainment"] < slo.attainment <= meas["2"]["attainment"]
+    )
     if "2_below_break" in meas:
         checks["break_rate_within_margin"] = (
             meas["2_below_break"]["meets"] and not meas["2_above_break"]["meets"]

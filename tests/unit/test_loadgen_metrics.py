@@ -67,3 +67,20 @@ def test_timeseries_bins() -> None:
     assert [r["sent_per_s"] for r in rows] == pytest.approx([2.0, 2.0, 2 / 0.7])
     assert all(r["server_hit_rate"] == 0.5 for r in rows)
     assert math.isclose(rows[0]["output_tokens_per_s"], 4.0)
+
+
+def test_record_rows_read_back_to_the_same_record() -> None:
+    from loadgen.report import record_from_row, record_row
+
+    done = RequestRecord(3, "text_2", 7, 120, 16, 1.5, sent_s=1.502, first_token_s=1.75)
+    done.done_s, done.output_tokens, done.status = 2.25, 16, 200
+    done.prompt_tokens, done.cached_tokens, done.itl_s = 120, 64, [0.03, 0.035]
+    failed = RequestRecord(4, "all", None, 50, 8, 2.0, sent_s=2.0)
+    failed.error, failed.error_detail, failed.status, failed.done_s = "http_429", "shed", 429, 2.0
+    for rec in (done, failed):
+        row = record_row(rec)
+        row["itl_ms"] = [g * 1e3 for g in rec.itl_s]  # as loadgen's --json file keeps them
+        back = record_from_row(row)
+        assert record_row(back) == record_row(rec)
+        assert back.ok == rec.ok
+        assert back.tpot_s == pytest.approx(rec.tpot_s, nan_ok=True)
