@@ -298,7 +298,7 @@ def _print(doc: dict[str, Any], slo: Any) -> None:
     from rich.table import Table
 
     meta, a = doc["meta"], doc["meta"]["assumptions"]
-    con = Console(width=150, highlight=False)
+    con = Console(width=100, highlight=False)
     tpot = f" and TPOT <= {slo.tpot_ms:g} ms" if slo.tpot_ms is not None else ""
     con.print(
         f"plan: {meta['source']}, {meta['requests']:,} requests at {meta['rate_rps']:.2f} req/s"
