@@ -19,7 +19,7 @@ import zmq
 from cachemap.events import KVEventBatch, encode_vllm_batch
 from engines.base import Engine, EngineError, EngineOutput, EngineRequest, LoadSnapshot, Usage
 from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
-from engines.sim.request import SimRequest, Status, make_request
+from engines.sim.request import TOKEN_OFFSET, VOCAB_SIZE, SimRequest, Status, make_request
 from engines.sim.scheduler import Scheduler
 from policies.base import EvictionPolicy, RequestInfo
 
@@ -51,8 +51,8 @@ class SimEngine(Engine):
         long_prefill_token_threshold: int | None = None,
         max_num_seqs: int | None = None,
         max_model_len: int | None = None,
-        vocab_size: int = 32_000,
-        token_offset: int = 1_000,
+        vocab_size: int = VOCAB_SIZE,
+        token_offset: int = TOKEN_OFFSET,
     ) -> None:
         if time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {time_scale}")

@@ -34,6 +34,12 @@ class Status(IntEnum):
     FINISHED = 3
 
 
+# the ids a sim engine's output tokens take by default: [TOKEN_OFFSET, VOCAB_SIZE), clear of
+# a tokenizer's special tokens
+VOCAB_SIZE = 32_000
+TOKEN_OFFSET = 1_000
+
+
 def output_token(seed: int, index: int, vocab_size: int, token_offset: int) -> int:
     """The ``index``-th output token of a request seeded with ``seed`` (deterministic)."""
     return token_offset + mix64(seed ^ mix64(index)) % (vocab_size - token_offset)
@@ -133,8 +139,8 @@ def make_request(
     stop_token_ids: Sequence[int] = (),
     min_tokens: int = 0,
     max_model_len: int | None = None,
-    vocab_size: int = 32_000,
-    token_offset: int = 1_000,
+    vocab_size: int = VOCAB_SIZE,
+    token_offset: int = TOKEN_OFFSET,
     arrival_s: float = 0.0,
     info: RequestInfo | None = None,
     tag: Any = None,

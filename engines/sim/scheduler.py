@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from engines.base import LoadSnapshot
 from engines.sim.blocks import KVBlockManager, cdiv
 from engines.sim.profile import LatencyProfile
-from engines.sim.request import SimRequest, Status
+from engines.sim.request import TOKEN_OFFSET, VOCAB_SIZE, SimRequest, Status
 from policies.base import EvictionPolicy
 
 
@@ -34,8 +34,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
-    vocab_size: int = 32_000
-    token_offset: int = 1_000
+    vocab_size: int = VOCAB_SIZE
+    token_offset: int = TOKEN_OFFSET
     # vLLM's long_prefill_token_threshold: while more than one request is running or waiting,
     # no request prefills more than this many tokens in a step (0: no cap)
     long_prefill_token_threshold: int = 0
