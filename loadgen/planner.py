@@ -252,17 +252,22 @@ class PlanSetup:
     def ceiling(self, slo: Slo) -> float:
         """The attainment no cluster can beat: each request alone on an idle engine of the
         profile, with every block that any earlier request carried already cached there. A
-        target above it is unreachable at any size (a prompt whose own prefill breaks the TTFT
-        SLO, or a decode step slower than the TPOT SLO)."""
+        target above it is unreachable at any size (a prompt the engines refuse, at or over
+        ``max_model_len``; a prompt whose own prefill breaks the TTFT SLO; a decode step slower
+        than the TPOT SLO)."""
         eng = self.settings.engine
         prof = self.truth.with_limits(
             eng.get("max_num_batched_tokens"), eng.get("long_prefill_token_threshold")
         )
+        max_len = eng.get("max_model_len") or prof.max_model_len
         seen: set[int] = set()
         met = 0
         tbs = self.trace_block_size
         for p in self.plan:
             r = p.req
+            if r.input_length >= max_len:
+                seen.update(r.hash_ids)
+                continue
             k = 0
             for h in r.hash_ids:
                 if h not in seen:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -171,8 +172,16 @@ def test_cpu_tier_candidates_get_blocks_and_policy(setup: PlanSetup) -> None:
     assert out.candidate.policy == "wa" and out.hit_rate is not None
 
 
-def test_ceiling_is_one_for_a_loose_slo_and_zero_for_an_impossible_one(setup: PlanSetup) -> None:
-    assert setup.ceiling(Slo(60_000)) == 1.0
+def test_ceiling_counts_refused_prompts_and_slow_prefills(setup: PlanSetup) -> None:
+    # a loose SLO: only prompts the engines refuse (at or over max_model_len) are lost, as the
+    # simulation refuses them
+    max_len = setup.truth.max_model_len
+    refused = sum(p.req.input_length >= max_len for p in setup.plan)
+    assert setup.ceiling(Slo(60_000)) == 1 - refused / len(setup.plan)
+    out = setup.evaluate(Candidate(8), Slo(60_000, attainment=0.5), False)
+    assert out.refused == refused and out.attainment == setup.ceiling(Slo(60_000))
+    roomy = replace(setup, settings=SimSettings(engine={"max_model_len": 1 << 20}))
+    assert roomy.ceiling(Slo(60_000)) == 1.0
     assert setup.ceiling(Slo(0.001)) == 0.0
 
 
