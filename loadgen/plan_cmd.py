@@ -27,8 +27,7 @@ from loadgen.simulate_cmd import (
 
 NOT_MODELLED = (
     "network and ingress time; admission's concurrency gate; engine failures and restarts; "
-    "request cancellation; prefill/decode disaggregation. Caches start cold and the workload is "
-    "replayed once per configuration (one seed: simulation noise is not averaged out)."
+    "request cancellation; prefill/decode disaggregation. Caches start cold."
 )
 
 
@@ -87,6 +86,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "quarter guesses where the boundary is; the answer always rests on whole-workload runs)",
     )
     o.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="simulate each configuration with this many perturbation seeds (--seed, --seed+1, "
+        "...) and judge their requests pooled: steadier verdicts near the boundary, K times "
+        "the time [1]",
+    )
+    o.add_argument(
         "--exhaustive",
         action="store_true",
         help="simulate failing configurations to the end (exact attainment figures; slower)",
@@ -135,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
         (args.max_instances, "--max-instances"),
         (args.instances, "--instances"),
         (args.jobs, "--jobs"),
+        (args.seeds, "--seeds"),
     ):
         _positive(value, flag)
     if args.curve < 0:
@@ -168,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     if args.find_max_rate:  # the start of the rate search is the workload at its given scale
         plan = PlanSetup(plan, block_size, truth).scaled(scales[0])
         scales = [1.0]
-    setup = PlanSetup(plan, block_size, truth, router, options, settings, belief)
+    setup = PlanSetup(plan, block_size, truth, router, options, settings, belief, args.seeds)
     ceiling = setup.ceiling(slo)
     quiet = args.no_progress or not sys.stderr.isatty()
     sims = {"full": 0, "guide": 0}
@@ -232,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
             "engine": eng,
             "perturbation": perturbation_meta(args),
             "lag_ms": args.lag_ms,
+            "seeds": args.seeds,
             "not_modelled": NOT_MODELLED,
         },
         "search": {
@@ -350,6 +359,11 @@ def _print(doc: dict[str, Any], slo: Any) -> None:
             f = s["next_cheaper_failing"]
             if f is not None:
                 con.print(f"  next cheaper, {_label(f)}, fails: {f['why']}")
+            if b is not None and b["margin_points"] < 1 and a["seeds"] == 1:
+                con.print(
+                    "  [bold]the margin is within one perturbation seed's noise: confirm with "
+                    "--seeds 3[/bold]"
+                )
             rows += [{**o, "rate_rps": s["rate_rps"]} for o in s["curve"]]
         first_col = "instances"
     table = Table(title="priced configurations (whole workload)")
@@ -382,8 +396,13 @@ def _print(doc: dict[str, Any], slo: Any) -> None:
         f"router {a['router']}, block {a['block_size']}, {a['gpu_kv_blocks_per_engine']:,} GPU "
         f"KV blocks per engine, per-engine speed sigma {a['perturbation']['speed_sigma']:g}, "
         f"step jitter {a['perturbation']['jitter']:g}, stragglers "
-        f"{a['perturbation']['stragglers']:g}, KV event and load lag {a['lag_ms']:g} ms. "
-        f"Not modelled: {a['not_modelled']}"
+        f"{a['perturbation']['stragglers']:g}, KV event and load lag {a['lag_ms']:g} ms, "
+        + (
+            "one perturbation seed per configuration (--seeds K pools K)"
+            if a["seeds"] == 1
+            else f"{a['seeds']} perturbation seeds per configuration, pooled"
+        )
+        + f". Not modelled: {a['not_modelled']}"
     )
     sr = meta["search"]
     con.print(

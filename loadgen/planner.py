@@ -225,7 +225,9 @@ def judge(
 @dataclass(slots=True)
 class PlanSetup:
     """Everything a candidate's simulation needs besides the candidate: the workload at rate
-    scale 1, the engines' truth, the router and the cluster settings every candidate shares."""
+    scale 1, the engines' truth, the router, the cluster settings every candidate shares, and
+    how many perturbation seeds each candidate is simulated with (their requests pooled: one
+    seed's luck in the engines' speed draw no longer decides a verdict near the boundary)."""
 
     plan: list[Planned]
     trace_block_size: int
@@ -234,6 +236,11 @@ class PlanSetup:
     router_options: dict[str, Any] = field(default_factory=dict)
     settings: SimSettings = field(default_factory=SimSettings)
     router_profile: LatencyProfile | None = None
+    seeds: int = 1  # perturbation seeds per candidate, their requests pooled
+
+    def __post_init__(self) -> None:
+        if self.seeds < 1:
+            raise ValueError(f"--seeds must be >= 1, got {self.seeds}")
 
     @property
     def block_size(self) -> int:
@@ -288,34 +295,51 @@ class PlanSetup:
         return [replace(p, offset_s=p.offset_s / rate_scale) for p in self.plan]
 
     def evaluate(self, cand: Candidate, slo: Slo, early_exit: bool = True) -> Outcome:
-        """Simulate ``cand`` on this workload and judge it against ``slo``."""
+        """Simulate ``cand`` on this workload, once per perturbation seed (``seeds``, counted
+        from the settings' seed), and judge the pooled requests against ``slo``. With
+        ``early_exit`` the runs share one miss budget: the first run that exhausts it ends the
+        evaluation."""
         engine = dict(self.settings.engine)
         if cand.cpu_tier_gib > 0:
             engine["cpu_capacity_blocks"] = self.cpu_blocks(cand.cpu_tier_gib)
             engine["cpu_policy"] = cand.policy
-        settings = replace(self.settings, instances=cand.instances, engine=engine)
         plan = self.scaled(cand.rate_scale)
-        budget = slo.budget(len(plan)) if early_exit else None
+        total = len(plan) * self.seeds
+        budget = slo.budget(total) if early_exit else None
         t0 = time.perf_counter()
-        run = simulate(
-            plan,
-            self.trace_block_size,
-            self.truth,
-            self.router,
-            settings,
-            scorer_options=self.router_options,
-            router_profile=self.router_profile,
-            budget=budget,
-        )
-        met, ttft_met, tpot_met, refused, ttft_at, tpot_at, hit = judge(run.records, len(plan), slo)
+        records: list[RequestRecord] = []
+        aborted = False
+        base = self.settings.perturbation
+        for k in range(self.seeds):
+            settings = replace(
+                self.settings,
+                instances=cand.instances,
+                engine=engine,
+                perturbation=replace(base, seed=base.seed + k),
+            )
+            run = simulate(
+                plan,
+                self.trace_block_size,
+                self.truth,
+                self.router,
+                settings,
+                scorer_options=self.router_options,
+                router_profile=self.router_profile,
+                budget=budget,
+            )
+            records += run.records
+            if run.aborted:
+                aborted = True
+                break
+        met, ttft_met, tpot_met, refused, ttft_at, tpot_at, hit = judge(records, total, slo)
         early = (0, 0, 0)
-        if run.aborted and budget is not None:
+        if aborted and budget is not None:
             # at least ``misses`` requests missed: the attainment is at most the rest
-            met = len(plan) - budget.misses
+            met = total - budget.misses
             early = (budget.ttft_misses, budget.tpot_misses, budget.refused)
         return Outcome(
             cand,
-            len(plan),
+            total,
             met,
             ttft_met,
             tpot_met,
@@ -323,9 +347,9 @@ class PlanSetup:
             ttft_at,
             tpot_at,
             hit,
-            run.aborted,
+            aborted,
             time.perf_counter() - t0,
-            stopped_after=len(run.records) if run.aborted else len(plan),
+            stopped_after=len(records) if aborted else total,
             early_misses=early,
             allowed=budget.max_misses if budget is not None else 0,
         )

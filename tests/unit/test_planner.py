@@ -106,6 +106,25 @@ def test_early_exit_never_changes_a_verdict(setup: PlanSetup) -> None:
             assert quick.attainment == exact.attainment
 
 
+def test_seeds_pool_one_run_per_perturbation_seed(setup: PlanSetup) -> None:
+    from loadgen.simulator import Perturbation
+
+    cand = Candidate(3)
+    pooled = replace(setup, seeds=2).evaluate(cand, SLO, False)
+    each = [
+        replace(setup, settings=SimSettings(perturbation=Perturbation(seed=k))).evaluate(
+            cand, SLO, False
+        )
+        for k in (0, 1)
+    ]
+    assert each[0].met != each[1].met or each[0].hit_rate != each[1].hit_rate  # seeds differ
+    assert pooled.requests == 2 * len(setup.plan)
+    assert pooled.met == each[0].met + each[1].met
+    assert pooled.refused == each[0].refused + each[1].refused
+    with pytest.raises(ValueError, match="--seeds"):
+        replace(setup, seeds=0)
+
+
 def test_simulator_stops_when_the_budget_runs_out(setup: PlanSetup) -> None:
     budget = SloBudget(ttft_s=0.2, tpot_s=None, max_misses=5)
     run = simulate(
