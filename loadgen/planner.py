@@ -517,8 +517,11 @@ class Planner:
     ) -> SizeResult:
         """The fewest instances in ``[min_instances, max_instances]`` at which some tier
         ``(GiB, policy)`` meets the SLO, the cheapest such tier there, and the next cheaper
-        candidate that fails. Every tier is priced at every instance count probed; ``curve``
-        more counts, evenly spread over the range, are priced for the attainment curve."""
+        candidate that fails. The search prices only each policy's largest tier at the counts
+        it probes (a larger tier of the same policy is taken to be never worse, as more
+        instances are); every tier is priced at the answer, to pick the cheapest. ``curve``
+        more counts, evenly spread over the range, are priced with every tier for the
+        attainment curve."""
         if not 1 <= min_instances <= max_instances:
             raise ValueError(
                 f"--min-instances ({min_instances}) must be >= 1 and <= --max-instances "
@@ -529,14 +532,25 @@ class Planner:
         def at(n: int) -> list[Candidate]:
             return [Candidate(n, gib, pol, rate_scale) for gib, pol in tiers]
 
+        largest: dict[str, float] = {}
+        for gib, pol in tiers:
+            largest[pol] = max(gib, largest.get(pol, gib))
+        if len(largest) > 1:  # a policy with a tier beats no tier at all
+            largest.pop(NO_TIER, None)
+
+        def strongest(n: int) -> list[Candidate]:
+            return [Candidate(n, gib, pol, rate_scale) for pol, gib in largest.items()]
+
         def search(fidelity: str, first: list[int]) -> int | None:
             done = self.priced[fidelity]
             return self._boundary(
                 lo,
                 hi,
                 first,
-                lambda n: not any(done[c].passes(self.slo) for c in at(n)),
-                lambda ns: None if not ns else self.price([c for n in ns for c in at(n)], fidelity),
+                lambda n: not any(done[c].passes(self.slo) for c in strongest(n)),
+                lambda ns: (
+                    None if not ns else self.price([c for n in ns for c in strongest(n)], fidelity)
+                ),
             )
 
         # both ends first (a failing end stops early, so it is cheap), then from the guess
@@ -547,6 +561,8 @@ class Planner:
             best = search(FULL, [g - 1, g])
         else:
             best = search(FULL, [lo, hi])
+        if best is not None:
+            self.price(at(best))  # the cheapest tier that meets it there
         if curve > 0:
             spread = {round(lo + (hi - lo) * i / max(curve - 1, 1)) for i in range(curve)}
             self.price(c for n in sorted(spread) for c in at(n))
