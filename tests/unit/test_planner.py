@@ -158,6 +158,24 @@ def test_size_answer_rests_on_both_sides(setup: PlanSetup) -> None:
     assert again.best.attainment == best.attainment
 
 
+def test_size_with_tiers_picks_the_cheapest_tier_that_meets_it(setup: PlanSetup) -> None:
+    tiers = parse_tiers("0,0.25,1", "wa")
+    with Planner(setup, SLO, jobs=2, guide=0.0) as planner:
+        result = planner.size(1, 8, tiers)
+    best = result.best
+    assert best is not None and best.passes(SLO)
+    n = best.candidate.instances
+    here = {o.candidate: o for o in result.outcomes if o.candidate.instances == n}
+    assert len(here) == len(tiers)  # every tier priced at the answer
+    for cand, out in here.items():
+        if cand.cost < best.candidate.cost:
+            assert not out.passes(SLO)
+    # one fewer instance fails even with the largest tier, which the search priced
+    below = planner.outcomes[Candidate(n - 1, 1.0, "wa")]
+    assert not below.passes(SLO)
+    assert result.cheaper_failing is not None and not result.cheaper_failing.passes(SLO)
+
+
 def test_guided_search_gives_the_same_answer(setup: PlanSetup, monkeypatch) -> None:
     monkeypatch.setattr(Planner, "MIN_GUIDED", 100)
     seen: list[str] = []
