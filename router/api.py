@@ -65,6 +65,9 @@ class _Common(BaseModel):
     cache_salt: str | None = None
     # kvroute extension: request type for the CPU-tier policy (text/search/image/file).
     kvroute_category: str | None = None
+    # kvroute extension: the client's probability that this conversation sends another turn,
+    # for the CPU-tier policy (also header x-kvroute-continuation; this field wins)
+    kvroute_continuation: float | None = Field(default=None, ge=0, le=1)
 
     def output_limit(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default

@@ -24,6 +24,7 @@ from engines.base import EngineError, EngineRequest, RoutedRequest, SamplingPara
 from router.admission import Rejected, Ticket
 from router.api import APIError, ChatCompletionRequest, CompletionRequest
 from router.dispatch import Dispatcher, StreamBroken
+from router.hints import PolicyHints, conversation_ids, parse_continuation
 from router.metrics import RouterMetrics
 from router.placement import NoInstanceError
 from router.responses import ResponseBuilder
@@ -42,6 +43,7 @@ class IngressConfig:
     max_body_bytes: int = 4 << 20
     category_header: str = "x-kvroute-category"
     session_header: str = "x-session-id"
+    continuation_header: str = "x-kvroute-continuation"
 
 
 async def _read_json_body(request: Request, limit: int) -> dict[str, Any]:
@@ -224,11 +226,14 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
         yield b"data: [DONE]\n\n"
 
     def prepare(request: Request, req: ChatCompletionRequest | CompletionRequest) -> RoutedRequest:
+        session = request.headers.get(config.session_header) or req.user
+        node = parent = None
         if isinstance(req, ChatCompletionRequest):
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
             ids = tokenizer.chat(messages)
             text = "".join(m["content"] for m in messages)
             turn = sum(1 for m in req.messages if m.role == "user")
+            node, parent = conversation_ids(messages, session)
         elif isinstance(req.prompt, str):
             ids, text, turn = tokenizer.encode(req.prompt), req.prompt, 1
         else:
@@ -262,6 +267,14 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
             )
         kind = request.headers.get(config.category_header) or req.kvroute_category or "text"
         category = f"{kind}_{turn}"
+        header = config.continuation_header
+        try:
+            continuation = parse_continuation(request.headers.get(header), header)
+        except ValueError as e:
+            raise APIError(400, str(e), param=header) from None
+        if req.kvroute_continuation is not None:
+            continuation = req.kvroute_continuation
+        hints = PolicyHints(category, turn, node, parent, continuation)
         try:
             sampling = SamplingParams(
                 max_tokens=max_tokens,
@@ -279,10 +292,9 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
             rid,
             ids,
             sampling,
-            kv_transfer_params={"kvroute": {"category": category, "turn": turn}},
+            kv_transfer_params=hints.merged_into(None),
             cache_salt=req.cache_salt,
         )
-        session = request.headers.get(config.session_header) or req.user
         routed = RoutedRequest(
             engine_req,
             text,

@@ -229,3 +229,55 @@ def test_all_engines_down_is_a_clean_503() -> None:
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "engine_unavailable"
         assert r.headers["retry-after"] == "1"
+
+
+def test_policy_hints_reach_the_engine(server: Server, monkeypatch) -> None:
+    """Category, turn, the conversation's ids and the client's continuation probability reach
+    the engine's CPU-tier policy, parsed by the one parser the engines use; a bad continuation
+    is a 400 naming the header."""
+    from policies.base import RequestInfo
+
+    seen: list[RequestInfo | None] = []
+    for engine in server.stack.engines.values():
+        original = engine.generate
+
+        def spy(request, original=original):  # type: ignore[no-untyped-def]
+            seen.append(RequestInfo.from_hints(request.kv_transfer_params))
+            return original(request)
+
+        monkeypatch.setattr(engine, "generate", spy)
+    base = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+    headers = {"authorization": f"Bearer {KEY}", "x-kvroute-category": "search"}
+    turn1 = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "?"}]
+    body = {"model": MODEL, "max_tokens": 2, "user": "u-1"}
+    r1 = httpx.post(base, json={**body, "messages": turn1}, headers=headers, timeout=30)
+    r2 = httpx.post(
+        base,
+        json={**body, "messages": turn2},
+        headers={**headers, "x-kvroute-continuation": "0.3"},
+        timeout=30,
+    )
+    r3 = httpx.post(
+        base, json={**body, "messages": turn2, "kvroute_continuation": 0.9}, headers=headers
+    )
+    assert (r1.status_code, r2.status_code, r3.status_code) == (200, 200, 200)
+    first, second, third = seen
+    assert first is not None and second is not None and third is not None
+    assert (first.category, first.turn, first.parent_id) == ("search_1", 1, None)
+    assert first.session_id is not None and first.continuation_p is None
+    assert (second.category, second.turn, second.parent_id) == ("search_2", 2, first.session_id)
+    assert second.continuation_p == 0.3 and third.continuation_p == 0.9
+    bad = httpx.post(
+        base,
+        json={**body, "messages": turn1},
+        headers={**headers, "x-kvroute-continuation": "often"},
+    )
+    assert bad.status_code == 400
+    assert bad.json()["error"]["param"] == "x-kvroute-continuation"
+    out_of_range = httpx.post(
+        base, json={**body, "messages": turn1, "kvroute_continuation": 2}, headers=headers
+    )
+    assert out_of_range.status_code == 400
+    assert "kvroute_continuation" in json.dumps(out_of_range.json())
+    assert len(seen) == 3  # refused requests never reached an engine
