@@ -150,7 +150,13 @@ def main() -> None:
     args = ap.parse_args()
 
     from engines.sim.profile import LatencyProfile
-    from loadgen.planner import RATE_STEPS_PER_DOUBLING, Candidate, PlanSetup, Slo
+    from loadgen.planner import (
+        RATE_STEPS_PER_DOUBLING,
+        Candidate,
+        PlanSetup,
+        Slo,
+        find_boundary,
+    )
 
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment)
     profile = LatencyProfile.load(PROFILE)
@@ -229,20 +235,16 @@ def main() -> None:
         base_rate = setup(2, args.rate).rate
         per = RATE_STEPS_PER_DOUBLING
 
-        def fails(i: int) -> bool:
+        def meets(i: int) -> bool:
             scale = 2 ** (i / per)
             st = setup(2, base_rate * scale)
-            return not st.evaluate(Candidate(2, rate_scale=scale), slo, True).passes(slo)
+            return st.evaluate(Candidate(2, rate_scale=scale), slo, True).passes(slo)
 
-        lo, hi = -4 * per, 4 * per  # 1/16 to 16 times --rate
-        brk_i = None
-        if fails(lo):
-            brk_i = lo
-        elif fails(hi):
-            while hi - lo > 1:  # lo passes, hi fails
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if fails(mid) else (mid, hi)
-            brk_i = lo
+        # the planner's search for the smallest grid index that fails (1/16 to 16 x --rate),
+        # each scale priced where it is asked about
+        lo, hi = -4 * per, 4 * per
+        first_fail = find_boundary(lo, hi, [0, per], meets, lambda _: None, step=per)
+        brk_i = None if first_fail == lo else (hi if first_fail is None else first_fail - 1)
         brk = 2 ** (brk_i / per) if brk_i is not None else None
         report["predicted"] = {
             **pred,

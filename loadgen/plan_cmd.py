@@ -132,7 +132,7 @@ def _scales(args: argparse.Namespace) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadgen.planner import Candidate, Planner, PlanSetup, Slo, parse_tiers
+    from loadgen.planner import Candidate, Planner, PlanSetup, Slo, parse_tiers, rescaled
 
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment)
     scales = _scales(args)
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     if not plan:
         raise ValueError("the workload has no requests (check --duration / --max-requests)")
     if args.find_max_rate:  # the start of the rate search is the workload at its given scale
-        plan = PlanSetup(plan, block_size, truth).scaled(scales[0])
+        plan = rescaled(plan, scales[0])
         scales = [1.0]
     setup = PlanSetup(plan, block_size, truth, router, options, settings, belief, args.seeds)
     ceiling = setup.ceiling(slo)

@@ -59,14 +59,26 @@ class Slo:
         """The percentile the attainment target names: 0.99 -> ``p99``."""
         return f"p{self.attainment * 100:g}"
 
+    def required(self, requests: int) -> int:
+        """How many of ``requests`` must meet every SLO."""
+        return math.ceil(requests * self.attainment - 1e-9)
+
     def budget(self, requests: int) -> SloBudget:
         """The misses a run of ``requests`` may have and still meet this SLO."""
-        allowed = math.floor(requests * (1 - self.attainment) + 1e-9)
+        allowed = requests - self.required(requests)
         return SloBudget(self.ttft_ms / 1e3, _s(self.tpot_ms), allowed)
 
 
 def _s(ms: float | None) -> float | None:
     return None if ms is None else ms / 1e3
+
+
+def rescaled(plan: list[Planned], rate_scale: float) -> list[Planned]:
+    """``plan`` sent ``rate_scale`` times as fast (its gaps divided by it), as
+    ``--rate-scale`` builds it."""
+    if rate_scale == 1.0:
+        return plan
+    return [replace(p, offset_s=p.offset_s / rate_scale) for p in plan]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +136,7 @@ class Outcome:
         return self.met / self.requests if self.requests else 0.0
 
     def passes(self, slo: Slo) -> bool:
-        return not self.aborted and self.met >= math.ceil(self.requests * slo.attainment - 1e-9)
+        return not self.aborted and self.met >= slo.required(self.requests)
 
     def why(self, slo: Slo) -> str:
         """Which SLO this candidate misses and at what percentile ("" when it meets it)."""
@@ -144,7 +156,7 @@ class Outcome:
                 + "); stopped there"
             )
         reasons = []
-        need = math.ceil(self.requests * slo.attainment - 1e-9)
+        need = slo.required(self.requests)
         if self.ttft_met < need:
             reasons.append(
                 f"TTFT {slo.percentile} {_ms(self.ttft_ms_at)} > {slo.ttft_ms:,.0f} ms "
@@ -290,9 +302,7 @@ class PlanSetup:
         return met / len(self.plan) if self.plan else 1.0
 
     def scaled(self, rate_scale: float) -> list[Planned]:
-        if rate_scale == 1.0:
-            return self.plan
-        return [replace(p, offset_s=p.offset_s / rate_scale) for p in self.plan]
+        return rescaled(self.plan, rate_scale)
 
     def evaluate(self, cand: Candidate, slo: Slo, early_exit: bool = True) -> Outcome:
         """Simulate ``cand`` on this workload, once per perturbation seed (``seeds``, counted
@@ -420,7 +430,7 @@ class Planner:
             raise ValueError(f"--jobs must be >= 1, got {jobs}")
         if not 0 <= guide < 1:
             raise ValueError(f"guide fraction must be in [0, 1), got {guide}")
-        self.setup, self.slo, self.jobs, self.early_exit = setup, slo, jobs, early_exit
+        self.slo, self.jobs, self.early_exit = slo, jobs, early_exit
         self.setups = {FULL: setup}
         if guide > 0 and len(setup.plan) >= self.MIN_GUIDED:
             head = setup.plan[: max(1, int(len(setup.plan) * guide))]
@@ -469,41 +479,17 @@ class Planner:
         if self.on_outcome is not None:
             self.on_outcome(fidelity, out)
 
-    def _boundary(
-        self,
-        lo: int,
-        hi: int,
-        first: list[int],
-        fails: Callable[[int], bool],
-        price: Callable[[list[int]], None],
-        step: int = 1,
-    ) -> int | None:
-        """The smallest ``n`` in ``[lo, hi]`` with ``fails(n)`` false, for a ``fails`` that
-        is true below some point and false from it on (None: it fails everywhere). Prices
-        ``first`` first; then gallops away from the known side (``step``, doubling each
-        round) until both sides are known, and k-sects the gap between them, ``jobs``
-        probes a round."""
-        f, p = lo - 1, hi + 1  # the largest known failure below p; the smallest known pass
-        probes = sorted({min(max(n, lo), hi) for n in first})
-        while True:
-            price(probes)
-            for n in probes:
-                if not fails(n):
-                    p = min(p, n)
-            f = max([f, *(n for n in probes if n < p and fails(n))])
-            if p == f + 1:
-                return p if p <= hi else None
-            k = self.jobs
-            if p > hi:  # no pass yet: gallop up from the highest failure
-                probes = [min(f + step * i, hi) for i in range(1, k + 1)]
-                step *= 2
-            elif f < lo and p - lo > k:  # no failure yet: gallop down
-                probes = [max(p - step * i, lo) for i in range(1, k + 1)]
-                step *= 2
-            else:
-                k = min(k, p - f - 1)
-                probes = [f + round((p - f) * i / (k + 1)) for i in range(1, k + 1)]
-            probes = sorted({n for n in probes if f < n < p}) or [(f + p) // 2]
+    def _guided(self, search: Callable[[str, list[int], int], int | None], first: list[int],
+                hi: int, step: int = 1) -> int | None:  # fmt: skip
+        """``search(fidelity, first probes, gallop step)`` on the whole workload, first guided
+        by the same search on its head when there is one: the whole-workload search then
+        starts at the guess and the point below it (the two runs that prove an answer) and
+        gallops from there in single steps."""
+        if GUIDE not in self.setups:
+            return search(FULL, first, step)
+        g = search(GUIDE, first, step)
+        g = hi if g is None else g
+        return search(FULL, [g - 1, g], 1)
 
     # -- how many instances ------------------------------------------------------------------
 
@@ -541,26 +527,20 @@ class Planner:
         def strongest(n: int) -> list[Candidate]:
             return [Candidate(n, gib, pol, rate_scale) for pol, gib in largest.items()]
 
-        def search(fidelity: str, first: list[int]) -> int | None:
+        def search(fidelity: str, first: list[int], step: int) -> int | None:
             done = self.priced[fidelity]
-            return self._boundary(
+            return find_boundary(
                 lo,
                 hi,
                 first,
                 lambda n: not any(done[c].passes(self.slo) for c in strongest(n)),
-                lambda ns: (
-                    None if not ns else self.price([c for n in ns for c in strongest(n)], fidelity)
-                ),
+                lambda ns: self.price([c for n in ns for c in strongest(n)], fidelity),
+                self.jobs,
+                step,
             )
 
-        # both ends first (a failing end stops early, so it is cheap), then from the guess
-        # outwards: the guess and the count below it, the two runs that prove the answer
-        if GUIDE in self.setups:
-            g = search(GUIDE, [lo, hi])
-            g = hi if g is None else g
-            best = search(FULL, [g - 1, g])
-        else:
-            best = search(FULL, [lo, hi])
+        # both ends first: a failing end stops early, so it is cheap
+        best = self._guided(search, [lo, hi], hi)
         if best is not None:
             self.price(at(best))  # the cheapest tier that meets it there
         if curve > 0:
@@ -608,23 +588,17 @@ class Planner:
         # searched as "the smallest grid index that fails", i.e. passes(i) is "fails(i)"
         def search(fidelity: str, first: list[int], step: int) -> int | None:
             done = self.priced[fidelity]
-            return self._boundary(
+            return find_boundary(
                 ilo,
                 ihi,
                 first,
                 lambda i: done[at(i)].passes(self.slo),
-                lambda ns: None if not ns else self.price([at(i) for i in ns], fidelity),
-                step=step,
+                lambda ns: self.price([at(i) for i in ns], fidelity),
+                self.jobs,
+                step,
             )
 
-        start = [0, per]
-        if GUIDE in self.setups:
-            g = search(GUIDE, start, per)
-            g = ihi if g is None else g
-            # from the guess outwards in single grid steps (doubling as it gallops)
-            brk = search(FULL, [g - 1, g], 1)
-        else:
-            brk = search(FULL, start, per)
+        brk = self._guided(search, [0, per], ihi, step=per)  # from 1x, in doublings
         first_fail = brk  # None: passes even at the highest scale
         last_pass = (ihi if brk is None else brk - 1) if brk != ilo else None
         base = replace(cand, rate_scale=1.0)
@@ -639,6 +613,44 @@ class Planner:
             get(at(first_fail)) if first_fail is not None else None,
             mine,
         )
+
+
+def find_boundary(
+    lo: int,
+    hi: int,
+    first: list[int],
+    fails: Callable[[int], bool],
+    price: Callable[[list[int]], object],
+    probes_per_round: int = 1,
+    step: int = 1,
+) -> int | None:
+    """The smallest ``n`` in ``[lo, hi]`` with ``fails(n)`` false, for a ``fails`` that is
+    true below some point and false from it on (None: it fails everywhere). ``price(ns)`` is
+    called with each round's probes before ``fails`` is asked about them (the planner runs
+    their simulations there, in parallel). Prices ``first`` first; then gallops away from the
+    known side (``step``, doubling each round) until both sides are known, and k-sects the gap
+    between them, ``probes_per_round`` probes a round. No point is probed, nor ``fails``
+    asked about it, twice."""
+    f, p = lo - 1, hi + 1  # the largest known failure below p; the smallest known pass
+    probes = sorted({min(max(n, lo), hi) for n in first})
+    while True:
+        price(probes)
+        failed = {n: fails(n) for n in probes}  # asked once per probe
+        p = min([p, *(n for n, bad in failed.items() if not bad)])
+        f = max([f, *(n for n, bad in failed.items() if bad and n < p)])
+        if p == f + 1:
+            return p if p <= hi else None
+        k = probes_per_round
+        if p > hi:  # no pass yet: gallop up from the highest failure
+            probes = [min(f + step * i, hi) for i in range(1, k + 1)]
+            step *= 2
+        elif f < lo and p - lo > k:  # no failure yet: gallop down
+            probes = [max(p - step * i, lo) for i in range(1, k + 1)]
+            step *= 2
+        else:
+            k = min(k, p - f - 1)
+            probes = [f + round((p - f) * i / (k + 1)) for i in range(1, k + 1)]
+        probes = sorted({n for n in probes if f < n < p}) or [(f + p) // 2]
 
 
 def parse_tiers(gib_list: str, policies: str) -> list[tuple[float, str]]:

@@ -18,6 +18,7 @@ from loadgen.planner import (
     Planner,
     PlanSetup,
     Slo,
+    find_boundary,
     judge,
     parse_tiers,
 )
@@ -78,13 +79,19 @@ def test_judge_counts_refused_and_missing_requests_as_misses() -> None:
 
 
 @pytest.mark.parametrize("jobs", [1, 2, 3])
-def test_boundary_search_finds_every_threshold_in_few_probes(setup: PlanSetup, jobs: int) -> None:
-    planner = Planner(setup, SLO, jobs=jobs)
+def test_boundary_search_finds_every_threshold_in_few_probes(jobs: int) -> None:
     lo, hi = 3, 70
     for threshold in range(lo, hi + 2):  # hi + 1: nothing passes
         for first in ([lo, hi], [threshold - 1, threshold], [lo + 5, lo + 6]):
             probed: list[int] = []
-            got = planner._boundary(lo, hi, first, lambda n, t=threshold: n < t, probed.extend)
+            asked: list[int] = []
+
+            def fails(n: int, t: int = threshold, asked: list[int] = asked) -> bool:
+                asked.append(n)
+                return n < t
+
+            got = find_boundary(lo, hi, first, fails, probed.extend, probes_per_round=jobs)
+            assert sorted(asked) == sorted(probed)  # each probe judged once, after pricing
             assert got == (threshold if threshold <= hi else None), (threshold, first)
             assert all(lo <= n <= hi for n in probed)
             assert len(probed) == len(set(probed)), "a count was priced twice"
