@@ -38,6 +38,17 @@ def event_rate(times: np.ndarray) -> float | None:
     return (times.size - 1) / span if span > 0 else None
 
 
+def server_hit_rate(records: Sequence[RequestRecord]) -> float | None:
+    """Cached prompt tokens over prompt tokens, across the successful requests whose server
+    reported usage (None without any)."""
+    prompt = cached = 0
+    for r in records:
+        if r.ok and r.prompt_tokens and r.cached_tokens is not None:
+            prompt += r.prompt_tokens
+            cached += r.cached_tokens
+    return cached / prompt if prompt else None
+
+
 def summarize(
     records: Sequence[RequestRecord],
     *,
@@ -70,8 +81,6 @@ def summarize(
     if slo_itl_ms is not None:
         good = [r for r in good if math.isnan(r.tpot_s) or r.tpot_s * 1e3 <= slo_itl_ms]
     with_usage = [r for r in ok if r.prompt_tokens and r.cached_tokens is not None]
-    prompt_sum = sum(r.prompt_tokens or 0 for r in with_usage)
-    cached_sum = sum(r.cached_tokens or 0 for r in with_usage)
     with_tier = [r for r in with_usage if r.cpu_cached_tokens is not None]
     tier_prompt = sum(r.prompt_tokens or 0 for r in with_tier)
     cpu_sum = sum(r.cpu_cached_tokens or 0 for r in with_tier)
@@ -98,7 +107,7 @@ def summarize(
         "slo_itl_ms": slo_itl_ms,
         "good_requests": len(good),
         "goodput_rps": len(good) / duration_s if duration_s > 0 else None,
-        "server_hit_rate": cached_sum / prompt_sum if prompt_sum else None,
+        "server_hit_rate": server_hit_rate(ok),
         "server_hit_rate_requests": len(with_usage),
         # the engine's split of those hits by tier, where it reports one (the simulator)
         "gpu_hit_rate": (tier_cached - cpu_sum) / tier_prompt if tier_prompt else None,

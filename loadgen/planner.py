@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 
 from engines.sim.profile import LatencyProfile
+from loadgen.metrics import server_hit_rate
 from loadgen.records import RequestRecord
 from loadgen.simulator import SimSettings, SloBudget, simulate
-from loadgen.workloads import Planned
+from loadgen.workloads import Planned, ideal_hits
 
 NO_TIER = "-"  # the policy of a candidate without a CPU tier
 
@@ -198,12 +199,12 @@ def judge(
     records: Sequence[RequestRecord], requests: int, slo: Slo
 ) -> tuple[int, int, int, int, float, float | None, float | None]:
     """``(met, ttft_met, tpot_met, refused, TTFT at the percentile, TPOT at it, hit rate)``
-    of a run's records against ``slo``; requests without a record (an aborted run) miss."""
+    of a run's records against ``slo``; requests without a record (an aborted run) miss. A
+    request meets the SLO exactly when ``loadgen.metrics.summarize`` counts it as goodput."""
     ttft_s, tpot_s = slo.ttft_ms / 1e3, _s(slo.tpot_ms)
     ttft = np.full(requests, np.inf)
     tpot = np.full(requests, np.inf)
     refused = 0
-    prompt = cached = 0
     for i, r in enumerate(records):
         if r.status in (400, 429):
             refused += 1
@@ -212,9 +213,6 @@ def judge(
         ttft[i] = r.ttft_s
         tp = r.tpot_s
         tpot[i] = 0.0 if math.isnan(tp) else tp
-        if r.prompt_tokens and r.cached_tokens is not None:
-            prompt += r.prompt_tokens
-            cached += r.cached_tokens
     t_ok = ttft <= ttft_s
     d_ok = tpot <= tpot_s if tpot_s is not None else np.isfinite(tpot)
     p_ok = t_ok & d_ok
@@ -230,7 +228,7 @@ def judge(
         refused,
         round(at(ttft), 3),
         round(at(tpot), 3) if tpot_s is not None else None,
-        cached / prompt if prompt else None,
+        server_hit_rate(records),
     )
 
 
@@ -279,20 +277,11 @@ class PlanSetup:
             eng.get("max_num_batched_tokens"), eng.get("long_prefill_token_threshold")
         )
         max_len = eng.get("max_model_len") or prof.max_model_len
-        seen: set[int] = set()
         met = 0
         tbs = self.trace_block_size
-        for p in self.plan:
-            r = p.req
+        for r, k in ideal_hits(p.req for p in self.plan):
             if r.input_length >= max_len:
-                seen.update(r.hash_ids)
                 continue
-            k = 0
-            for h in r.hash_ids:
-                if h not in seen:
-                    break
-                k += 1
-            seen.update(r.hash_ids)
             cached = min(k * tbs, r.input_length - 1) if r.input_length else 0
             ok = prof.ttft_s(r.input_length, max(cached, 0)) * 1e3 <= slo.ttft_ms
             if ok and slo.tpot_ms is not None and r.output_length > 1:

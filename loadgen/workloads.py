@@ -10,7 +10,7 @@ so the runner can wait for a parent's reply in live mode.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,12 +96,10 @@ def link_sessions(plan: Iterable[Planned]) -> list[Planned]:
     return out
 
 
-def ideal_hit_rate(requests: Iterable[TraceRequest], block_size: int) -> tuple[float, float]:
-    """Hit rate with an infinite cache: a request hits the leading run of its ``hash_ids``
-    already seen. Returns ``(over blocks, over tokens)``; the block figure counts every block
-    (as the traces README does), the token figure weights the partial last block by its length."""
+def ideal_hits(requests: Iterable[TraceRequest]) -> Iterator[tuple[TraceRequest, int]]:
+    """Each request with its hit in an infinite cache, in blocks: the leading run of its
+    ``hash_ids`` that earlier requests carried."""
     seen: set[int] = set()
-    hit_blocks = total_blocks = hit_tokens = total_tokens = 0
     for r in requests:
         ids = r.hash_ids
         n = len(ids)
@@ -109,7 +107,16 @@ def ideal_hit_rate(requests: Iterable[TraceRequest], block_size: int) -> tuple[f
         while k < n and ids[k] in seen:
             k += 1
         seen.update(ids)
-        total_blocks += n
+        yield r, k
+
+
+def ideal_hit_rate(requests: Iterable[TraceRequest], block_size: int) -> tuple[float, float]:
+    """Hit rate with an infinite cache (``ideal_hits``). Returns ``(over blocks, over
+    tokens)``; the block figure counts every block (as the traces README does), the token figure
+    weights the partial last block by its length."""
+    hit_blocks = total_blocks = hit_tokens = total_tokens = 0
+    for r, k in ideal_hits(requests):
+        total_blocks += len(r.hash_ids)
         hit_blocks += k
         total_tokens += r.input_length
         hit_tokens += min(r.input_length, k * block_size)
