@@ -229,7 +229,7 @@ def schedule(workload: list[str], rate: float, duration: float) -> tuple[list[An
     return plan, trace_block_size
 
 
-def sim_settings(engine_opts: dict[str, Any] | None, instances: int = INSTANCES) -> Any:
+def sim_settings_like_real(engine_opts: dict[str, Any] | None, instances: int = INSTANCES) -> Any:
     """Sim engines configured as the real ones (the same validated ``engine_config``: block
     size, limits, KV capacity), with an exact truth (no perturbation)."""
     from engines.config import EngineConfig
@@ -266,7 +266,7 @@ def simulate_routers(
     from loadgen.simulator import simulate
 
     plan, trace_block_size = schedule(workload, rate, duration)
-    settings = sim_settings(engine_opts)
+    settings = sim_settings_like_real(engine_opts)
     out = {}
     for router in routers:
         scorer, options = parse_router(router)

@@ -53,7 +53,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from e2e_bench import PROFILE, WORKLOAD, run_router, schedule, sim_settings
+from e2e_bench import PROFILE, WORKLOAD, run_router, schedule, sim_settings_like_real
 
 ROUTER = "kv_ttft"
 
@@ -103,7 +103,7 @@ def sim_p50_ms(plan: list[Any], tbs: int, n: int, truth: Any, belief: Any) -> fl
     from loadgen.metrics import summarize
     from loadgen.simulator import simulate
 
-    run = simulate(plan, tbs, truth, ROUTER, sim_settings({}, n), router_profile=belief)
+    run = simulate(plan, tbs, truth, ROUTER, sim_settings_like_real({}, n), router_profile=belief)
     span = plan[-1].offset_s if plan else 0.0
     p50 = summarize(run.records, duration_s=run.span_s, requested_span_s=span)["ttft_ms"]["p50"]
     return float(p50)
@@ -224,7 +224,7 @@ def main() -> None:
 
         def setup(n: int, rate: float) -> Any:
             truth = profile.slowed(slowdown(n, rate))
-            return PlanSetup(plan, tbs, truth, ROUTER, settings=sim_settings({}, n),
+            return PlanSetup(plan, tbs, truth, ROUTER, settings=sim_settings_like_real({}, n),
                              router_profile=profile)  # fmt: skip
 
         pred: dict[str, Any] = {}

@@ -234,8 +234,7 @@ def run(args: argparse.Namespace) -> int:
             "router": label,
             "router_profile": belief.name if belief else truth.name,
             "block_size": setup.block_size,
-            "gpu_kv_blocks_per_engine": eng.get("num_gpu_blocks")
-            or truth.kv_capacity_tokens // setup.block_size,
+            "gpu_kv_blocks_per_engine": settings.gpu_blocks(truth, setup.block_size),
             "kv_bytes_per_token": truth.kv_bytes_per_token,
             "engine": eng,
             "perturbation": perturbation_meta(args),

@@ -115,6 +115,11 @@ class SimSettings:
     load_interval_s: float = LOAD_INTERVAL_S
     slo_ttft_s: float | None = None  # admission: reject when the best estimate breaks it
 
+    def gpu_blocks(self, truth: LatencyProfile, block_size: int) -> int:
+        """Each engine's GPU KV blocks: ``num_gpu_blocks`` when set, else the profile's
+        capacity (what the router is told an engine holds)."""
+        return int(self.engine.get("num_gpu_blocks") or truth.kv_capacity_tokens // block_size)
+
     def validate(self) -> None:
         if self.instances < 1:
             raise ValueError(f"--instances must be >= 1, got {self.instances}")
@@ -220,7 +225,7 @@ class ClusterSimulator:
         p = s.perturbation
         self.slowdowns = p.slowdowns(s.instances)
         self.kv_bus, self.load_bus = InProcessBus(1 << 16), InProcessBus(1 << 16)
-        gpu_blocks = eng.get("num_gpu_blocks") or truth.kv_capacity_tokens // bs
+        gpu_blocks = s.gpu_blocks(truth, bs)
         self.core = RouterCore(
             scorer,
             belief,
