@@ -115,6 +115,12 @@ class Engine(ABC):
     def load(self) -> LoadSnapshot:
         """The current load (cheap; called every ~100 ms)."""
 
+    async def clear_cache(self) -> bool:
+        """Drop every cached block that no running request holds, on every tier (vLLM's
+        ``reset_prefix_cache``), publishing ``AllBlocksCleared``. False when the engine refused
+        because requests are running; raises ``EngineError`` if it cannot clear at all."""
+        raise EngineError(f"{type(self).__name__} cannot clear its cache")
+
     @abstractmethod
     async def check_health(self) -> None:
         """Raise ``EngineError`` if the engine cannot serve."""

@@ -26,6 +26,50 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class CpuTierConfig(StrictModel):
+    """The CPU KV tier of each engine: blocks that leave the GPU are kept in host memory and loaded
+    back instead of recomputed, in the order of a ``policies/`` eviction policy.
+
+    vLLM (GPU build): vLLM's ``OffloadingConnector`` with kvroute's policy as its out-of-tree
+    ``CachePolicy`` (``engines.offload``). Sim engine: its own CPU tier with the same policy
+    objects. Give the size as ``gib`` (converted with the model's KV bytes per token) or as
+    ``blocks`` (engine blocks), not both.
+    """
+
+    gib: float | None = Field(None, gt=0, description="host memory for the tier, GiB")
+    blocks: int | None = Field(None, gt=0, description="the tier's size in engine blocks")
+    policy: str = Field("wa", min_length=1, description="a registered eviction policy name")
+    policy_options: dict[str, Any] = Field(
+        default_factory=dict, description="keyword arguments of the policy's constructor"
+    )
+    prompt_only: bool = Field(
+        False, description="offload only prompt blocks, not generated ones (vLLM's option)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> CpuTierConfig:
+        from policies.registry import create_policy
+
+        if (self.gib is None) == (self.blocks is None):
+            raise ValueError("cpu_tier: give exactly one of gib and blocks")
+        if self.policy in ("belady", "reuse-oracle"):
+            raise ValueError(
+                f"cpu_tier.policy: {self.policy!r} needs the future and cannot run in an engine"
+            )
+        try:
+            create_policy(self.policy, 16, **self.policy_options)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cpu_tier.policy: {str(e).removeprefix('policy: ')}") from None
+        return self
+
+    def capacity_blocks(self, block_size: int, kv_bytes_per_token: int) -> int:
+        """The tier's size in blocks of ``block_size`` tokens (at least 1)."""
+        if self.blocks is not None:
+            return self.blocks
+        assert self.gib is not None
+        return max(1, int(self.gib * (1 << 30) // (kv_bytes_per_token * block_size)))
+
+
 class EngineConfig(StrictModel):
     """One engine instance. Fields a kind does not use are ignored by it."""
 
@@ -65,6 +109,9 @@ class EngineConfig(StrictModel):
         default_factory=dict, description="sim: extra keyword arguments for the sim engine"
     )
     on_gpu: bool = Field(False, description="vllm: the GPU build (block size any multiple of 16)")
+    cpu_tier: CpuTierConfig | None = Field(
+        None, description="a CPU KV tier with a kvroute eviction policy; None: no CPU tier"
+    )
     cpu_bind: list[str] | None = Field(
         None,
         min_length=1,
@@ -83,6 +130,11 @@ class EngineConfig(StrictModel):
             )
         if self.kind == "vllm" and self.block_size % 16:
             raise ValueError(f"block_size: vLLM needs a multiple of 16, got {self.block_size}")
+        if self.kind == "vllm" and self.cpu_tier is not None and not self.on_gpu:
+            raise ValueError(
+                "cpu_tier: vLLM's CPU build refuses its offloading connector (it needs a CUDA-alike "
+                "or XPU GPU); set on_gpu: true on a GPU node, or use kind: sim"
+            )
         if self.kind == "vllm" and self.sim_options:
             raise ValueError("sim_options: only for kind 'sim'")
         for i, cores in enumerate(self.cpu_bind or ()):

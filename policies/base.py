@@ -27,7 +27,10 @@ class RequestInfo:
     identify a multi-turn conversation when the workload has one; ``index`` is the request's
     position in a replayed trace (the Belady oracle's clock); ``num_blocks`` is the prompt's
     length in blocks (0: unknown); ``continuation_p`` is an external prediction that the session
-    sends another turn (None: the policy predicts it itself).
+    sends another turn (None: the policy predicts it itself). ``pin`` is an operator's order
+    for the request's blocks (the KV control API): True pins them in the CPU tier (never a
+    victim, admitted whatever the policy says), False unpins them, None leaves pins alone. The
+    cache carries it out; a policy never sees a pinned block as a candidate.
     """
 
     category: str = "all"
@@ -37,12 +40,13 @@ class RequestInfo:
     index: int = -1
     num_blocks: int = 0
     continuation_p: float | None = None
+    pin: bool | None = None
 
     @classmethod
     def from_hints(cls, kv_transfer_params: Mapping[str, Any] | None) -> RequestInfo | None:
         """The router's policy hints, ``kv_transfer_params["kvroute"]`` (``category``,
-        ``turn``, ``session_id``, ``parent_id``, ``continuation``), or None without them. The
-        one parser for the sim engine's CPU tier and the vLLM adapter."""
+        ``turn``, ``session_id``, ``parent_id``, ``continuation``, ``pin``), or None without
+        them. The one parser for the sim engine's CPU tier and the vLLM adapter."""
         hints = (kv_transfer_params or {}).get("kvroute")
         if not isinstance(hints, Mapping):
             return None
@@ -53,6 +57,7 @@ class RequestInfo:
             session_id=hints.get("session_id"),
             parent_id=hints.get("parent_id"),
             continuation_p=float(cont) if cont is not None else None,
+            pin=bool(hints["pin"]) if hints.get("pin") is not None else None,
         )
 
 

@@ -37,11 +37,12 @@ class PolicyHints:
     session_id: int | None = None
     parent_id: int | None = None
     continuation: float | None = None
+    pin: bool | None = None  # KV control API: pin (True) or unpin (False) the request's blocks
 
     def encode(self) -> dict[str, Any]:
         """The JSON-able dict ``RequestInfo.from_hints`` reads (unset fields left out)."""
         out: dict[str, Any] = {"category": self.category, "turn": self.turn}
-        for key in ("session_id", "parent_id", "continuation"):
+        for key in ("session_id", "parent_id", "continuation", "pin"):
             value = getattr(self, key)
             if value is not None:
                 out[key] = value
