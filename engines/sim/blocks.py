@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
 
-from cachemap.events import BlockRemoved, BlockStored
+from cachemap.events import AllBlocksCleared, BlockRemoved, BlockStored
 from engines.sim.cpu_tier import CPUTier
 from engines.sim.request import SimRequest
 from policies.base import EvictionPolicy, RequestInfo
@@ -47,6 +47,7 @@ class Block:
     token_ids: list[int] | None = None
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None
+    generated: bool = False  # holds generated tokens (not offloaded by a prompt-only CPU tier)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -125,9 +126,36 @@ class KVBlockManager:
             self.cpu.begin_request(req.info, self.now_s)
 
     def end_request(self, req: SimRequest) -> None:
-        """The request finished or was aborted: its CPU-tier reuse goes to the policy."""
-        if self.cpu is not None and req.info is not None:
-            self.cpu.end_request(req.info, req.block_hashes, req.cpu_reused, self.now_s)
+        """The request finished or was aborted: its CPU-tier reuse goes to the policy, and an
+        operator's pin order (``RequestInfo.pin``) to the tier."""
+        cpu, info = self.cpu, req.info
+        if cpu is not None and info is not None:
+            cpu.end_request(info, req.block_hashes, req.cpu_reused, self.now_s)
+            if info.pin:
+                cpu.pin(req.block_hashes)
+            elif info.pin is False:
+                cpu.unpin(req.block_hashes, self.now_s)
+
+    def clear_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: forget every cached block on both tiers (and the
+        CPU tier's pins), publishing ``AllBlocksCleared`` and the CPU tier's removals. False,
+        changing nothing, while any request holds blocks."""
+        if len(self._free) < self.num_gpu_blocks - 1:
+            return False
+        for h in self._cached:
+            self._cached[h].block_hash = None
+        for dups in self._dups.values():
+            for b in dups:
+                b.block_hash = None
+        self._cached.clear()
+        self._dups.clear()
+        for b in self.blocks:
+            b.parent_hash = b.token_ids = None
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        if self.cpu is not None:
+            self.cpu.clear()
+        return True
 
     def take_events(self) -> list[Any]:
         if self.events is None:
@@ -256,7 +284,7 @@ class KVBlockManager:
                 self._cached[h] = dups.pop(0)
             else:
                 del self._cached[h]
-                if self.cpu is not None:
+                if self.cpu is not None and not (b.generated and self.cpu.prompt_only):
                     self.cpu.offload(
                         h,
                         b.parent_hash,
@@ -305,9 +333,11 @@ class KVBlockManager:
                 f"request {req.request_id}: {len(hashes)} block hashes, caching {num_full}"
             )
         prev = hashes[start - 1] if start else None
+        prompt_blocks = req.prompt_len // self.block_size
         for i in range(start, num_full):
             b, h = blocks[i], hashes[i]
             b.block_hash, b.parent_hash, b.depth = h, prev, i
+            b.generated = i >= prompt_blocks
             if h in cached:
                 self._dups.setdefault(h, []).append(b)
             else:

@@ -35,7 +35,12 @@ class CPUTier:
         self._resident: dict[int, None] = {}
         # NOTE: blocks a request is loading right now; an offload must not evict them.
         self.protected: frozenset[int] = frozenset()
+        # Operator pins (KV control API), resident or not: admitted whatever the policy says and
+        # never a victim, until unpinned. A resident pinned block is out of the policy altogether
+        # (as in the vLLM adapter): eviction never steps over it, and it re-enters when unpinned.
+        self.pinned: set[int] = set()
         self.evictions = 0
+        self.prompt_only = False  # offload only blocks of prompt tokens (vLLM's option)
 
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._resident
@@ -49,6 +54,33 @@ class CPUTier:
     def usage(self) -> float:
         return len(self._resident) / self.capacity_blocks
 
+    def pin(self, hashes: Sequence[int]) -> None:
+        pinned, res = self.pinned, self._resident
+        for h in hashes:
+            if h not in pinned:
+                pinned.add(h)
+                if h in res:
+                    self.policy.remove(h)
+
+    def unpin(self, hashes: Sequence[int], now_s: float) -> None:
+        pinned, res = self.pinned, self._resident
+        for h in hashes:
+            if h in pinned:
+                pinned.discard(h)
+                if h in res:
+                    self.policy.insert(h, now_s)
+
+    def clear(self) -> list[int]:
+        """Drop every block and pin; the hashes that were resident (their ``BlockRemoved``
+        is published here)."""
+        gone = list(self._resident)
+        self._resident.clear()
+        self.pinned.clear()
+        self.policy.clear()
+        if gone and self.events is not None:
+            self.events.append(BlockRemoved(block_hashes=[*gone], medium=CPU))  # type: ignore[list-item]
+        return gone
+
     def begin_request(self, info: RequestInfo, now_s: float) -> None:
         self.policy.begin_request(info, now_s)
 
@@ -57,9 +89,9 @@ class CPUTier:
     ) -> None:
         """A request finished: ``hashes`` are all its blocks, ``loaded`` those it read from
         this tier. The policy hears which are resident here, and the reuse (policy contract)."""
-        res = self._resident
-        keys = [h for h in hashes if h in res]
-        reused = [h for h in loaded if h in res]
+        res, pinned = self._resident, self.pinned
+        keys = [h for h in hashes if h in res and h not in pinned]
+        reused = [h for h in loaded if h in res and h not in pinned]
         self.policy.end_request(info, keys, reused, now_s)
 
     def offload(
@@ -73,8 +105,11 @@ class CPUTier:
         extra_keys: tuple[Any, ...] | None = None,
     ) -> bool:
         """Store a block the GPU just evicted, evicting per the policy if full. False if the
-        policy refused it or nothing unprotected could make room."""
-        if h in self._resident or not self.policy.admit(h, parent, depth, now_s):
+        policy refused it or nothing unprotected (unpinned, not being loaded) could make room."""
+        pinned = self.pinned
+        if h in self._resident or (
+            h not in pinned and not self.policy.admit(h, parent, depth, now_s)
+        ):
             return False
         over = len(self._resident) + 1 - self.capacity_blocks
         if over > 0:
@@ -87,7 +122,8 @@ class CPUTier:
             if self.events is not None:
                 self.events.append(BlockRemoved(block_hashes=[*victims], medium=CPU))  # type: ignore[list-item]
         self._resident[h] = None
-        self.policy.insert(h, now_s, parent, depth)
+        if h not in pinned:
+            self.policy.insert(h, now_s, parent, depth)
         if self.events is not None:
             self.events.append(
                 BlockStored(

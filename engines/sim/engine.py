@@ -133,6 +133,11 @@ class SimEngine(Engine):
         # waiting: queued, or still in the request overhead
         return s.load_snapshot(self.instance_id, time.time(), len(self._requests) - len(s.running))
 
+    async def clear_cache(self) -> bool:
+        cleared = self.blocks.clear_cache()
+        self._publish()
+        return cleared
+
     # -- requests ------------------------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:

@@ -13,6 +13,7 @@ from cachemap.events import BlockRemoved, BlockStored, KVEventBatch, encode_vllm
 from cachemap.ingest import CacheMapIngestor, EngineEventTranslator
 from engines.sim.blocks import KVBlockManager
 from engines.sim.request import SimRequest, make_request
+from policies.base import RequestInfo
 
 BS = 4
 MML = 10_000
@@ -232,3 +233,78 @@ def test_cpu_tier_runs_every_online_policy(policy):
         bm.end_request(r)
         assert len(bm.cpu_hashes()) <= 6 and len(bm.cpu.policy) == len(bm.cpu_hashes())
     assert loaded > 0
+
+
+def _run(bm: KVBlockManager, r: SimRequest) -> int:
+    bm.begin_request(r)
+    hit = admit(bm, r)
+    bm.free(r)
+    bm.end_request(r)
+    return hit
+
+
+@pytest.mark.parametrize("policy", ["lru", "wa"])
+def test_a_pinned_prefix_survives_a_flood_in_the_cpu_tier_and_unpins(policy):
+    """An operator's pin (RequestInfo.pin) keeps a prefix's blocks in the CPU tier through a
+    flood of other prompts that evicts the same-sized unpinned control; unpinning makes them
+    victims again. The GPU tier has no pins (vLLM's has none either)."""
+    bm = KVBlockManager(6, BS, cpu_capacity_blocks=8, cpu_policy=policy, enable_events=True)
+    pinned, control = toks(100, 16), toks(500, 16)  # 4 blocks each
+    pin = req("pin", pinned)
+    pin.info = RequestInfo(category="sys_1", pin=True)
+    _run(bm, pin)
+    _run(bm, req("control", control))
+    for i in range(40):
+        _run(bm, req(f"flood{i}", toks(1_000 + 100 * i, 17)))
+    assert set(pin.block_hashes) <= bm.cpu_hashes()
+    assert not set(req("c", control).block_hashes) & bm.cpu_hashes()
+    assert _run(bm, req("again", [*pinned, 7])) == 16  # the next request is a full hit
+
+    unpin = req("unpin", [*pinned, 7])
+    unpin.info = RequestInfo(pin=False)
+    _run(bm, unpin)
+    for i in range(40):
+        _run(bm, req(f"flood2-{i}", toks(9_000 + 100 * i, 17)))
+    assert not set(pin.block_hashes) & bm.cpu_hashes()
+
+
+def test_pins_never_overfill_the_tier():
+    """With every resident block pinned, an offload is refused rather than evicting a pin."""
+    bm = KVBlockManager(6, BS, cpu_capacity_blocks=2, cpu_policy="lru")
+    pin = req("pin", toks(100, 16))
+    pin.info = RequestInfo(pin=True)
+    _run(bm, pin)
+    for i in range(10):
+        _run(bm, req(f"f{i}", toks(1_000 + 100 * i, 17)))
+    assert len(bm.cpu_hashes()) == 2 and bm.cpu_hashes() <= set(pin.block_hashes)
+
+
+def test_clear_cache_empties_both_tiers_and_says_so_in_events():
+    """The sim's reset_prefix_cache: refused while a request holds blocks, then both tiers
+    empty, and the events it publishes empty the engine's residency in a CacheMap too."""
+    bm = KVBlockManager(6, BS, cpu_capacity_blocks=4, enable_events=True)
+    cmap = CacheMap()
+    ingest = CacheMapIngestor(cmap)
+    translator = EngineEventTranslator("sim-0", "sim", BS)
+    seq = iter(range(100))
+
+    def publish() -> None:
+        batch = encode_vllm_batch(KVEventBatch(ts=0.0, events=bm.take_events()))
+        msg = translator.feed(batch, next(seq), 0.0)
+        if msg is not None:
+            ingest.apply(msg)
+
+    _run(bm, req("a", toks(100, 16)))
+    _run(bm, req("b", toks(200, 17)))  # a -> CPU
+    publish()
+    assert cmap.resident("sim-0", Tier.GPU) and cmap.resident("sim-0", Tier.CPU)
+    held = req("held", toks(300, 5))
+    admit(bm, held)
+    assert not bm.clear_cache()  # a request holds blocks: refused, nothing changed
+    bm.free(held)
+    assert bm.gpu_hashes() and bm.cpu_hashes()
+    assert bm.clear_cache()
+    assert not bm.gpu_hashes() and not bm.cpu_hashes()
+    publish()
+    assert not cmap.resident("sim-0", Tier.GPU) and not cmap.resident("sim-0", Tier.CPU)
+    assert _run(bm, req("a2", toks(100, 16))) == 0  # a miss now
