@@ -2,9 +2,10 @@
 
 ``EngineEventTranslator`` runs next to one engine (in its replica's forwarder): it decodes vLLM
 batches, maps the engine's opaque block hashes to our chained hashes (from ``token_ids`` and the
-parent), reference-counts repeated announcements, expands CPU-tier placeholder events (one engine
-hash per offloaded chunk) through its per-instance table, watches vLLM's sequence numbers for
-drops, and stamps its own per-instance sequence on what it emits. It can dump everything it
+parent), reference-counts repeated announcements, places CPU-tier events (one per offloaded
+chunk, self-describing or a placeholder naming only the chunk's last engine hash) on every block
+the chunk covers through its per-instance table, watches vLLM's sequence numbers for drops, and
+stamps its own per-instance sequence on what it emits. It can dump everything it
 knows as a ``Snapshot`` for resync.
 
 ``CacheMapIngestor`` runs in every router replica: it applies stamped messages to its
@@ -72,8 +73,20 @@ class _Block:
 class EngineEventTranslator:
     """Per-instance translation of vLLM events into stamped ``InstanceEvents``.
 
+    CPU-tier events (medium ``CPU``) from vLLM's offloading connector come in two forms, one per
+    offloaded chunk: self-describing (every GPU block hash of the chunk, its tokens and parent;
+    ``BlockRemoved`` names every hash) or a placeholder (only the chunk's last engine hash, no
+    tokens, ``block_size`` 0; ``BlockRemoved`` names that hash). Either way each block of the chunk
+    gets one CPU announcement, so blocks shared by two chunks stay on the CPU tier until both
+    are gone. A chunk whose blocks the translator already knows keeps their known mapping (vLLM
+    leaves ``extra_keys``, hence a ``cache_salt``, out of CPU events).
+
     ``cpu_blocks_per_chunk``: GPU blocks per CPU-tier chunk (offloaded block size / engine block
-    size); a placeholder CPU event names only the chunk's last engine hash.
+    size), what a placeholder covers.
+
+    ``reset_clears_cpu``: ``AllBlocksCleared`` empties the CPU tier too. Set it for a vLLM engine
+    with a CPU tier: its cache reset drops the connector's cache along with the GPU prefix cache
+    and vLLM publishes no CPU removals for that (the sim engine does, so it leaves this off).
 
     ``trusted_hashes``: the engine's block hashes already are chained prefix ids in our hash
     space, so a ``BlockStored`` without ``token_ids`` maps each engine hash to itself. That is
@@ -89,6 +102,7 @@ class EngineEventTranslator:
         cpu_blocks_per_chunk: int = 1,
         *,
         trusted_hashes: bool = False,
+        reset_clears_cpu: bool = False,
     ) -> None:
         if cpu_blocks_per_chunk < 1:
             raise ValueError(f"cpu_blocks_per_chunk must be >= 1, got {cpu_blocks_per_chunk}")
@@ -96,6 +110,7 @@ class EngineEventTranslator:
         self.block_size = block_size
         self.cpu_blocks_per_chunk = cpu_blocks_per_chunk
         self.trusted_hashes = trusted_hashes
+        self.reset_clears_cpu = reset_clears_cpu
         self._hasher = BlockHasher(model, block_size)
         self._table: dict[EngineHash, _Block] = {}
         self._chunks: dict[EngineHash, list[EngineHash]] = {}  # placeholder chunk -> members
@@ -179,6 +194,9 @@ class EngineEventTranslator:
         if not ev.token_ids and ev.block_size == 0:
             self._placeholder(ev.block_hashes, tier, out)
             return
+        if tier.tier is Tier.CPU and all(eh in self._table for eh in ev.block_hashes):
+            self._announce(ev.block_hashes, tier, out)  # a chunk of blocks the GPU announced
+            return
         n = len(ev.block_hashes)
         if ev.block_size != self.block_size:
             self._skip("block size mismatch", f"{ev.block_size} != {self.block_size}")
@@ -237,25 +255,31 @@ class EngineEventTranslator:
         return members
 
     def _placeholder(self, hashes: list[EngineHash], tier: _Tier, out: list[Update]) -> None:
-        ti = tier.slot
         for last in hashes:
             if last not in self._table:
                 self._skip("placeholder for unknown block", last)
                 continue
             members = [m for m in self._chain(last) if m in self._table]
             self._chunks[last] = members
-            first = self._table[members[0]]
-            parent = self._table.get(first.parent) if first.parent is not None else None
-            for m in members:
-                self._table[m].refs[ti] += 1
-            out.append(
-                Stored(
-                    tier.value,
-                    [self._table[m].ours for m in members],
-                    parent.ours if parent is not None else None,
-                    first.depth,
-                )
+            self._announce(members, tier, out)
+
+    def _announce(self, members: Sequence[EngineHash], tier: _Tier, out: list[Update]) -> None:
+        """One more announcement on ``tier`` of known blocks ``members`` (a chain, oldest
+        first)."""
+        ti = tier.slot
+        table = self._table
+        first = table[members[0]]
+        parent = table.get(first.parent) if first.parent is not None else None
+        for m in members:
+            table[m].refs[ti] += 1
+        out.append(
+            Stored(
+                tier.value,
+                [table[m].ours for m in members],
+                parent.ours if parent is not None else None,
+                first.depth,
             )
+        )
 
     def _removed(self, tier: _Tier, hashes: list[EngineHash], out: list[Update]) -> None:
         """Removals of ``hashes`` (from one or more BlockRemoved events) on ``tier``."""
@@ -285,13 +309,17 @@ class EngineEventTranslator:
 
     def _cleared(self, out: list[Update]) -> None:
         # NOTE: vLLM emits AllBlocksCleared from the GPU block pool (reset_prefix_cache).
-        ti = _TIERS[Tier.GPU.value].slot
-        for eh in [eh for eh, b in self._table.items() if b.refs[ti]]:
+        slots = [_TIERS[Tier.GPU.value].slot]
+        if self.reset_clears_cpu:
+            slots.append(_TIERS[Tier.CPU.value].slot)
+            self._chunks.clear()
+        for eh in [eh for eh, b in self._table.items() if any(b.refs[ti] for ti in slots)]:
             b = self._table[eh]
-            b.refs[ti] = 0
+            for ti in slots:
+                b.refs[ti] = 0
             if not any(b.refs):
                 del self._table[eh]
-        out.append(Cleared(Tier.GPU.value))
+        out.append(Cleared(None if self.reset_clears_cpu else Tier.GPU.value))
 
     def snapshot(self) -> Snapshot:
         """Everything this instance holds, as of ``self.seq`` (for a router's resync)."""

@@ -6,6 +6,10 @@ interface (vLLM binds only endpoints with ``*``) and its replay ROUTER a free po
 the same replica connects to. Load comes from vLLM's scheduler stats (a custom stat logger) where
 they are fresh, and from this adapter's own request accounting otherwise.
 
+A CPU KV tier (``cpu_tier``) runs vLLM's ``OffloadingConnector`` with a kvroute policy
+(``engines.offload``), composed with any other connector (``kv_transfer_config``, e.g. the PD
+connector) through ``MultiConnector``; vLLM refuses it on its CPU build.
+
 Any script that starts one needs an ``if __name__ == "__main__"`` guard: vLLM spawns its engine
 core process.
 """
@@ -20,6 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from engines import offload
 from engines.base import (
     Engine,
     EngineError,
@@ -29,6 +34,7 @@ from engines.base import (
     SamplingParams,
     Usage,
 )
+from engines.config import CpuTierConfig
 
 log = logging.getLogger(__name__)
 _FINISH_REASONS = {"stop", "length", "abort", "error"}
@@ -66,6 +72,11 @@ class VllmEngine(Engine):
     ``VLLM_CPU_OMP_THREADS_BIND`` (CPU build: the cores its worker's OpenMP threads use, e.g.
     ``"1"`` or ``"0-3"``; None keeps vLLM's ``auto``, which binds every engine on a node to the
     same cores).
+
+    ``cpu_tier`` adds a CPU KV tier: vLLM's ``OffloadingConnector`` with the tier's kvroute
+    policy, in chunks of ``cpu_chunk_blocks`` GPU blocks (GPU build only).
+    ``kv_transfer_config`` is another connector's vLLM ``kv_transfer_config`` (a dict, e.g. the
+    PD connector's); with a CPU tier too, both run through ``MultiConnector``, that one first.
     """
 
     def __init__(
@@ -84,12 +95,20 @@ class VllmEngine(Engine):
         seed: int = 0,
         served_model_name: str | None = None,
         cpu_threads_bind: str | None = None,
+        cpu_tier: CpuTierConfig | None = None,
+        cpu_chunk_blocks: int = 1,
+        kv_transfer_config: dict[str, Any] | None = None,
         extra_engine_args: dict[str, Any] | None = None,
     ) -> None:
         if block_size <= 0 or block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
         if kv_space_gib is not None and kv_space_gib < 1:
             raise ValueError(f"kv_space_gib must be >= 1 (whole GiB), got {kv_space_gib}")
+        if cpu_chunk_blocks < 1:
+            raise ValueError(f"cpu_chunk_blocks must be >= 1, got {cpu_chunk_blocks}")
+        self.cpu_tier = cpu_tier
+        self.cpu_chunk_blocks = cpu_chunk_blocks
+        self._other_connector = dict(kv_transfer_config) if kv_transfer_config else None
         self.model = str(model)
         self.instance_id = instance_id
         self.block_size = block_size
@@ -124,13 +143,24 @@ class VllmEngine(Engine):
         if self._llm is not None:
             return
         from vllm import AsyncEngineArgs
-        from vllm.config import KVEventsConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if self._kv_space_gib is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self._kv_space_gib)
         if self._cpu_threads_bind is not None:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = self._cpu_threads_bind
+        transfer = self.connector_config()
+        if self.cpu_tier is not None:
+            from vllm.platforms import current_platform
+
+            if not (current_platform.is_cuda_alike() or current_platform.is_xpu()):
+                raise EngineError(
+                    f"vLLM engine {self.instance_id}: cpu_tier needs vLLM's offloading connector, "
+                    "which runs only on CUDA-alike and XPU GPUs"
+                )
+            # NOTE: the engine core process inherits this: the policy's only way to its options.
+            os.environ.update(offload.policy_options_env(self.cpu_tier))
         self._pub_port, self._replay_port = free_port(), free_port()
         events = KVEventsConfig(
             enable_kv_cache_events=True,
@@ -139,7 +169,11 @@ class VllmEngine(Engine):
             replay_endpoint=f"tcp://127.0.0.1:{self._replay_port}",
             topic="kv-events",
         )
-        args = AsyncEngineArgs(kv_events_config=events, **self._args)
+        args = AsyncEngineArgs(
+            kv_events_config=events,
+            kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
+            **self._args,
+        )
         try:
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory])
         except Exception as e:
@@ -161,6 +195,61 @@ class VllmEngine(Engine):
             await llm.abort(list(self._inflight))
         llm.shutdown()
         self._inflight.clear()
+
+    def connector_config(self) -> dict[str, Any] | None:
+        """The ``kv_transfer_config`` this engine gives vLLM (None: no connector). Sizing a tier
+        given in ``blocks`` reads the model's config (``kv_bytes_per_token``)."""
+        tier = self.cpu_tier
+        per_token = None
+        if tier is not None and tier.blocks is not None:
+            per_token = self.kv_bytes_per_token()
+        return offload.kv_transfer_config(
+            tier,
+            self.block_size,
+            kv_bytes_per_token=per_token,
+            blocks_per_chunk=self.cpu_chunk_blocks,
+            other=self._other_connector,
+        )
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes per token of the whole model, from vLLM's view of its config (no start)."""
+        from vllm import AsyncEngineArgs
+
+        mc = AsyncEngineArgs(**self._args).create_model_config()
+        return _kv_bytes_per_token(mc, mc.get_total_num_hidden_layers(), self._args)
+
+    async def clear_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: the GPU prefix cache first (refused while requests
+        hold blocks: False, nothing changed), then the connectors' caches with it (the CPU tier;
+        vLLM publishes no CPU removals for that). vLLM publishes KV events only when it steps, so
+        a one-token request follows to publish ``AllBlocksCleared`` now."""
+        llm = self._llm
+        if llm is None:
+            raise EngineError(f"engine {self.instance_id} is not running")
+        try:
+            if not await llm.reset_prefix_cache():
+                return False
+            connectors = self._other_connector is not None or self.cpu_tier is not None
+            if connectors and not await llm.reset_prefix_cache(reset_connector=True):
+                return False
+            await self._step_once()
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(f"engine {self.instance_id} could not clear its cache: {e}") from e
+        return True
+
+    async def _step_once(self) -> None:
+        """Run one one-token request (no full block: no KV event of its own), so vLLM steps
+        and publishes the KV events it queued while idle."""
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = VllmSamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+        request_id = f"kvroute-step-{time.monotonic_ns()}"
+        async for _ in self._llm.generate(TokensPrompt(prompt_token_ids=[0]), params, request_id):
+            pass
 
     def _stat_logger_factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -318,18 +407,14 @@ class VllmEngine(Engine):
             raise EngineError(f"engine {self.instance_id} is not running")
         vc = self._llm.vllm_config
         mc = vc.model_config
-        layers = mc.get_num_layers(vc.parallel_config)
-        itemsize = mc.dtype.itemsize if hasattr(mc.dtype, "itemsize") else 2
         return {
             "num_gpu_blocks": int(vc.cache_config.num_gpu_blocks or 0),
             "max_num_batched_tokens": int(vc.scheduler_config.max_num_batched_tokens),
             "max_num_seqs": int(vc.scheduler_config.max_num_seqs),
             "max_model_len": int(mc.max_model_len),
-            "kv_bytes_per_token": 2
-            * layers
-            * mc.get_total_num_kv_heads()
-            * mc.get_head_size()
-            * int(itemsize),
+            "kv_bytes_per_token": _kv_bytes_per_token(
+                mc, mc.get_num_layers(vc.parallel_config), self._args
+            ),
             "vocab_size": int(mc.get_vocab_size()),
         }
 
@@ -341,3 +426,18 @@ class VllmEngine(Engine):
     def tokenizer(self) -> Any:
         """vLLM's tokenizer for the served model (None before ``start``)."""
         return self._llm.get_tokenizer() if self._llm is not None else None
+
+
+def _kv_bytes_per_token(mc: Any, num_layers: int, args: dict[str, Any]) -> int:
+    """KV bytes per token of vLLM model config ``mc`` over ``num_layers`` layers, in the KV cache
+    dtype the engine args ask for (MLA keeps one latent vector per token, not K and V)."""
+    cache_dtype = str(args.get("kv_cache_dtype") or "auto")
+    itemsize = (
+        1
+        if cache_dtype.startswith("fp8")
+        else int(mc.dtype.itemsize if hasattr(mc.dtype, "itemsize") else 2)
+    )
+    per_token = offload.kv_bytes_per_token(
+        num_layers, mc.get_total_num_kv_heads(), mc.get_head_size(), itemsize
+    )
+    return per_token // 2 if getattr(mc, "use_mla", False) else per_token

@@ -9,19 +9,27 @@ Load one with the offloading connector's extra config::
         "cache_policy_module_path": "policies.vllm_adapter",
         "offload_prompt_only": false}}'
 
-vLLM builds the policy with only ``cache_capacity`` (chunks); the request category comes from
+vLLM builds the policy with only ``cache_capacity`` (chunks) and passes it nothing else of the
+connector's config, so the policy's constructor options come from the environment variable
+``POLICY_OPTIONS_ENV`` (JSON ``{"KvrouteWA": {"window": 500}}``, keyed by class name), which the
+engine core process inherits from the process that starts ``AsyncLLM``
+(``engines.offload.policy_options_env``). The request category comes from
 ``ReqContext.kv_transfer_params["kvroute"]`` (``category``, ``turn``, ``session_id``,
-``parent_id``, ``continuation``, ``now_s``; parsed by ``RequestInfo.from_hints``), which the
-router sets per request.
+``parent_id``, ``continuation``, ``pin``, ``now_s``; parsed by ``RequestInfo.from_hints``), which
+the router sets per request.
 
 This is the shell around the pure policies: vLLM's contract carries no time, so the adapter
 reads ``now_s`` from the request when the router sends one and otherwise its clock
-(``time.monotonic``, replaceable per class for tests). It owns the chunks and pinning (a chunk
-with ``ref_cnt != 0`` is in transfer and never a victim); the wrapped policy owns the order.
+(``time.monotonic``, replaceable per class for tests). It owns the chunks and two kinds of pins,
+kept apart: a chunk with ``ref_cnt != 0`` is in transfer, and an operator's pin
+(``RequestInfo.pin``) holds a request's chunks until a request for the same prefix unpins them;
+neither is ever a victim. The wrapped policy owns the order.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence, Set
 from typing import Any, ClassVar, cast
@@ -31,6 +39,8 @@ from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order
 
 from policies.base import EvictionPolicy, RequestInfo
 from policies.registry import create_policy
+
+POLICY_OPTIONS_ENV = "KVROUTE_CPU_POLICY_OPTIONS"
 
 # vLLM class name -> kvroute policy name (Belady needs the future and is not deployable).
 CLASS_NAMES: dict[str, str] = {
@@ -54,6 +64,24 @@ def request_info(req_context: ReqContext | None) -> RequestInfo:
     return RequestInfo.from_hints(params if isinstance(params, dict) else None) or RequestInfo()
 
 
+def policy_options(class_name: str) -> dict[str, Any]:
+    """The constructor options ``POLICY_OPTIONS_ENV`` gives class ``class_name`` ({} if none)."""
+    raw = os.environ.get(POLICY_OPTIONS_ENV)
+    if not raw:
+        return {}
+    try:
+        table = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{POLICY_OPTIONS_ENV}: not JSON ({e})") from None
+    options = table.get(class_name, {}) if isinstance(table, dict) else None
+    if not isinstance(options, dict):
+        raise ValueError(
+            f"{POLICY_OPTIONS_ENV}: a JSON object of option objects by class name is needed, "
+            f"got {raw!r}"
+        )
+    return options
+
+
 class _Pinned(Set[OffloadKey]):
     """Caller-protected keys plus chunks in transfer, without copying either."""
 
@@ -72,16 +100,33 @@ class _Pinned(Set[OffloadKey]):
 
 
 class KvrouteCachePolicy(CachePolicy):
-    """A vLLM ``CachePolicy`` delegating the eviction order to a kvroute ``EvictionPolicy``."""
+    """A vLLM ``CachePolicy`` delegating the eviction order to a kvroute ``EvictionPolicy``.
+
+    Operator pins (``RequestInfo.pin``): a pinning request's keys (those it stores, from its
+    store miss on, and every key it touched, as ``on_request_finished`` lists them) join
+    ``operator_pins``, resident or not, so a later store of one is pinned too; a request with
+    ``pin`` False for the same prefix takes them out. A resident pinned chunk is out of the
+    wrapped policy altogether (it never sees a pinned chunk as a candidate, and eviction does not
+    step over pins), and re-enters it, as a fresh insert, when unpinned. Transfer pins
+    (``ref_cnt != 0``, ``mark_non_evictable``/``mark_evictable``) are separate: ending a
+    transfer never drops an operator pin. ``clear`` drops both.
+    """
 
     policy_name: ClassVar[str] = "lru"
     clock: ClassVar[Callable[[], float]] = time.monotonic
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        self.policy: EvictionPolicy = create_policy(self.policy_name, max(1, cache_capacity))
+        options = policy_options(type(self).__name__)
+        try:
+            self.policy: EvictionPolicy = create_policy(
+                self.policy_name, max(1, cache_capacity), **options
+            )
+        except TypeError as e:
+            raise ValueError(f"{POLICY_OPTIONS_ENV}[{type(self).__name__!r}]: {e}") from None
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
-        self._pinned: set[OffloadKey] = set()
+        self._pinned: set[OffloadKey] = set()  # in transfer (ref_cnt != 0)
+        self.operator_pins: set[OffloadKey] = set()  # resident or not; resident: not in policy
         self._current: ReqContext | None = None
         self._now = 0.0
 
@@ -98,6 +143,22 @@ class KvrouteCachePolicy(CachePolicy):
             self.policy.begin_request(info, self._now)
         return info
 
+    def _pin(self, keys: Iterable[OffloadKey]) -> None:
+        pins, chunks = self.operator_pins, self.chunks
+        for key in keys:
+            if key not in pins:
+                pins.add(key)
+                if key in chunks:
+                    self.policy.remove(key)
+
+    def _unpin(self, keys: Iterable[OffloadKey]) -> None:
+        pins, chunks = self.operator_pins, self.chunks
+        for key in keys:
+            if key in pins:
+                pins.discard(key)
+                if key in chunks:
+                    self.policy.insert(key, self._now)
+
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
 
@@ -105,21 +166,26 @@ class KvrouteCachePolicy(CachePolicy):
         self.chunks[key] = chunk
         if chunk.ref_cnt != 0:
             self._pinned.add(key)
-        self.policy.insert(key, self._now)
+        if key not in self.operator_pins:
+            self.policy.insert(key, self._now)
 
     def remove(self, key: OffloadKey) -> None:
+        # NOTE: an operator pin outlives its chunk (a failed store): a later store is pinned too.
         del self.chunks[key]
         self._pinned.discard(key)
-        self.policy.remove(key)
+        if key not in self.operator_pins:
+            self.policy.remove(key)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         self._begin(req_context)
         for key in keys:
-            if key in self.chunks:
+            if key in self.chunks and key not in self.operator_pins:
                 self.policy.touch(key, self._now)
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        self._begin(req_context)  # the stores that follow are on this request's behalf
+        info = self._begin(req_context)  # the stores that follow are on this request's behalf
+        if info.pin:
+            self._pin(keys)  # pinned from the moment they are stored
 
     def on_request_finished(
         self,
@@ -129,7 +195,11 @@ class KvrouteCachePolicy(CachePolicy):
         req_context: ReqContext,
     ) -> None:
         info = self._begin(req_context)
-        keys = [k for k in order_request_keys(key_groups, req_context) if k in self.chunks]
+        all_keys = order_request_keys(key_groups, req_context)
+        if info.pin is not None:
+            (self._pin if info.pin else self._unpin)(all_keys)
+        pins = self.operator_pins
+        keys = [k for k in all_keys if k in self.chunks and k not in pins]
         reused = [k for k in keys if k in reused_keys]
         self.policy.end_request(info, keys, reused, self._now)
         self._current = None
@@ -145,6 +215,7 @@ class KvrouteCachePolicy(CachePolicy):
     def clear(self) -> None:
         self.chunks.clear()
         self._pinned.clear()
+        self.operator_pins.clear()
         self.policy.clear()
         self._current = None
 
@@ -160,6 +231,7 @@ def _subclass(class_name: str, policy_name: str) -> type[KvrouteCachePolicy]:
         class_name,
         (KvrouteCachePolicy,),
         {
+            "__module__": __name__,
             "policy_name": policy_name,
             "__doc__": (f"kvroute's {policy_name!r} eviction order as a vLLM CachePolicy."),
         },
@@ -169,4 +241,11 @@ def _subclass(class_name: str, policy_name: str) -> type[KvrouteCachePolicy]:
 for _cls_name, _policy in CLASS_NAMES.items():
     globals()[_cls_name] = _subclass(_cls_name, _policy)
 
-__all__ = ["CLASS_NAMES", "KvrouteCachePolicy", "request_info", *CLASS_NAMES]
+__all__ = [
+    "CLASS_NAMES",
+    "POLICY_OPTIONS_ENV",
+    "KvrouteCachePolicy",
+    "policy_options",
+    "request_info",
+    *CLASS_NAMES,
+]

@@ -11,6 +11,7 @@ from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 
+from cachemap.hashing import block_hashes, salt_hash
 from policies.vllm_adapter import CLASS_NAMES, KvrouteCachePolicy
 from policies.wa import WAPolicy
 
@@ -115,3 +116,99 @@ def test_through_vllms_cpu_offloading_manager(class_name: str) -> None:
             assert hits == hot
     removed = [k for e in manager.take_events() if e.removed for k in e.keys]
     assert removed and not set(hot) & set(removed)
+
+
+# -- operator pins (RequestInfo.pin) through vLLM's manager ----------------------------------------
+
+CHUNK = 16  # tokens per offloaded chunk
+
+
+def _prompt(tokens: list[int], cache_salt: str | None = None) -> list:  # type: ignore[type-arg]
+    """The prompt's offload keys, chained over its tokens the way block hashes chain."""
+    root = salt_hash("m", None, cache_salt)
+    return [make_offload_key(h.to_bytes(8, "big"), 0) for h in block_hashes(tokens, CHUNK, root)]
+
+
+def _serve(manager: CPUOffloadingManager, keys: list, req_id: str, now_s: float, **hints) -> int:  # type: ignore[no-untyped-def,type-arg]
+    """One request through the manager as vLLM's connector drives it: load its leading hits,
+    store the rest (a refused store is skipped, as vLLM does), finish. Returns the hits."""
+    ctx = ReqContext(
+        req_id=req_id,
+        kv_transfer_params={"kvroute": {"category": "text_1", "now_s": now_s, **hints}},
+    )
+    manager.on_new_request(ctx)
+    hits = 0
+    while hits < len(keys) and manager.lookup(keys[hits], ctx) == LookupResult.HIT:
+        hits += 1
+    if hits:
+        manager.prepare_load(keys[:hits], ctx)
+        manager.complete_load(keys[:hits], ctx)
+    out = manager.prepare_store(keys[hits:], ctx)
+    if out is not None:
+        manager.complete_store(out.keys_to_store, ctx)
+    manager.on_request_finished(ctx)
+    return hits
+
+
+def _resident(manager: CPUOffloadingManager, keys: list) -> int:  # type: ignore[type-arg]
+    ctx = ReqContext(req_id="probe")
+    return sum(manager.lookup(k, ctx) == LookupResult.HIT for k in keys)
+
+
+def test_a_pinned_system_prompt_survives_a_flood_and_unpins() -> None:
+    """WA through vLLM's manager: a pinned 2,000-token system prompt outlives a flood of other
+    prompts 12x the tier and is a full hit after it (loading it, a transfer pin that comes and
+    goes, leaves the operator pin alone); its unpinned twin (same tokens, another cache salt)
+    is flooded out. Once unpinned, it goes like anything else."""
+    manager = CPUOffloadingManager(
+        num_chunks=400, cache_policy="KvrouteWA", cache_policy_module_path=MODULE
+    )
+    system = list(range(1, 2_001))
+    pinned, control = _prompt(system), _prompt(system, cache_salt="control")
+    assert len(pinned) == len(control) == 125
+    t = 0.0
+    assert _serve(manager, pinned, "pin", t, pin=True) == 0
+    assert _serve(manager, control, "control", t + 1) == 0
+    policy = manager._policy
+    assert isinstance(policy, KvrouteCachePolicy) and policy.operator_pins == set(pinned)
+
+    def flood(tag: str, n: int = 40) -> None:
+        nonlocal t
+        for i in range(n):  # 40 prompts of 125 chunks: 5,000 chunks through a 400-chunk tier
+            t += 1.0
+            _serve(
+                manager, _prompt([10_000 + 97 * i + j for j in range(2_000)], tag), tag + str(i), t
+            )
+
+    flood("a")
+    assert _resident(manager, pinned) == 125
+    assert _resident(manager, control) == 0
+    t += 1.0
+    assert _serve(manager, pinned, "again", t) == 125  # a full hit, loaded (transfer pins)
+    flood("b")
+    assert _resident(manager, pinned) == 125
+    assert _serve(manager, pinned, "unpin", t + 1, pin=False) == 125
+    assert not policy.operator_pins
+    flood("c")
+    assert _resident(manager, pinned) == 0
+
+
+def test_pins_refuse_stores_they_cannot_make_room_for_and_clear_drops_them() -> None:
+    """With every resident chunk pinned, eviction finds nothing: vLLM's prepare_store refuses
+    the store (None) and the pinned chunks stay. A cache reset (clear) drops the pins."""
+    manager = CPUOffloadingManager(
+        num_chunks=4, cache_policy="KvrouteLRU", cache_policy_module_path=MODULE
+    )
+    pinned = _prompt(list(range(64)))
+    assert _serve(manager, pinned, "pin", 0.0, pin=True) == 0
+    ctx = ReqContext(req_id="other", kv_transfer_params={"kvroute": {"now_s": 1.0}})
+    manager.on_new_request(ctx)
+    other = _prompt(list(range(500, 516)))
+    assert manager.prepare_store(other, ctx) is None
+    assert _resident(manager, pinned) == 4
+    manager.reset_cache()
+    policy = manager._policy
+    assert isinstance(policy, KvrouteCachePolicy) and not policy.operator_pins
+    assert _serve(manager, pinned, "after", 2.0) == 0
+    assert _serve(manager, other, "other2", 3.0) == 0  # unpinned now: LRU makes room
+    assert _resident(manager, pinned) == 3
