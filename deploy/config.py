@@ -20,6 +20,7 @@ from router.placement import create_scorer, scorer_names
 from router.state import JsonlRecorder
 
 RAY_PREFIX_ROUTER = "ray_prefix"  # Ray Serve's own PrefixCacheAffinityRouter, as a peer
+ADMIN_KEY_ENV = "KVROUTE_ADMIN_KEY"
 
 
 class RouterConfig(StrictModel):
@@ -37,6 +38,11 @@ class RouterConfig(StrictModel):
     max_queue: int = Field(1024, ge=0)
     max_wait_s: float = Field(30.0, gt=0)
     api_keys: list[str] = Field(default_factory=list)
+    admin_key_file: str | None = Field(
+        None,
+        description="a file holding the KV control API's admin key(s), one per line; the keys "
+        f"in ${ADMIN_KEY_ENV} (comma-separated) count too; neither: the API is off",
+    )
     replicas: int = Field(1, ge=1, le=256, description="ingress replicas")
     max_body_bytes: int = Field(4 << 20, ge=1024)
     placement_log: str | None = Field(
@@ -63,6 +69,18 @@ class RouterConfig(StrictModel):
             except (TypeError, ValueError) as e:
                 raise ValueError(f"scorer_options: not accepted by {self.scorer!r}: {e}") from e
         return self
+
+
+def admin_keys(cfg: RouterConfig) -> frozenset[str]:
+    """The admin keys from ``cfg.admin_key_file`` and ``$KVROUTE_ADMIN_KEY``, read where the
+    ingress runs (never a YAML value: a config file is not a secret store)."""
+    keys = [k.strip() for k in os.environ.get(ADMIN_KEY_ENV, "").split(",")]
+    if cfg.admin_key_file:
+        try:
+            keys += [k.strip() for k in Path(cfg.admin_key_file).read_text().splitlines()]
+        except OSError as e:
+            raise ValueError(f"router.admin_key_file: cannot read it: {e}") from None
+    return frozenset(k for k in keys if k)
 
 
 def placement_recorder(cfg: RouterConfig) -> JsonlRecorder | None:

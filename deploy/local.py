@@ -35,6 +35,8 @@ class LocalStack:
         kv_capacity_blocks: int = 0,
         admission: Admission | None = None,
         api_keys: frozenset[str] = frozenset(),
+        admin_keys: frozenset[str] = frozenset(),
+        pins: bool = False,
         recorder: PlacementRecorder | None = None,
     ) -> None:
         self.engines = dict(engines)
@@ -54,7 +56,14 @@ class LocalStack:
         self.dispatcher = Dispatcher(self.state, self.client)
         self.forwarders: list[KvEventForwarder] = []
         self.app: FastAPI = build_app(
-            IngressConfig(model, max_model_len, block_size, api_keys=api_keys),
+            IngressConfig(
+                model,
+                max_model_len,
+                block_size,
+                api_keys=api_keys,
+                admin_keys=admin_keys,
+                pins=pins,
+            ),
             self.dispatcher,
             tokenizer,
         )

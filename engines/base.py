@@ -136,6 +136,23 @@ class Engine(ABC):
         return None
 
 
+class KvCommand(msgspec.Struct):
+    """An operator's order for one engine instance (the KV control API), sent through the engine
+    deployment's handle to ``target_instance``. ``op``: ``"clear"`` (``Engine.clear_cache``)."""
+
+    op: str
+    target_instance: str
+
+
+async def run_kv_command(engine: Engine, instance_id: str, cmd: KvCommand) -> dict[str, Any]:
+    """``cmd`` on ``engine`` (instance ``instance_id``): the answer the KV control API reports."""
+    if cmd.target_instance != instance_id:
+        raise EngineError(f"command for {cmd.target_instance!r} delivered to {instance_id!r}")
+    if cmd.op == "clear":
+        return {"instance": instance_id, "cleared": await engine.clear_cache()}
+    raise EngineError(f"unknown KV command {cmd.op!r}")
+
+
 class RoutedRequest(msgspec.Struct):
     """What the ingress sends through the engine deployment's handle: the engine request plus
     what request routers look at. ``prompt`` is the prompt text (Ray's PrefixCacheAffinityRouter

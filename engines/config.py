@@ -132,8 +132,8 @@ class EngineConfig(StrictModel):
             raise ValueError(f"block_size: vLLM needs a multiple of 16, got {self.block_size}")
         if self.kind == "vllm" and self.cpu_tier is not None and not self.on_gpu:
             raise ValueError(
-                "cpu_tier: vLLM's CPU build refuses its offloading connector (it needs a CUDA-alike "
-                "or XPU GPU); set on_gpu: true on a GPU node, or use kind: sim"
+                "cpu_tier: vLLM's CPU build refuses its offloading connector (it needs a "
+                "CUDA-alike or XPU GPU); set on_gpu: true on a GPU node, or use kind: sim"
             )
         if self.kind == "vllm" and self.sim_options:
             raise ValueError("sim_options: only for kind 'sim'")

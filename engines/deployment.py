@@ -28,8 +28,10 @@ from engines.base import (
     EngineError,
     EngineOutput,
     EngineRequest,
+    KvCommand,
     LoadSnapshot,
     RoutedRequest,
+    run_kv_command,
 )
 from engines.config import BusConfig, EngineConfig, EngineDeploymentConfig
 from engines.forwarder import KvEventForwarder
@@ -63,12 +65,14 @@ def _vllm_engine(cfg: EngineConfig, instance_id: str) -> Engine:
         seed=cfg.seed,
         served_model_name=cfg.model_name,
         cpu_threads_bind=bind,
+        cpu_tier=cfg.cpu_tier,
     )
 
 
 def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:
     from engines.sim.engine import SimEngine
-    from engines.sim.profile import DEFAULT_PROFILE
+    from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
+    from policies.registry import create_policy
 
     opts: dict[str, Any] = {}
     if cfg.model in MODEL_PRESETS:
@@ -76,10 +80,18 @@ def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:
         from engines.tiny_model import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
 
         opts.update(vocab_size=DEFAULT_VOCAB_SIZE, token_offset=len(SPECIAL_TOKENS))
+    profile = LatencyProfile.load(cfg.profile or DEFAULT_PROFILE)
+    if cfg.cpu_tier is not None:
+        tier = cfg.cpu_tier
+        blocks = tier.capacity_blocks(cfg.block_size, profile.kv_bytes_per_token)
+        opts.update(
+            cpu_capacity_blocks=blocks,
+            cpu_policy=create_policy(tier.policy, blocks, **tier.policy_options),
+        )
     opts.update(cfg.sim_options)
-    return SimEngine(
+    engine = SimEngine(
         instance_id,
-        cfg.profile or DEFAULT_PROFILE,
+        profile,
         model=cfg.model_name,
         block_size=cfg.block_size,
         num_gpu_blocks=cfg.kv_blocks,
@@ -89,6 +101,9 @@ def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:
         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         **opts,
     )
+    if engine.blocks.cpu is not None and cfg.cpu_tier is not None:
+        engine.blocks.cpu.prompt_only = cfg.cpu_tier.prompt_only
+    return engine
 
 
 # kind -> factory(config, instance_id); the config validates kind, so a lookup cannot miss.
@@ -164,7 +179,13 @@ class EngineDeployment:
             raise EngineError(f"engine {self.instance_id} publishes no KV events")
         take = getattr(events, "take_resync", None)
         return KvEventForwarder(
-            EngineEventTranslator(self.instance_id, ecfg.model_name, ecfg.block_size),
+            EngineEventTranslator(
+                self.instance_id,
+                ecfg.model_name,
+                ecfg.block_size,
+                # vLLM's reset drops its CPU tier without a CPU removal event; the sim's says so
+                reset_clears_cpu=ecfg.kind == "vllm" and ecfg.cpu_tier is not None,
+            ),
             events,
             endpoint,
             replay_endpoint=self.engine.kv_events_replay_endpoint,
@@ -192,6 +213,12 @@ class EngineDeployment:
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
+
+    async def kv_command(self, command: KvCommand | dict[str, Any]) -> dict[str, Any]:
+        """Carry out an operator's ``KvCommand`` on this instance; refuses (``EngineError``) a
+        command meant for another instance, which Serve's own router may deliver here."""
+        cmd = command if isinstance(command, KvCommand) else msgspec.convert(command, KvCommand)
+        return await run_kv_command(self.engine, self.instance_id, cmd)
 
     def instance(self) -> str:
         return self.instance_id

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
-from engines.base import EngineError, EngineOutput, RoutedRequest
+from engines.base import EngineError, EngineOutput, KvCommand, RoutedRequest
 from router.placement import Placement, PlacementRequest
 from router.state import RouterState
 
@@ -21,6 +21,15 @@ log = logging.getLogger(__name__)
 class EngineClient(Protocol):
     def stream(self, routed: RoutedRequest) -> AsyncIterator[EngineOutput]:
         """Outputs of ``routed`` from ``routed.target_instance``; raises on engine failure."""
+        ...
+
+    async def command(self, command: KvCommand) -> dict[str, Any]:
+        """Carry out ``command`` on ``command.target_instance``; raises ``EngineError``."""
+        ...
+
+    def isolate(self) -> None:
+        """Make the engine calls of the current asyncio task a request of their own. Call it
+        first in each task of a fan-out (one client request sent to several engines at once)."""
         ...
 
 

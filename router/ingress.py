@@ -25,6 +25,7 @@ from router.admission import Rejected, Ticket
 from router.api import APIError, ChatCompletionRequest, CompletionRequest
 from router.dispatch import Dispatcher, StreamBroken
 from router.hints import PolicyHints, conversation_ids, parse_continuation
+from router.kv_control import KvControl, kv_routes
 from router.metrics import RouterMetrics
 from router.placement import NoInstanceError
 from router.responses import ResponseBuilder
@@ -40,6 +41,9 @@ class IngressConfig:
     max_model_len: int
     block_size: int
     api_keys: frozenset[str] = field(default_factory=frozenset)
+    # the KV control API (/v1/kv/*) answers only these keys; none: the API is off (403)
+    admin_keys: frozenset[str] = field(default_factory=frozenset)
+    pins: bool = False  # the engines' CPU tier honours pins (engines.engine.cpu_tier is set)
     max_body_bytes: int = 4 << 20
     category_header: str = "x-kvroute-category"
     session_header: str = "x-session-id"
@@ -68,6 +72,13 @@ async def _read_json_body(request: Request, limit: int) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
+
+
+def _authorized(request: Request, keys: frozenset[str]) -> bool:
+    """The request's bearer token is one of ``keys`` (compared in constant time)."""
+    auth = request.headers.get("authorization", "")
+    token = auth[7:] if auth.lower().startswith("bearer ") else ""
+    return any(secrets.compare_digest(token, k) for k in keys)
 
 
 def _validation_error(e: ValidationError) -> APIError:
@@ -112,17 +123,44 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
         )
 
     def check_auth(request: Request) -> None:
-        if not config.api_keys:
-            return
-        auth = request.headers.get("authorization", "")
-        token = auth[7:] if auth.lower().startswith("bearer ") else ""
-        if not any(secrets.compare_digest(token, k) for k in config.api_keys):
+        if config.api_keys and not _authorized(request, config.api_keys):
             raise APIError(
                 401,
                 "missing or invalid API key",
                 type_="authentication_error",
                 code="invalid_api_key",
             )
+
+    def check_admin(request: Request) -> None:
+        if not config.admin_keys:
+            raise APIError(
+                403,
+                "the KV control API is off: no admin key is configured (KVROUTE_ADMIN_KEY)",
+                type_="permission_error",
+                code="admin_api_off",
+            )
+        if not _authorized(request, config.admin_keys):
+            raise APIError(
+                401,
+                "missing or invalid admin key",
+                type_="authentication_error",
+                code="invalid_admin_key",
+            )
+
+    app.include_router(
+        kv_routes(
+            KvControl(
+                dispatcher.state,
+                dispatcher.client,
+                tokenizer,
+                hasher,
+                config.max_model_len,
+                pins=config.pins,
+            ),
+            check_admin,
+            lambda request: _read_json_body(request, config.max_body_bytes),
+        )
+    )
 
     def check_model(model: str) -> None:
         if model != config.model:

@@ -4,8 +4,16 @@ router-overhead benchmark, and HTTP-layer tests with real sim engines."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
+from typing import Any
 
-from engines.base import Engine, EngineError, EngineOutput, RoutedRequest
+from engines.base import (
+    Engine,
+    EngineError,
+    EngineOutput,
+    KvCommand,
+    RoutedRequest,
+    run_kv_command,
+)
 
 
 class LocalEngineClient:
@@ -21,3 +29,12 @@ class LocalEngineClient:
             raise EngineError(f"no engine instance {target!r}")
         async for out in engine.generate(routed.request):
             yield out
+
+    async def command(self, command: KvCommand) -> dict[str, Any]:
+        engine = self.engines.get(command.target_instance)
+        if engine is None:
+            raise EngineError(f"no engine instance {command.target_instance!r}")
+        return await run_kv_command(engine, command.target_instance, command)
+
+    def isolate(self) -> None:
+        pass  # in-process calls share nothing

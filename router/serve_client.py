@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray.exceptions import RayError
+from ray.serve._private.utils import generate_request_id
+from ray.serve.context import _set_request_context
 
-from engines.base import EngineError, EngineOutput, RoutedRequest
+from engines.base import EngineError, EngineOutput, KvCommand, RoutedRequest
 
 
 class ServeEngineClient:
@@ -16,6 +19,7 @@ class ServeEngineClient:
 
     def __init__(self, handle: Any) -> None:
         self._generate = handle.options(stream=True).generate
+        self._command = handle.kv_command
 
     async def stream(self, routed: RoutedRequest) -> AsyncIterator[EngineOutput]:
         try:
@@ -24,3 +28,21 @@ class ServeEngineClient:
         except RayError as e:
             # Replica died, became unavailable or raised: the dispatcher decides on failover.
             raise EngineError(f"{type(e).__name__}: {e}") from e
+
+    async def command(self, command: KvCommand) -> dict[str, Any]:
+        async def call() -> dict[str, Any]:
+            self.isolate()
+            try:
+                result: dict[str, Any] = await self._command.remote(command)
+            except RayError as e:
+                raise EngineError(f"{type(e).__name__}: {e}") from e
+            return result
+
+        return await asyncio.create_task(call())  # its own context: isolate stays inside
+
+    def isolate(self) -> None:
+        # NOTE: Serve's request router hands a chosen replica to the pending call with the same
+        # internal request id, which every call made while serving one HTTP request shares (the
+        # proxy's). Concurrent calls of one HTTP request would take each other's replicas and
+        # one would wait forever; a fresh id per task keeps them apart.
+        _set_request_context(_internal_request_id=generate_request_id())

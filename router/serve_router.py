@@ -28,7 +28,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from engines.base import RoutedRequest
+from engines.base import KvCommand, RoutedRequest
 from router.dispatch import request_for_placement
 from router.placement import NoInstanceError
 from router.state import RouterState, registered_state
@@ -36,11 +36,11 @@ from router.state import RouterState, registered_state
 log = logging.getLogger(__name__)
 
 
-def _routed(pending: PendingRequest | None) -> RoutedRequest | None:
+def _routed(pending: PendingRequest | None) -> RoutedRequest | KvCommand | None:
     if pending is None:
         return None
     for arg in (*pending.args, *pending.kwargs.values()):
-        if isinstance(arg, RoutedRequest):
+        if isinstance(arg, RoutedRequest | KvCommand):
             return arg
     return None
 
@@ -92,6 +92,10 @@ class KvRequestRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         routed = _routed(pending_request)
         state = self.state
+        if isinstance(routed, KvCommand):  # an operator's order: that replica or none
+            target_replica = by_id.get(routed.target_instance)
+            # NOTE: a replica that is not a candidate refuses the command (EngineDeployment)
+            return [[target_replica]] if target_replica is not None else [candidate_replicas]
         if routed is None or state is None or not by_id:
             return [candidate_replicas]  # not a routed call (health, resync...): any replica
         target = routed.target_instance

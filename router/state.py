@@ -368,6 +368,15 @@ class RouterState:
     def cached_tokens(self, request: PlacementRequest, placement: Placement) -> int:
         return self.core.cached_tokens(request, placement)
 
+    def observe(
+        self, block_hashes: Sequence[int], now: float | None = None
+    ) -> tuple[list[InstanceView], Mapping[str, Match]]:
+        """What placement would see for a prompt, without placing it: every instance's load
+        view and the cache map's match (the KV control API's lookup and warm)."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            return self.core.load.views(now), self.core.cache_map.match(block_hashes)
+
     def assigned(self, request: PlacementRequest, placement: Placement) -> None:
         now = self.clock()
         with self._lock:

@@ -281,3 +281,12 @@ def test_policy_hints_reach_the_engine(server: Server, monkeypatch) -> None:
     assert out_of_range.status_code == 400
     assert "kvroute_continuation" in json.dumps(out_of_range.json())
     assert len(seen) == 3  # refused requests never reached an engine
+
+
+def test_kv_control_api_is_off_without_an_admin_key(server: Server) -> None:
+    r = httpx.post(
+        f"http://127.0.0.1:{server.port}/v1/kv/lookup",
+        json={"text": "hello"},
+        headers={"authorization": f"Bearer {KEY}"},
+    )
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_api_off"

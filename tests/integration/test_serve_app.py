@@ -22,13 +22,15 @@ from tests.support import free_port, serve_app
 
 pytestmark = [pytest.mark.slow]
 
-KEY = "sk-serve"
+KEY, ADMIN = "sk-serve", "sk-serve-admin"
 LONG = "Shared system prompt about routing and caching. " * 40
 
 
 @pytest.fixture(scope="module")
-def served() -> Iterator[tuple[str, ServeConfig]]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, ServeConfig]]:
     port = free_port()
+    admin_file = tmp_path_factory.mktemp("keys") / "admin.keys"
+    admin_file.write_text(ADMIN + "\n")
     cfg = ServeConfig.validated(
         {
             "port": port,
@@ -40,12 +42,13 @@ def served() -> Iterator[tuple[str, ServeConfig]]:
                     "served_model_name": "sim-tiny",
                     "block_size": 32,
                     "sim_options": {"time_scale": 0.2},
+                    "cpu_tier": {"blocks": 256, "policy": "wa"},
                 },
                 "resources": {"num_cpus": 0.5},
                 "bus": {"name": "kvroute-it"},
                 "health_check_period_s": 1.0,
             },
-            "router": {"api_keys": [KEY]},
+            "router": {"api_keys": [KEY], "admin_key_file": str(admin_file)},
         }
     )
     with serve_app(cfg) as base:
@@ -138,6 +141,32 @@ def test_placements_are_honoured_and_follow_ups_hit(
         hits.append((details.cached_tokens if details else 0) / first.usage.prompt_tokens)
     assert overrides() == before
     assert min(hits) > 0.8, hits
+
+
+def test_kv_control_reaches_each_replica_through_serve(served: tuple[str, ServeConfig]) -> None:
+    """Warm and pin run on the replica asked for (KvRequestRouter keeps them there), lookup sees
+    the result in the ingress's map, and clear reaches every replica through the handle."""
+    base, headers = served[0] + "/v1/kv/", {"authorization": f"Bearer {ADMIN}"}
+
+    def kv(op: str, body: dict[str, Any]) -> dict[str, Any]:
+        r = httpx.post(base + op, json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    prompt = {"text": "Operators warm this prompt. " * 30}
+    ids = sorted(row["instance"] for row in kv("lookup", prompt)["instances"])
+    assert len(ids) == 2
+    warmed = kv("warm", {**prompt, "instances": [ids[1]]})
+    assert warmed["instances"][0]["ok"], warmed
+    time.sleep(0.5)
+    rows = {r["instance"]: r["cached_tokens"] for r in kv("lookup", prompt)["instances"]}
+    assert rows[ids[1]] > 0 and rows[ids[0]] == 0
+    pinned = kv("pin", {**prompt, "instances": [ids[0]]})
+    assert pinned["instances"][0]["ok"] and pinned["instances"][0]["cached_tokens"] == 0
+    cleared = kv("clear", {})
+    assert sorted(r["instance"] for r in cleared["instances"] if r["cleared"]) == ids
+    time.sleep(0.5)
+    assert {r["cached_tokens"] for r in kv("lookup", prompt)["instances"]} == {0}
 
 
 def test_killing_an_engine_under_load_loses_no_request(client: openai.OpenAI) -> None:

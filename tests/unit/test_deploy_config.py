@@ -37,6 +37,15 @@ def test_defaults_are_two_sim_engines_on_localhost() -> None:
         ({"engines": {"engine": {"kind": "vllm", "cpu_bind": []}}}, "cpu_bind"),
         ({"engines": {"engine": {"long_prefill_token_threshold": 0}}}, "long_prefill_token"),
         ({"engines": {"engine": {"long_prefill_token_threshold": 8192}}}, "long_prefill_token"),
+        ({"engines": {"engine": {"cpu_tier": {}}}}, "exactly one of gib and blocks"),
+        ({"engines": {"engine": {"cpu_tier": {"blocks": 8, "policy": "nope"}}}}, "cpu_tier.policy"),
+        ({"engines": {"engine": {"cpu_tier": {"blocks": 8, "policy": "belady"}}}}, "future"),
+        (
+            {"engines": {"engine": {"cpu_tier": {"blocks": 8, "policy_options": {"zz": 1}}}}},
+            "cpu_tier.policy: .*zz",
+        ),
+        ({"engines": {"engine": {"kind": "vllm", "cpu_tier": {"gib": 4}}}}, "CPU build refuses"),
+        ({"router": {"admin_key": "plain"}}, "admin_key"),
     ],
 )
 def test_bad_settings_name_the_field(data: dict, field: str) -> None:
@@ -51,3 +60,29 @@ def test_yaml_errors_are_value_errors(tmp_path: Path) -> None:
         ServeConfig.from_yaml(bad)
     with pytest.raises(ValueError, match="no such file"):
         ServeConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+def test_a_sim_engine_gets_the_configured_cpu_tier() -> None:
+    from engines.deployment import build_engine
+    from engines.sim.profile import LatencyProfile
+
+    tier = {"gib": 0.5, "policy": "lpc", "prompt_only": True}
+    cfg = ServeConfig.validated({"engines": {"engine": {"cpu_tier": tier}}}).engines.engine
+    engine = build_engine(cfg, "sim-0")
+    per_block = LatencyProfile.load("cpu-tiny-llama").kv_bytes_per_token * cfg.block_size
+    cpu = engine.blocks.cpu  # type: ignore[attr-defined]
+    assert cpu.capacity_blocks == (1 << 29) // per_block
+    assert cpu.policy.name == "lpc" and cpu.prompt_only
+
+
+def test_admin_keys_come_from_the_environment_and_a_file(tmp_path: Path, monkeypatch) -> None:
+    from deploy.config import RouterConfig, admin_keys
+
+    monkeypatch.delenv("KVROUTE_ADMIN_KEY", raising=False)
+    assert admin_keys(RouterConfig()) == frozenset()
+    monkeypatch.setenv("KVROUTE_ADMIN_KEY", "k1, k2")
+    keys = tmp_path / "admin.keys"
+    keys.write_text("k3\n\n")
+    assert admin_keys(RouterConfig(admin_key_file=str(keys))) == {"k1", "k2", "k3"}
+    with pytest.raises(ValueError, match="admin_key_file"):
+        admin_keys(RouterConfig(admin_key_file=str(tmp_path / "missing")))
