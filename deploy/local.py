@@ -37,6 +37,7 @@ class LocalStack:
         api_keys: frozenset[str] = frozenset(),
         admin_keys: frozenset[str] = frozenset(),
         pins: bool = False,
+        session_hints: bool = True,
         recorder: PlacementRecorder | None = None,
     ) -> None:
         self.engines = dict(engines)
@@ -63,6 +64,7 @@ class LocalStack:
                 api_keys=api_keys,
                 admin_keys=admin_keys,
                 pins=pins,
+                session_hints=session_hints,
             ),
             self.dispatcher,
             tokenizer,

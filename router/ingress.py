@@ -44,6 +44,9 @@ class IngressConfig:
     # the KV control API (/v1/kv/*) answers only these keys; none: the API is off (403)
     admin_keys: frozenset[str] = field(default_factory=frozenset)
     pins: bool = False  # the engines' CPU tier honours pins (engines.engine.cpu_tier is set)
+    # send the conversation's ids and the continuation hint to the CPU-tier policy; False sends
+    # category and turn only (what the hint experiment compares against)
+    session_hints: bool = True
     max_body_bytes: int = 4 << 20
     category_header: str = "x-kvroute-category"
     session_header: str = "x-session-id"
@@ -312,7 +315,11 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
             raise APIError(400, str(e), param=header) from None
         if req.kvroute_continuation is not None:
             continuation = req.kvroute_continuation
-        hints = PolicyHints(category, turn, node, parent, continuation)
+        hints = (
+            PolicyHints(category, turn, node, parent, continuation)
+            if config.session_hints
+            else PolicyHints(category, turn)
+        )
         try:
             sampling = SamplingParams(
                 max_tokens=max_tokens,
