@@ -39,7 +39,7 @@ from engines.base import EngineError, EngineRequest, KvCommand, RoutedRequest, S
 from router.api import APIError, ChatMessage
 from router.dispatch import EngineClient
 from router.hints import PolicyHints
-from router.placement import InstanceView
+from router.placement import InstanceView, PlacementRequest
 from router.state import RouterState
 from router.tokenizer import PromptTokenizer
 
@@ -204,7 +204,7 @@ class KvControl:
             instance=iid,
             gpu_tokens=gpu * bs,
             cpu_tokens=(total - gpu) * bs,
-            cached_tokens=min(total * bs, max(n - 1, 0)),
+            cached_tokens=PlacementRequest("", n, []).cached_tokens(total, bs),
         )
 
     # -- the operations ------------------------------------------------------------------------

@@ -45,9 +45,10 @@ class PlacementRequest:
     category: str = "all"
 
     def cached_tokens(self, cached_blocks: int, block_size: int) -> int:
-        """Prompt tokens a leading run of ``cached_blocks`` cached blocks spares the engine (it
-        always computes at least the prompt's last token)."""
-        return min(cached_blocks * block_size, max(self.prompt_tokens - 1, 0))
+        """Prompt tokens a leading run of ``cached_blocks`` cached blocks spares the engine: it
+        always computes the prompt's last token, and hits whole blocks only, so a fully cached
+        prompt of whole blocks recomputes its last block (vLLM's ``num_tokens - 1`` rule)."""
+        return min(cached_blocks, max(self.prompt_tokens - 1, 0) // block_size) * block_size
 
 
 @dataclass(slots=True)

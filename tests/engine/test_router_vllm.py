@@ -5,8 +5,10 @@ tokens; with round_robin it lands on the other engine and does not."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -23,6 +25,7 @@ from tests.support import Server, free_port
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 MODEL = "tiny-vllm"
+ADMIN = "sk-admin"
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +44,7 @@ def stack() -> Iterator[tuple[LocalStack, openai.OpenAI]]:
         max_model_len=4096,
         latency=LatencyProfile.load("cpu-tiny-llama"),
         tokenizer=PromptTokenizer(path),
+        admin_keys=frozenset({ADMIN}),
     )
     with Server(st, free_port()) as server:
         client = openai.OpenAI(
@@ -90,3 +94,45 @@ def test_kv_ttft_follows_the_prefix_and_round_robin_does_not(
     cached_a, _ = _ask(client, other_system, "question a")
     cached_b, _ = _ask(client, other_system, "question b")
     assert cached_a == 0 and cached_b == 0
+
+
+def test_kv_control_on_real_engines(stack: tuple[LocalStack, openai.OpenAI]) -> None:
+    """Lookup agrees with vLLM's cached_tokens; warm makes the next request a hit; clear (vLLM's
+    reset_prefix_cache) makes it a miss, and the router's map learns both from KV events."""
+    st, client = stack
+    st.state.scorer = create_scorer("kv_ttft")
+    base = str(client.base_url).rstrip("/")
+    headers = {"authorization": f"Bearer {ADMIN}"}
+    system = "Operators warm and clear this system prompt through the control API. " * 30
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "a question"}]
+
+    def kv(op: str, body: dict[str, object]) -> dict[str, Any]:
+        r = httpx.post(f"{base}/kv/{op}", json=body, headers=headers, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    def lookup_until(want: Callable[[dict[str, int]], bool]) -> dict[str, int]:
+        deadline = time.monotonic() + 15.0
+        while True:
+            rows = kv("lookup", {"messages": messages})["instances"]
+            seen = {r["instance"]: r["cached_tokens"] for r in rows}
+            if want(seen) or time.monotonic() > deadline:
+                return seen
+            time.sleep(0.1)
+
+    assert all(r["cleared"] for r in kv("clear", {})["instances"])
+    assert set(lookup_until(lambda seen: set(seen.values()) == {0}).values()) == {0}
+    warmed = kv("warm", {"messages": messages, "instances": ["vllm-1"]})["instances"]
+    assert [(r["instance"], r["ok"], r["cached_tokens"]) for r in warmed] == [("vllm-1", True, 0)]
+    seen = lookup_until(lambda seen: seen["vllm-1"] > 0)
+    assert seen["vllm-0"] == 0 and seen["vllm-1"] > 1000
+    r = client.chat.completions.create(model=MODEL, max_tokens=2, messages=messages)
+    assert r.usage is not None and r.usage.prompt_tokens_details is not None
+    assert r.usage.prompt_tokens_details.cached_tokens == seen["vllm-1"]  # lookup agrees
+
+    cleared = kv("clear", {"instances": ["vllm-1"]})["instances"]
+    assert [(c["instance"], c["cleared"]) for c in cleared] == [("vllm-1", True)]
+    assert lookup_until(lambda seen: seen["vllm-1"] == 0)["vllm-1"] == 0
+    again = client.chat.completions.create(model=MODEL, max_tokens=2, messages=messages)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # a miss on every engine
