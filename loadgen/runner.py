@@ -49,6 +49,9 @@ class RunConfig:
     max_connections: int = 4096
     sessions: Literal["recorded", "live"] = "recorded"
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # send each request's type (trace ``type``: text, search, api ...) as ``kvroute_category``,
+    # the field kvroute's ingress turns into the CPU-tier policy's category (``{type}_{turn}``)
+    send_category: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -273,6 +276,8 @@ class Runner:
             body["stream_options"] = {"include_usage": True}
         if cfg.ignore_eos:
             body["ignore_eos"] = True
+        if cfg.send_category and req.type is not None:
+            body["kvroute_category"] = req.type
         body.update(cfg.extra_body)
         return encode_json(body), messages
 
