@@ -68,6 +68,9 @@ class _Common(BaseModel):
     # kvroute extension: the client's probability that this conversation sends another turn,
     # for the CPU-tier policy (also header x-kvroute-continuation; this field wins)
     kvroute_continuation: float | None = Field(default=None, ge=0, le=1)
+    # vLLM's field: a KV connector's per-request parameters, passed on to the engine unchanged
+    # (kvroute's policy hints are merged in under "kvroute")
+    kv_transfer_params: dict[str, Any] | None = None
 
     def output_limit(self, default: int) -> int:
         return self.max_completion_tokens or self.max_tokens or default

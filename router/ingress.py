@@ -92,9 +92,106 @@ def _validation_error(e: ValidationError) -> APIError:
     )
 
 
+class RequestPreparer:
+    """Turns a validated OpenAI body into a ``RoutedRequest`` (what the dispatcher sends)."""
+
+    def __init__(self, config: IngressConfig, tokenizer: PromptTokenizer) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.hasher = BlockHasher(config.model, config.block_size)
+
+    def __call__(
+        self, request: Request, req: ChatCompletionRequest | CompletionRequest
+    ) -> RoutedRequest:
+        """The engine request and routing record of a validated body: tokenized once (chat
+        template for chats), checked against the context, hashed, with its policy hints."""
+        config, tokenizer = self.config, self.tokenizer
+        session = request.headers.get(config.session_header) or req.user
+        node = parent = None
+        if isinstance(req, ChatCompletionRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = tokenizer.chat(messages)
+            text = "".join(m["content"] for m in messages)
+            turn = sum(1 for m in req.messages if m.role == "user")
+            node, parent = conversation_ids(messages, session)
+        elif isinstance(req.prompt, str):
+            ids, text, turn = tokenizer.encode(req.prompt), req.prompt, 1
+        else:
+            ids = list(req.prompt)  # type: ignore[arg-type]
+            if max(ids) >= tokenizer.vocab_size:
+                raise APIError(
+                    400,
+                    f"token id {max(ids)} is outside the vocabulary (size {tokenizer.vocab_size})",
+                    param="prompt",
+                )
+            text, turn = " ".join(map(str, ids[:256])), 1
+        if not ids:
+            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
+        room = config.max_model_len - len(ids)
+        if room < 1:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {config.max_model_len} "
+                f"tokens; the prompt has {len(ids)}",
+                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
+            )
+        max_tokens = req.output_limit(default=room)
+        if max_tokens > room:
+            raise APIError(
+                400,
+                f"max_tokens {max_tokens} + prompt {len(ids)} tokens exceeds the "
+                f"context length {config.max_model_len}",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        kind = request.headers.get(config.category_header) or req.kvroute_category or "text"
+        category = f"{kind}_{turn}"
+        header = config.continuation_header
+        try:
+            continuation = parse_continuation(request.headers.get(header), header)
+        except ValueError as e:
+            raise APIError(400, str(e), param=header) from None
+        if req.kvroute_continuation is not None:
+            continuation = req.kvroute_continuation
+        hints = (
+            PolicyHints(category, turn, node, parent, continuation)
+            if config.session_hints
+            else PolicyHints(category, turn)
+        )
+        try:
+            sampling = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                seed=req.seed,
+                ignore_eos=req.ignore_eos,
+            )
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        rid = (
+            "chatcmpl-" if isinstance(req, ChatCompletionRequest) else "cmpl-"
+        ) + uuid.uuid4().hex
+        engine_req = EngineRequest(
+            rid,
+            ids,
+            sampling,
+            kv_transfer_params=hints.merged_into(req.kv_transfer_params),
+            cache_salt=req.cache_salt,
+        )
+        routed = RoutedRequest(
+            engine_req,
+            text,
+            self.hasher(ids, cache_salt=req.cache_salt),
+            session_key=session,
+            category=category,
+        )
+        return routed
+
+
 def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTokenizer) -> FastAPI:
     app = FastAPI(title="kvroute", docs_url=None, redoc_url=None)
-    hasher = BlockHasher(config.model, config.block_size)
+    prepare = RequestPreparer(config, tokenizer)
+    hasher = prepare.hasher
     metrics = RouterMetrics()
     created = int(time.time())
 
@@ -265,89 +362,6 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
         finally:
             ticket.release()
         yield b"data: [DONE]\n\n"
-
-    def prepare(request: Request, req: ChatCompletionRequest | CompletionRequest) -> RoutedRequest:
-        session = request.headers.get(config.session_header) or req.user
-        node = parent = None
-        if isinstance(req, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-            ids = tokenizer.chat(messages)
-            text = "".join(m["content"] for m in messages)
-            turn = sum(1 for m in req.messages if m.role == "user")
-            node, parent = conversation_ids(messages, session)
-        elif isinstance(req.prompt, str):
-            ids, text, turn = tokenizer.encode(req.prompt), req.prompt, 1
-        else:
-            ids = list(req.prompt)  # type: ignore[arg-type]
-            if max(ids) >= tokenizer.vocab_size:
-                raise APIError(
-                    400,
-                    f"token id {max(ids)} is outside the vocabulary (size {tokenizer.vocab_size})",
-                    param="prompt",
-                )
-            text, turn = " ".join(map(str, ids[:256])), 1
-        if not ids:
-            raise APIError(400, "the prompt is empty after tokenization", param="prompt")
-        room = config.max_model_len - len(ids)
-        if room < 1:
-            raise APIError(
-                400,
-                f"this model's maximum context length is {config.max_model_len} "
-                f"tokens; the prompt has {len(ids)}",
-                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
-                code="context_length_exceeded",
-            )
-        max_tokens = req.output_limit(default=room)
-        if max_tokens > room:
-            raise APIError(
-                400,
-                f"max_tokens {max_tokens} + prompt {len(ids)} tokens exceeds the "
-                f"context length {config.max_model_len}",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        kind = request.headers.get(config.category_header) or req.kvroute_category or "text"
-        category = f"{kind}_{turn}"
-        header = config.continuation_header
-        try:
-            continuation = parse_continuation(request.headers.get(header), header)
-        except ValueError as e:
-            raise APIError(400, str(e), param=header) from None
-        if req.kvroute_continuation is not None:
-            continuation = req.kvroute_continuation
-        hints = (
-            PolicyHints(category, turn, node, parent, continuation)
-            if config.session_hints
-            else PolicyHints(category, turn)
-        )
-        try:
-            sampling = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                seed=req.seed,
-                ignore_eos=req.ignore_eos,
-            )
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        rid = (
-            "chatcmpl-" if isinstance(req, ChatCompletionRequest) else "cmpl-"
-        ) + uuid.uuid4().hex
-        engine_req = EngineRequest(
-            rid,
-            ids,
-            sampling,
-            kv_transfer_params=hints.merged_into(None),
-            cache_salt=req.cache_salt,
-        )
-        routed = RoutedRequest(
-            engine_req,
-            text,
-            hasher(ids, cache_salt=req.cache_salt),
-            session_key=session,
-            category=category,
-        )
-        return routed
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

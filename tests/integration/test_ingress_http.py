@@ -290,3 +290,30 @@ def test_kv_control_api_is_off_without_an_admin_key(server: Server) -> None:
         headers={"authorization": f"Bearer {KEY}"},
     )
     assert r.status_code == 403 and r.json()["error"]["code"] == "admin_api_off"
+
+
+def test_client_kv_transfer_params_pass_through_without_forged_hints(
+    server: Server, monkeypatch
+) -> None:
+    """vLLM's kv_transfer_params reach the engine unchanged, with kvroute's hints merged in; a
+    client cannot forge the hints (a pin order is the admin API's alone)."""
+    seen: list[dict | None] = []
+    for engine in server.stack.engines.values():
+        original = engine.generate
+
+        def spy(request, original=original):  # type: ignore[no-untyped-def]
+            seen.append(request.kv_transfer_params)
+            return original(request)
+
+        monkeypatch.setattr(engine, "generate", spy)
+    params = {"do_remote_decode": False, "kvroute": {"pin": True, "category": "forged"}}
+    r = httpx.post(
+        f"http://127.0.0.1:{server.port}/v1/completions",
+        json={"model": MODEL, "prompt": "hello", "max_tokens": 2, "kv_transfer_params": params},
+        headers={"authorization": f"Bearer {KEY}"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    (sent,) = seen
+    assert sent is not None and sent["do_remote_decode"] is False
+    assert sent["kvroute"] == {"category": "text_1", "turn": 1}
