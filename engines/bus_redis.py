@@ -30,14 +30,17 @@ class RedisStreamBus(EventBus):
         stream: str = "kvroute:kv-events",
         maxlen: int = 100_000,
         client: Any = None,
+        **auth: Any,
     ) -> None:
+        """``auth``: the client's credentials and TLS options (``BusConfig.redis_auth``:
+        ``username``, ``password``, ``ssl``, ``ssl_ca_certs``)."""
         if maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
         import redis
 
         self.url, self.stream, self.maxlen = url, stream, maxlen
         self._counter = f"{stream}:next"
-        self._redis = client if client is not None else redis.Redis.from_url(url)
+        self._redis = client if client is not None else redis.Redis.from_url(url, **auth)
         self._publish = self._redis.register_script(_PUBLISH)
 
     def publish(self, payload: bytes) -> int:

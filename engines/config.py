@@ -7,8 +7,11 @@ it can cross into Ray Serve replicas as a plain dict.
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,6 +20,7 @@ from engines.tiny_model import TINY_MODEL
 
 EngineKind = Literal["sim", "vllm"]
 BusBackend = Literal["ray", "redis"]
+REDIS_PASSWORD_ENV = "KVROUTE_REDIS_PASSWORD"
 
 
 class StrictModel(BaseModel):
@@ -176,12 +180,55 @@ class BusConfig(StrictModel):
     name: str = Field("kvroute", min_length=1, description="hub actor / stream name prefix")
     maxlen: int = Field(100_000, ge=1, description="KV-event log length (entries)")
     load_maxlen: int = Field(10_000, ge=1, description="load-sample log length (entries)")
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="redis:// or rediss:// (TLS); never with a password in it (see below)",
+    )
+    redis_username: str | None = Field(
+        None, min_length=1, description="Redis ACL user; None: the default user"
+    )
+    redis_password_file: str | None = Field(
+        None,
+        description=f"a file holding the Redis password (first line); ${REDIS_PASSWORD_ENV} "
+        "wins when set; a password is never a config value",
+    )
+    redis_tls: bool = Field(False, description="TLS to Redis (as a rediss:// URL does)")
+    redis_ca_file: str | None = Field(None, description="CA bundle that signs Redis's certificate")
     detached: bool = Field(
         True,
         description="ray: hubs outlive their creator; False ties them to the handles the "
         "driver keeps from open_buses (Ray collects an unreferenced non-detached actor)",
     )
+
+    @model_validator(mode="after")
+    def _no_secret_in_url(self) -> BusConfig:
+        if urlsplit(self.redis_url).password:
+            raise ValueError(
+                f"redis_url: holds a password; put it in ${REDIS_PASSWORD_ENV} or "
+                "redis_password_file, never in a config file"
+            )
+        return self
+
+    def redis_auth(self) -> dict[str, Any]:
+        """The Redis client's credentials and TLS options, read where the bus is opened (the
+        password from ``$KVROUTE_REDIS_PASSWORD`` or ``redis_password_file``)."""
+        out: dict[str, Any] = {}
+        password = os.environ.get(REDIS_PASSWORD_ENV)
+        if not password and self.redis_password_file:
+            try:
+                lines = Path(self.redis_password_file).read_text().splitlines()
+            except OSError as e:
+                raise ValueError(f"bus.redis_password_file: cannot read it: {e}") from None
+            password = lines[0].strip() if lines else ""
+        if password:
+            out["password"] = password
+        if self.redis_username:
+            out["username"] = self.redis_username
+        if self.redis_tls:
+            out["ssl"] = True
+        if self.redis_ca_file:
+            out["ssl_ca_certs"] = self.redis_ca_file
+        return out
 
     @property
     def events_name(self) -> str:

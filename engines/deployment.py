@@ -131,9 +131,10 @@ def open_buses(cfg: BusConfig, create: bool = True) -> tuple[EventBus, EventBus]
         )
     from engines.bus_redis import RedisStreamBus
 
+    auth = cfg.redis_auth()
     return (
-        RedisStreamBus(cfg.redis_url, stream=f"{cfg.events_name}", maxlen=cfg.maxlen),
-        RedisStreamBus(cfg.redis_url, stream=f"{cfg.loads_name}", maxlen=cfg.load_maxlen),
+        RedisStreamBus(cfg.redis_url, stream=cfg.events_name, maxlen=cfg.maxlen, **auth),
+        RedisStreamBus(cfg.redis_url, stream=cfg.loads_name, maxlen=cfg.load_maxlen, **auth),
     )
 
 

@@ -51,7 +51,9 @@ class EngineWatcher:
         self.ingestor = ingestor
         self.loads_bus = loads
         # NOTE: load samples only matter live: history would make long-gone instances look alive.
-        self.load_cursor = loads.end()
+        # The cursor starts at the bus's end, read on the first fetch: a bus that cannot be
+        # reached yet (Redis down, wrong password) must not stop a router from starting.
+        self.load_cursor: int | None = None
         self.timeout_s, self.resync_interval_s = timeout_s, resync_interval_s
         self.request_resync = request_resync
         self.loads: dict[str, LoadSnapshot] = {}  # latest sample per live instance
@@ -67,6 +69,8 @@ class EngineWatcher:
     def fetch(self) -> tuple[BusRead, BusRead]:
         """Read both buses (the I/O half of ``pump``: no shared state is touched)."""
         events = self.consumer.bus.read(self.consumer.cursor)
+        if self.load_cursor is None:
+            self.load_cursor = self.loads_bus.end()
         return events, self.loads_bus.read(self.load_cursor)
 
     def apply(self, fetched: tuple[BusRead, BusRead], now: float) -> list[str]:
