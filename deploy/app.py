@@ -15,7 +15,13 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
-from deploy.config import RAY_PREFIX_ROUTER, ServeConfig, admin_keys, placement_recorder
+from deploy.config import (
+    RAY_PREFIX_ROUTER,
+    ServeConfig,
+    admin_keys,
+    api_keys,
+    placement_recorder,
+)
 from engines.deployment import build_engine_app, open_buses
 from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.tiny_model import resolve_model
@@ -84,8 +90,10 @@ class IngressDeployment:
                 model=ecfg.model_name,
                 max_model_len=ecfg.max_model_len,
                 block_size=ecfg.block_size,
-                api_keys=frozenset(self.cfg.router.api_keys),
+                api_keys=api_keys(self.cfg.router),
                 admin_keys=admin_keys(self.cfg.router),
+                rate_limit=self.cfg.router.rate_limit_rps,
+                rate_burst=self.cfg.router.rate_limit_burst,
                 pins=ecfg.cpu_tier is not None,
                 max_body_bytes=self.cfg.router.max_body_bytes,
             ),

@@ -21,6 +21,7 @@ from router.state import JsonlRecorder
 
 RAY_PREFIX_ROUTER = "ray_prefix"  # Ray Serve's own PrefixCacheAffinityRouter, as a peer
 ADMIN_KEY_ENV = "KVROUTE_ADMIN_KEY"
+API_KEYS_ENV = "KVROUTE_API_KEYS"
 
 
 class RouterConfig(StrictModel):
@@ -37,7 +38,16 @@ class RouterConfig(StrictModel):
     max_in_flight: int = Field(1024, ge=1)
     max_queue: int = Field(1024, ge=0)
     max_wait_s: float = Field(30.0, gt=0)
-    api_keys: list[str] = Field(default_factory=list)
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="client API keys; prefer api_key_file or $KVROUTE_API_KEYS (comma-"
+        "separated) in production, which count too: a config file is not a secret store",
+    )
+    api_key_file: str | None = Field(None, description="a file of client API keys, one per line")
+    rate_limit_rps: float | None = Field(
+        None, gt=0, description="requests/s per API key (per address without keys); None: none"
+    )
+    rate_limit_burst: int = Field(20, ge=1, description="requests a client may send at once")
     admin_key_file: str | None = Field(
         None,
         description="a file holding the KV control API's admin key(s), one per line; the keys "
@@ -71,16 +81,26 @@ class RouterConfig(StrictModel):
         return self
 
 
+def _keys(env: str, path: str | None, field: str) -> list[str]:
+    keys = [k.strip() for k in os.environ.get(env, "").split(",")]
+    if path:
+        try:
+            keys += [k.strip() for k in Path(path).read_text().splitlines()]
+        except OSError as e:
+            raise ValueError(f"router.{field}: cannot read it: {e}") from None
+    return [k for k in keys if k]
+
+
 def admin_keys(cfg: RouterConfig) -> frozenset[str]:
     """The admin keys from ``cfg.admin_key_file`` and ``$KVROUTE_ADMIN_KEY``, read where the
     ingress runs (never a YAML value: a config file is not a secret store)."""
-    keys = [k.strip() for k in os.environ.get(ADMIN_KEY_ENV, "").split(",")]
-    if cfg.admin_key_file:
-        try:
-            keys += [k.strip() for k in Path(cfg.admin_key_file).read_text().splitlines()]
-        except OSError as e:
-            raise ValueError(f"router.admin_key_file: cannot read it: {e}") from None
-    return frozenset(k for k in keys if k)
+    return frozenset(_keys(ADMIN_KEY_ENV, cfg.admin_key_file, "admin_key_file"))
+
+
+def api_keys(cfg: RouterConfig) -> frozenset[str]:
+    """The client API keys: ``cfg.api_keys``, ``cfg.api_key_file`` and ``$KVROUTE_API_KEYS``
+    (none: the API is open)."""
+    return frozenset([*cfg.api_keys, *_keys(API_KEYS_ENV, cfg.api_key_file, "api_key_file")])
 
 
 def placement_recorder(cfg: RouterConfig) -> JsonlRecorder | None:

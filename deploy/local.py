@@ -5,6 +5,7 @@ directly; used by the router-overhead benchmark and HTTP-layer tests, and fine f
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -34,12 +35,11 @@ class LocalStack:
         scorer: Scorer | str = "kv_ttft",
         kv_capacity_blocks: int = 0,
         admission: Admission | None = None,
-        api_keys: frozenset[str] = frozenset(),
-        admin_keys: frozenset[str] = frozenset(),
-        pins: bool = False,
-        session_hints: bool = True,
         recorder: PlacementRecorder | None = None,
+        **ingress: Any,
     ) -> None:
+        """``ingress``: ``IngressConfig`` fields past model, context and block size (api_keys,
+        admin_keys, pins, session_hints, rate_limit ...)."""
         self.engines = dict(engines)
         self.model, self.block_size = model, block_size
         self.kv_bus, self.load_bus = InProcessBus(), InProcessBus()
@@ -57,15 +57,7 @@ class LocalStack:
         self.dispatcher = Dispatcher(self.state, self.client)
         self.forwarders: list[KvEventForwarder] = []
         self.app: FastAPI = build_app(
-            IngressConfig(
-                model,
-                max_model_len,
-                block_size,
-                api_keys=api_keys,
-                admin_keys=admin_keys,
-                pins=pins,
-                session_hints=session_hints,
-            ),
+            IngressConfig(model, max_model_len, block_size, **ingress),
             self.dispatcher,
             tokenizer,
         )

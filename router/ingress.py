@@ -28,6 +28,7 @@ from router.hints import PolicyHints, conversation_ids, parse_continuation
 from router.kv_control import KvControl, kv_routes
 from router.metrics import RouterMetrics
 from router.placement import NoInstanceError
+from router.ratelimit import RateLimiter
 from router.responses import ResponseBuilder
 from router.tokenizer import PromptTokenizer
 
@@ -41,6 +42,10 @@ class IngressConfig:
     max_model_len: int
     block_size: int
     api_keys: frozenset[str] = field(default_factory=frozenset)
+    # requests per second per API key (per client address without keys), bursts of rate_burst;
+    # None: no limit. Over it: 429 with Retry-After.
+    rate_limit: float | None = None
+    rate_burst: int = 20
     # the KV control API (/v1/kv/*) answers only these keys; none: the API is off (403)
     admin_keys: frozenset[str] = field(default_factory=frozenset)
     pins: bool = False  # the engines' CPU tier honours pins (engines.engine.cpu_tier is set)
@@ -222,6 +227,10 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
             _, APIError(500, f"internal error: {type(e).__name__}", type_="server_error")
         )
 
+    limiter = (
+        RateLimiter(config.rate_limit, config.rate_burst) if config.rate_limit is not None else None
+    )
+
     def check_auth(request: Request) -> None:
         if config.api_keys and not _authorized(request, config.api_keys):
             raise APIError(
@@ -229,6 +238,23 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
                 "missing or invalid API key",
                 type_="authentication_error",
                 code="invalid_api_key",
+            )
+
+    def check_rate(request: Request) -> None:
+        """One request of this client's allowance (its key, or its address without keys)."""
+        if limiter is None:
+            return
+        auth = request.headers.get("authorization", "")
+        client = auth if config.api_keys else (request.client.host if request.client else "")
+        wait = limiter.take(client, time.monotonic())
+        if wait > 0:
+            raise APIError(
+                429,
+                f"rate limit: {config.rate_limit:g} requests/s per client "
+                f"(bursts of {config.rate_burst}); retry in {wait:.2f} s",
+                type_="rate_limit_error",
+                code="rate_limited",
+                headers={"Retry-After": RateLimiter.retry_after(wait)},
             )
 
     def check_admin(request: Request) -> None:
@@ -298,6 +324,7 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
 
     async def handle(request: Request, chat: bool) -> Response:
         check_auth(request)
+        check_rate(request)
         body = await _read_json_body(request, config.max_body_bytes)
         try:
             req: ChatCompletionRequest | CompletionRequest = (

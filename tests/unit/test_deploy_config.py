@@ -86,3 +86,15 @@ def test_admin_keys_come_from_the_environment_and_a_file(tmp_path: Path, monkeyp
     assert admin_keys(RouterConfig(admin_key_file=str(keys))) == {"k1", "k2", "k3"}
     with pytest.raises(ValueError, match="admin_key_file"):
         admin_keys(RouterConfig(admin_key_file=str(tmp_path / "missing")))
+
+
+def test_api_keys_come_from_the_config_the_environment_and_a_file(
+    tmp_path: Path, monkeypatch
+) -> None:
+    from deploy.config import RouterConfig, api_keys
+
+    monkeypatch.setenv("KVROUTE_API_KEYS", "e1,e2")
+    keys = tmp_path / "api.keys"
+    keys.write_text("f1\n")
+    cfg = RouterConfig(api_keys=["y1"], api_key_file=str(keys), rate_limit_rps=5)
+    assert api_keys(cfg) == {"y1", "e1", "e2", "f1"}
