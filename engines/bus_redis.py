@@ -4,19 +4,27 @@ One stream per bus. Offsets are dense integers, so every entry gets the explicit
 ``0-<offset + 1>``, assigned with a counter in the same Lua call as the XADD (atomic: concurrent
 publishers never reorder ids). ``MAXLEN ~`` bounds the stream; a consumer that falls behind the
 trimmed head sees ``lost > 0`` and resyncs, exactly as with the in-process bus.
+
+A Redis that restarts without its data starts the log again at offset 0. Every log carries an
+epoch (a random token its first publisher sets); a reader that sees the epoch change starts
+again from the new log's head and reports everything before its cursor lost, so routers ask
+every engine for a snapshot instead of waiting, blind, for the new log to pass their cursor.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from cachemap.bus import BusRead, EventBus
 
 log = logging.getLogger(__name__)
 
-# KEYS[1] stream, KEYS[2] counter; ARGV[1] payload, ARGV[2] maxlen. Returns the new offset.
+# KEYS[1] stream, KEYS[2] counter, KEYS[3] epoch; ARGV[1] payload, ARGV[2] maxlen, ARGV[3] a
+# candidate epoch (the first publisher to a fresh log sets it). Returns the new offset.
 _PUBLISH = """
+redis.call('SETNX', KEYS[3], ARGV[3])
 local n = redis.call('INCR', KEYS[2])
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '0-' .. n, 'd', ARGV[1])
 return n - 1
@@ -40,14 +48,27 @@ class RedisStreamBus(EventBus):
 
         self.url, self.stream, self.maxlen = url, stream, maxlen
         self._counter = f"{stream}:next"
+        self._epoch_key = f"{stream}:epoch"
+        self._epoch: bytes | None = None  # the log's epoch this reader last saw
         self._redis = client if client is not None else redis.Redis.from_url(url, **auth)
         self._publish = self._redis.register_script(_PUBLISH)
 
     def publish(self, payload: bytes) -> int:
-        return int(self._publish(keys=[self.stream, self._counter], args=[payload, self.maxlen]))
+        keys = [self.stream, self._counter, self._epoch_key]
+        return int(self._publish(keys=keys, args=[payload, self.maxlen, uuid.uuid4().hex]))
 
     def read(self, cursor: int, max_items: int = 4096) -> BusRead:
-        entries = self._redis.xrange(self.stream, min=f"0-{cursor + 1}", count=max_items)
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.xrange(self.stream, min=f"0-{cursor + 1}", count=max_items)
+        pipe.get(self._epoch_key)
+        entries, epoch = pipe.execute()
+        if epoch is not None and epoch != self._epoch:
+            reset = self._epoch is not None
+            self._epoch = epoch
+            if reset:  # a new log: read it from its head; all we had not read is lost
+                log.warning("stream %s: the log was reset (Redis restarted?)", self.stream)
+                got = self.read(0, max_items)
+                return BusRead(got.items, got.cursor, got.lost + max(cursor, 1))
         if not entries:
             end = self.end()
             # Everything from cursor to end was trimmed (or nothing new was published).

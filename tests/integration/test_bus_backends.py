@@ -106,3 +106,28 @@ def test_translator_to_cachemap_round_trip(make_bus: BusFactory) -> None:
     BusConsumer(bus, CacheMapIngestor(cmap)).pump()
     assert cmap.match(block_hashes(tokens, 16, salt_hash("m"))) == {"e0": Match(0, 4)}
     assert cmap.count("e0", Tier.CPU) == 4
+
+
+def test_a_redis_log_that_starts_again_is_read_from_its_head_and_reported_lost(
+    redis_url: str,
+) -> None:
+    """A Redis restarted without its data starts the log at offset 0 again: a reader past the
+    new log's end must not wait, blind, for it to catch up (it would skip its first entries)."""
+    import redis
+
+    from engines.bus_redis import RedisStreamBus
+
+    stream = f"test:{uuid.uuid4().hex}"
+    writer, reader = RedisStreamBus(redis_url, stream), RedisStreamBus(redis_url, stream)
+    for i in range(5):
+        writer.publish(f"old{i}".encode())
+    first = reader.read(0)
+    assert first.cursor == 5 and first.lost == 0
+    admin = redis.Redis.from_url(redis_url)
+    admin.delete(stream, f"{stream}:next", f"{stream}:epoch")  # what a restart without data does
+    for i in range(2):
+        writer.publish(f"new{i}".encode())
+    again = reader.read(first.cursor)
+    assert again.items == [b"new0", b"new1"] and again.cursor == 2 and again.lost > 0
+    assert reader.read(again.cursor) == ([], 2, 0)
+    admin.close()
