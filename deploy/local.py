@@ -5,11 +5,12 @@ directly; used by the router-overhead benchmark and HTTP-layer tests, and fine f
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI
 
-from cachemap.bus import InProcessBus
+from cachemap.bus import EventBus, InProcessBus
 from cachemap.ingest import EngineEventTranslator
 from engines.base import Engine
 from engines.forwarder import KvEventForwarder
@@ -36,13 +37,18 @@ class LocalStack:
         kv_capacity_blocks: int = 0,
         admission: Admission | None = None,
         recorder: PlacementRecorder | None = None,
+        buses: tuple[EventBus, EventBus] | None = None,
+        forward: bool = True,
         **ingress: Any,
     ) -> None:
         """``ingress``: ``IngressConfig`` fields past model, context and block size (api_keys,
-        admin_keys, pins, session_hints, rate_limit ...)."""
+        admin_keys, pins, session_hints, rate_limit ...). ``buses``: the (KV-event, load) buses
+        (default: in-process ones). ``forward=False``: another stack runs these engines and their
+        forwarders on ``buses``, and this one is one more router replica over them."""
         self.engines = dict(engines)
         self.model, self.block_size = model, block_size
-        self.kv_bus, self.load_bus = InProcessBus(), InProcessBus()
+        self.kv_bus, self.load_bus = buses or (InProcessBus(), InProcessBus())
+        self.forward = forward
         self.state = RouterState(
             scorer,
             latency,
@@ -63,7 +69,8 @@ class LocalStack:
         )
 
     async def start(self) -> None:
-        for iid, engine in self.engines.items():
+        take = getattr(self.kv_bus, "take_resync", None)  # buses that carry resync requests
+        for iid, engine in self.engines.items() if self.forward else ():
             await engine.start()
             endpoint = engine.kv_events_endpoint
             if endpoint is None:
@@ -75,6 +82,7 @@ class LocalStack:
                 replay_endpoint=engine.kv_events_replay_endpoint,
                 load_bus=self.load_bus,
                 load_fn=engine.load,
+                resync_poll=partial(take, iid) if take is not None else None,
             )
             fwd.start()
             self.forwarders.append(fwd)
@@ -85,5 +93,5 @@ class LocalStack:
         self.state.stop()
         for fwd in self.forwarders:
             fwd.stop(gone=True)
-        for engine in self.engines.values():
+        for engine in self.engines.values() if self.forward else ():
             await engine.stop()

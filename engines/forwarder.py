@@ -182,8 +182,12 @@ class KvEventForwarder:
             self.next_engine_seq = seq + 1
         with self._lock:
             msg = self.translator.feed(payload, seq, self.clock())
-            if msg is not None:
-                self.bus.publish(encode_message(msg))
+            if msg is None:
+                return
+            data = encode_message(msg)
+            # NOTE: a bus that is down (Redis restarting) loses this message, not the thread:
+            # its sequence number is spent, so consumers see the gap and ask for a snapshot.
+            if self._guard(lambda: self.bus.publish(data)) is not None:
                 self.published += 1
 
     def _replay(self, start: int, timeout_ms: int = 1000) -> None:

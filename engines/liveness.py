@@ -51,9 +51,14 @@ class EngineWatcher:
         self.ingestor = ingestor
         self.loads_bus = loads
         # NOTE: load samples only matter live: history would make long-gone instances look alive.
-        # The cursor starts at the bus's end, read on the first fetch: a bus that cannot be
-        # reached yet (Redis down, wrong password) must not stop a router from starting.
-        self.load_cursor: int | None = None
+        # A bus that cannot be reached yet (Redis down, wrong password) must not stop a router
+        # from starting: then the cursor starts at the end the first successful fetch sees.
+        self.load_cursor: int | None
+        try:
+            self.load_cursor = loads.end()
+        except Exception as e:
+            log.warning("load bus unreadable at start; routing without it for now: %s", e)
+            self.load_cursor = None
         self.timeout_s, self.resync_interval_s = timeout_s, resync_interval_s
         self.request_resync = request_resync
         self.loads: dict[str, LoadSnapshot] = {}  # latest sample per live instance
@@ -61,6 +66,7 @@ class EngineWatcher:
         self._resync_asked: dict[str, float] = {}
         self.dropped = 0
         self.malformed_loads = 0
+        self._blind_since: float | None = None  # when reading the buses started failing
 
     def pump(self, now: float) -> list[str]:
         """Apply what is new; returns the instances dropped as silent by this call."""
@@ -73,8 +79,19 @@ class EngineWatcher:
             self.load_cursor = self.loads_bus.end()
         return events, self.loads_bus.read(self.load_cursor)
 
+    def unreadable(self, now: float) -> None:
+        """A ``fetch`` failed (the bus is down or refuses us): time until the next successful
+        read is ours, not the engines' silence, and does not count towards dropping them."""
+        if self._blind_since is None:
+            self._blind_since = now
+
     def apply(self, fetched: tuple[BusRead, BusRead], now: float) -> list[str]:
         """Apply what ``fetch`` read; returns the instances dropped as silent."""
+        if self._blind_since is not None:
+            blind = max(0.0, now - self._blind_since)
+            self._blind_since = None
+            for inst in self.last_seen:
+                self.last_seen[inst] += blind
         events, got = fetched
         self.consumer.apply(events)
         self.load_cursor = got.cursor

@@ -331,6 +331,9 @@ class RouterState:
             if not self.bus_errors:
                 log.warning("event bus read failed; routing on stale state: %s", e)
             self.bus_errors += 1
+            if self.core.watcher is not None:
+                with self._lock:  # engines are not silent while we cannot hear them
+                    self.core.watcher.unreadable(self.clock() if now is None else now)
 
     def start(self, interval_s: float = 0.005) -> None:
         if self._thread is not None or self.core.watcher is None:

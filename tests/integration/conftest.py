@@ -20,14 +20,19 @@ REDIS_USER, REDIS_PASSWORD = "kvroute", "test-secret-3f9a"
 
 @contextmanager
 def redis_server(
-    workdir: Path, *extra: str, username: str | None = None, password: str | None = None
+    workdir: Path,
+    *extra: str,
+    username: str | None = None,
+    password: str | None = None,
+    port: int | None = None,
 ) -> Iterator[str]:
-    """A redis-server on a free loopback port (``extra``: more server arguments); yields its
-    URL (without credentials) once it answers ``username``/``password``."""
+    """A redis-server on ``port`` (default: a free loopback port; ``extra``: more server
+    arguments); yields its URL (without credentials) once it answers ``username``/``password``,
+    and stops it afterwards."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.fail("redis-server is not installed: `make test` installs it (apt-get)")
-    port = free_port()
+    port = port or free_port()
     args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
     proc = subprocess.Popen(
         [*args, "--dir", str(workdir), *extra],

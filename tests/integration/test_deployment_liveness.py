@@ -47,6 +47,17 @@ def test_silent_instances_are_dropped_and_live_ones_kept() -> None:
     assert "b" in w.live() and "b" in w.ingestor.needs_resync
 
 
+def test_time_the_buses_could_not_be_read_is_not_silence() -> None:
+    events, loads = InProcessBus(), InProcessBus()
+    w = EngineWatcher(events, loads, CacheMapIngestor(CacheMap()), timeout_s=2.0)
+    loads.publish(_load("a"))
+    assert w.pump(0.0) == []
+    w.unreadable(0.5)  # the bus went away at 0.5 ...
+    w.unreadable(1.0)  # (still away: the first failure counts)
+    assert w.pump(5.0) == []  # ... and came back at 5.0: 0.5 s of silence, not 5
+    assert w.pump(6.6) == ["a"]  # truly silent since: dropped 2 s later
+
+
 def test_gaps_ask_for_a_resync_at_most_once_per_interval() -> None:
     events, loads = InProcessBus(), InProcessBus()
     asked: list[str] = []
