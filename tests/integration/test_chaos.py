@@ -68,8 +68,13 @@ class Cluster:
             tokenizer=self.tok,
             admin_keys=frozenset({ADMIN}),
         )
+        self.common = common
         self.a = LocalStack(engines, buses=self.buses(), **common)
-        self.b = LocalStack(engines, buses=self.buses(), forward=False, **common)
+        self.b = self.replica()
+
+    def replica(self) -> LocalStack:
+        """One more router replica over the bus (engines and forwarders are the first one's)."""
+        return LocalStack(self.a.engines, buses=self.buses(), forward=False, **self.common)
 
     def buses(self) -> tuple[RedisStreamBus, RedisStreamBus]:
         return RedisStreamBus(self.url, "kvroute-chaos:ev"), RedisStreamBus(
@@ -92,6 +97,9 @@ class Cluster:
             for tier in (Tier.GPU.value, Tier.CPU.value):
                 out[(fwd.instance, tier)] = {b.hash for b in snap.blocks if tier in b.tiers}
         return out
+
+    def equal(self, stack: LocalStack) -> bool:
+        return self.seen(stack) == self.truth()
 
     @staticmethod
     def seen(stack: LocalStack) -> dict[tuple[str, str], set[int]]:
@@ -242,3 +250,22 @@ def test_dropped_events_are_detected_and_repaired(
         assert seen[holder] > 0
         assert cluster.a.state.place(placement_request(cluster, text)).instance_id == holder
     print(f"\nevent gap: 3 batches dropped, detected and repaired by a snapshot in {took:.2f} s")
+
+
+def test_a_new_router_replica_bootstraps_from_the_bus(cluster: Cluster) -> None:
+    """A router replica that replaces a dead one reads the bus's log (and asks for snapshots where
+    it was trimmed) and routes by prefix once its map equals the engines' truth."""
+    texts = prompts(8, "replace")
+    assert burst(cluster, texts) == [200] * len(texts)
+    cluster.converged()
+    fresh = cluster.replica()
+    start = time.monotonic()
+    with Server(fresh, free_port()):
+        while not cluster.equal(fresh):
+            assert time.monotonic() - start < 15.0, "the new replica never caught up"
+            time.sleep(0.02)
+        took = time.monotonic() - start
+        for text in texts:
+            preq = placement_request(cluster, text)
+            assert fresh.state.place(preq).instance_id == cluster.a.state.place(preq).instance_id
+    print(f"\nnew router replica: routes by prefix {took:.2f} s after it started")
