@@ -69,13 +69,17 @@ class Dispatcher:
     def placement_request(self, routed: RoutedRequest) -> PlacementRequest:
         return request_for_placement(routed)
 
-    def place(self, preq: PlacementRequest, exclude: set[str]) -> Placement | None:
-        """Place and apply the SLO gate (raises ``Rejected``, or ``NoInstanceError`` when no
+    def place(
+        self, preq: PlacementRequest, exclude: set[str], waited_s: float = 0.0
+    ) -> Placement | None:
+        """Place and apply the SLO gate to the estimate plus ``waited_s`` (time the request
+        already spent in admission's queue; raises ``Rejected``, or ``NoInstanceError`` when no
         engine is left to try); None without pre-placement."""
         if not self.pre_place:
             return None
         placement = self.state.place(preq, exclude=exclude)
-        self.state.admission.check_slo(placement.estimated_ttft_s)
+        estimate = placement.estimated_ttft_s
+        self.state.admission.check_slo(estimate + waited_s if estimate is not None else None)
         return placement
 
     async def stream(

@@ -339,3 +339,17 @@ def test_load_tracker_survives_reassignment_clock_steps_and_re_registration() ->
         lt.finished(rid)
     assert lt.in_flight() == 0
     assert [(v.waiting, v.running) for v in lt.views(now=20.0)] == [(0, 0), (0, 0)]
+
+
+def test_the_slo_gate_counts_time_already_spent_in_the_queue() -> None:
+    """A request that waited in admission's queue has that much less TTFT budget left."""
+    from router.dispatch import Dispatcher
+    from router.state import RouterState
+
+    state = RouterState("kv_ttft", Linear(), block_size=BS, admission=Admission(slo_ttft_s=0.5))
+    state.sync_instances(["a"])
+    d = Dispatcher(state, client=None)  # type: ignore[arg-type]
+    r = req(100)  # 160 ms cold on an idle instance
+    assert d.place(r, set(), waited_s=0.2) is not None
+    with pytest.raises(Rejected):
+        d.place(r, set(), waited_s=0.4)
