@@ -53,7 +53,6 @@ def stack(slow: float, admission: Admission, tok: PromptTokenizer) -> LocalStack
             vocab_size=tok.vocab_size,
             token_offset=10,
             max_model_len=4096,
-            max_num_seqs=8,
         )
         for i in range(2)
     }
