@@ -95,6 +95,7 @@ class IngressDeployment:
                 rate_limit=self.cfg.router.rate_limit_rps,
                 rate_burst=self.cfg.router.rate_limit_burst,
                 pins=ecfg.cpu_tier is not None,
+                engine_kind=ecfg.kind,
                 max_body_bytes=self.cfg.router.max_body_bytes,
             ),
             self.dispatcher,

@@ -8,6 +8,7 @@ both, translating them into stamped ``cachemap`` messages on the event bus.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,23 +17,79 @@ import msgspec
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
-    """The subset of sampling that routing and the sim engine need; passed through to vLLM."""
+    """How to sample one sequence; every field means what vLLM's ``SamplingParams`` field of the
+    same name means, and a vLLM engine receives them all. The sim engine honours ``max_tokens``,
+    ``seed``, ``stop_token_ids`` and ``min_tokens``; it has no token distribution, so the knobs
+    that shape one (temperature ... repetition_penalty) change nothing there, and the ingress
+    refuses what it cannot honour (logprobs, logit_bias, structured outputs ...). ``stop``
+    strings are applied by the engine where it detokenizes (vLLM), else by the ingress on the
+    text it detokenizes (the sim engine ignores them).
+
+    None on a distribution knob means the engine's default: the model's generation config,
+    else OpenAI's (temperature 1, top_p 1, no top_k/min_p, no penalties).
+    """
 
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 or -1: off
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
+    # top candidates returned per output token besides the sampled one (None: no logprobs)
+    logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None  # these ids' logprobs instead of the top-k
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = msgspec.field(default_factory=list)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # vLLM's ``StructuredOutputsParams`` as keyword arguments (json, regex, choice, grammar,
+    # json_object, ...); None: unconstrained
+    structured_outputs: dict[str, Any] | None = None
+    stream_interval: int | None = None
+    extra_args: dict[str, Any] | None = None  # vLLM's extra_args (the request's vllm_xargs)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if self.temperature is not None and not 0 <= self.temperature <= 2:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or >= 1, got {self.top_k}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.repetition_penalty is not None and not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ValueError(f"logprobs must be >= 0 (or -1: all), got {self.logprobs}")
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    """One candidate token at one output position."""
+
+    token_id: int
+    logprob: float
+    token: str | None = None  # decoded by the engine; None: the ingress decodes it
 
 
 class EngineRequest(msgspec.Struct):
@@ -66,6 +123,15 @@ class EngineOutput(msgspec.Struct):
     usage: Usage | None = None  # on the final output
     kv_transfer_params: dict[str, Any] | None = None  # PD: returned by a prefill engine
     instance_id: str | None = None  # the instance that ran it, on the first output (Serve)
+    # per new token (when ``sampling.logprobs`` or ``logprob_token_ids`` is set), in vLLM's
+    # order: the sampled token first, then the candidates by rank (or the requested ids)
+    logprobs: list[list[TopLogprob]] | None = None
+    # on a final output with finish_reason "stop": the stop string or stop token id that ended it
+    # (None: the EOS token)
+    stop_reason: int | str | None = None
+    # the engine refused the request as invalid (a client error, e.g. a JSON schema its
+    # structured-output backend cannot compile): the only output, finished, reason "error"
+    error: str | None = None
 
 
 # Seconds between two load samples of one engine on the load bus (the production interval).

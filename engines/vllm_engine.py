@@ -32,6 +32,7 @@ from engines.base import (
     EngineRequest,
     LoadSnapshot,
     SamplingParams,
+    TopLogprob,
     Usage,
 )
 from engines.config import CpuTierConfig
@@ -275,23 +276,63 @@ class VllmEngine(Engine):
     # -- requests ----------------------------------------------------------------------------
 
     def _sampling(self, request: EngineRequest) -> Any:
+        """vLLM's ``SamplingParams`` for ``request``: every field of ours under its vLLM name;
+        distribution knobs left unset take the model's generation config (vLLM's OpenAI server's
+        rule), then OpenAI's defaults. Raises ``ValueError`` (vLLM's validation) if invalid."""
         from vllm import SamplingParams as VllmSamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         s: SamplingParams = request.sampling
-        extra = None
+        extra = dict(s.extra_args) if s.extra_args else {}
         if request.kv_transfer_params is not None:
-            extra = {"kv_transfer_params": dict(request.kv_transfer_params)}
-        return VllmSamplingParams(
+            extra["kv_transfer_params"] = dict(request.kv_transfer_params)
+        # NOTE: vLLM reads the generation config from disk on every call: once per engine.
+        model_defaults: dict[str, Any] | None = getattr(self, "_generation_defaults", None)
+        if model_defaults is None and self._llm is not None:
+            try:
+                model_defaults = dict(self._llm.model_config.get_diff_sampling_param())
+            except Exception as e:  # no readable generation config: OpenAI's defaults
+                log.debug("engine %s: no generation-config defaults: %s", self.instance_id, e)
+                model_defaults = {}
+            self._generation_defaults = model_defaults
+        model_defaults = model_defaults or {}
+        openai_defaults: dict[str, Any] = {
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "repetition_penalty": 1.0,
+        }
+        knobs = {
+            name: value
+            if (value := getattr(s, name)) is not None
+            else model_defaults.get(name, default)
+            for name, default in openai_defaults.items()
+        }
+        return VllmSamplingParams.from_optional(
+            **knobs,
             max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
             seed=s.seed,
+            stop=list(s.stop),
             stop_token_ids=list(s.stop_token_ids),
+            include_stop_str_in_output=s.include_stop_str_in_output,
             ignore_eos=s.ignore_eos,
             min_tokens=s.min_tokens,
+            logprobs=s.logprobs if not s.logprob_token_ids else None,
+            logprob_token_ids=list(s.logprob_token_ids) if s.logprob_token_ids else None,
+            logit_bias=dict(s.logit_bias) if s.logit_bias else None,
+            allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids else None,
+            bad_words=list(s.bad_words),
+            skip_special_tokens=s.skip_special_tokens,
+            spaces_between_special_tokens=s.spaces_between_special_tokens,
+            structured_outputs=StructuredOutputsParams(**s.structured_outputs)
+            if s.structured_outputs
+            else None,
+            stream_interval=s.stream_interval,
             output_kind=RequestOutputKind.DELTA,
-            extra_args=extra,
+            extra_args=extra or None,
         )
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
@@ -313,35 +354,58 @@ class VllmEngine(Engine):
         )
         completion = 0
         try:
-            async for out in llm.generate(prompt, self._sampling(request), request.request_id):
-                c = out.outputs[0] if out.outputs else None
-                ids = list(c.token_ids) if c is not None else []
-                completion += len(ids)
-                st.started, st.generated = True, completion
-                reason = c.finish_reason if c is not None else None
-                if out.finished and reason not in _FINISH_REASONS:
-                    reason = "stop"
-                if out.finished and (out.num_cached_tokens or 0) + self.block_size < (
-                    st.expected_cached
-                ):
-                    log.info(
-                        "engine %s: request %s found %d cached tokens, the router expected %d",
-                        self.instance_id,
-                        request.request_id,
-                        out.num_cached_tokens or 0,
-                        st.expected_cached,
+            from vllm.exceptions import VLLMClientError
+
+            try:
+                params = self._sampling(request)
+            except (ValueError, VLLMClientError) as e:
+                yield _refused(request.request_id, n, e)
+                return
+            stream = llm.generate(prompt, params, request.request_id)
+            try:
+                while True:
+                    try:
+                        out = await anext(stream)
+                    except StopAsyncIteration:
+                        break
+                    except (ValueError, VLLMClientError) as e:
+                        if st.started:
+                            raise EngineError(f"request {request.request_id} failed: {e}") from e
+                        # vLLM's own request validation (vocabulary, structured-output grammar ...)
+                        yield _refused(request.request_id, n, e)
+                        return
+                    c = out.outputs[0] if out.outputs else None
+                    ids = list(c.token_ids) if c is not None else []
+                    completion += len(ids)
+                    st.started, st.generated = True, completion
+                    reason = c.finish_reason if c is not None else None
+                    if out.finished and reason not in _FINISH_REASONS:
+                        reason = "stop"
+                    if out.finished and (out.num_cached_tokens or 0) + self.block_size < (
+                        st.expected_cached
+                    ):
+                        log.info(
+                            "engine %s: request %s found %d cached tokens, the router expected %d",
+                            self.instance_id,
+                            request.request_id,
+                            out.num_cached_tokens or 0,
+                            st.expected_cached,
+                        )
+                    yield EngineOutput(
+                        request_id=request.request_id,
+                        token_ids=ids,
+                        text=c.text if c is not None else None,
+                        finished=out.finished,
+                        finish_reason=reason if out.finished else None,
+                        usage=Usage(st.prompt_tokens, completion, out.num_cached_tokens or 0)
+                        if out.finished
+                        else None,
+                        kv_transfer_params=out.kv_transfer_params if out.finished else None,
+                        logprobs=_logprobs(c.logprobs, len(ids)) if c is not None else None,
+                        stop_reason=c.stop_reason if c is not None and out.finished else None,
                     )
-                yield EngineOutput(
-                    request_id=request.request_id,
-                    token_ids=ids,
-                    text=c.text if c is not None else None,
-                    finished=out.finished,
-                    finish_reason=reason if out.finished else None,
-                    usage=Usage(st.prompt_tokens, completion, out.num_cached_tokens or 0)
-                    if out.finished
-                    else None,
-                    kv_transfer_params=out.kv_transfer_params if out.finished else None,
-                )
+            finally:
+                await stream.aclose()  # an early close aborts the request in vLLM
         except (ValueError, EngineError):
             raise
         except Exception as e:
@@ -441,3 +505,29 @@ def _kv_bytes_per_token(mc: Any, num_layers: int, args: dict[str, Any]) -> int:
         num_layers, mc.get_total_num_kv_heads(), mc.get_head_size(), itemsize
     )
     return per_token // 2 if getattr(mc, "use_mla", False) else per_token
+
+
+def _refused(request_id: str, prompt_tokens: int, e: Exception) -> EngineOutput:
+    """The one output of a request vLLM refused as invalid (a client error)."""
+    return EngineOutput(
+        request_id,
+        [],
+        finished=True,
+        finish_reason="error",
+        usage=Usage(prompt_tokens, 0, 0),
+        error=str(e),
+    )
+
+
+def _logprobs(positions: Any, count: int) -> list[list[TopLogprob]] | None:
+    """vLLM's sample logprobs of the last ``count`` positions (one ``{token_id: Logprob}`` per
+    position, the sampled token first) as ``TopLogprob`` lists in the same order."""
+    if positions is None or count == 0:
+        return None
+    out = []
+    for i in range(len(positions) - count, len(positions)):
+        step = positions[i]
+        out.append(
+            [TopLogprob(int(t), float(lp.logprob), lp.decoded_token) for t, lp in step.items()]
+        )
+    return out

@@ -1,14 +1,40 @@
-"""OpenAI-compatible request bodies (pydantic) and OpenAI-shaped errors.
+"""OpenAI-compatible request bodies (pydantic), OpenAI-shaped errors, and what the served engines
+support.
 
-Only what kvroute serves is modelled strictly; unknown fields are accepted and ignored, as
-OpenAI-compatible servers commonly do, so clients sending newer fields keep working.
+The request models list exactly the fields vLLM's own OpenAI server accepts for chat and text
+completions (``vllm.entrypoints.openai.*.protocol``), with the same meanings, plus kvroute's
+extensions (``kvroute_category``, ``kvroute_continuation``); any other field is a 400 naming it.
+Nothing is dropped silently: a field kvroute cannot honour (tools, beam search, prompt
+logprobs ...) is accepted only at its default value and is a 400 naming it otherwise, and on sim
+engines so is every field whose effect a client could check but a model-free engine cannot
+produce (logprobs, structured outputs, logit_bias ...; see ``SIM_UNSUPPORTED``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+
+from engines.base import SamplingParams
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# vLLM's VLLM_MAX_STOP_STRINGS default (and OpenAI's limit)
+MAX_STOP_STRINGS = 4
+
+EngineKind = Literal["sim", "vllm"]
+NonEmpty = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0)]
+_RENDER_ONLY = "only for vLLM's render endpoints, which this server does not serve"
 
 
 class APIError(Exception):
@@ -44,43 +70,124 @@ class APIError(Exception):
         }
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+def unsupported(param: str, why: str = "not supported by this server") -> APIError:
+    """The 400 for a parameter kvroute understands but does not honour."""
+    return APIError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Strict(BaseModel):
+    """Unknown fields are errors; NaN and infinities are not numbers (vLLM refuses them).
+    Validation errors locate the field without pydantic's union-member tags (``stop``, not
+    ``stop.list[str]``), so that the 400's ``param`` is the client's field path."""
 
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
-    ignore_eos: bool = False
-    n: int = Field(default=1, ge=1, le=1)
-    cache_salt: str | None = None
-    # kvroute extension: request type for the CPU-tier policy (text/search/image/file).
-    kvroute_category: str | None = None
-    # kvroute extension: the client's probability that this conversation sends another turn,
-    # for the CPU-tier policy (also header x-kvroute-continuation; this field wins)
-    kvroute_continuation: float | None = Field(default=None, ge=0, le=1)
-    # vLLM's field: a KV connector's per-request parameters, passed on to the engine unchanged
-    # (kvroute's policy hints are merged in under "kvroute")
-    kv_transfer_params: dict[str, Any] | None = None
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    def output_limit(self, default: int) -> int:
-        return self.max_completion_tokens or self.max_tokens or default
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Any:
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as e:
+            details: list[Any] = [
+                {**err, "loc": tuple(p for p in err["loc"] if not _union_tag(p))}
+                for err in e.errors(include_url=False)
+            ]
+            raise ValidationError.from_exception_data(e.title, details) from None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _union_tag(part: int | str) -> bool:
+    """``part`` of an error location names a union member, not a field (fields and message
+    indices are snake_case names and ints; tags are types: str, list[str], ResponseFormat ...)."""
+    return isinstance(part, str) and (
+        part in _TYPE_TAGS or part[:1].isupper() or any(c in part for c in "[]-,'")
+    )
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+    # vLLM's extension: every chunk carries the usage so far
+    continuous_usage_stats: bool | None = False
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``; json_object / json_schema go to vLLM's structured outputs
+    (vLLM's ``structural_tag`` type is not supported)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs the 'json_schema' field")
+        return self
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (``StructuredOutputsParams``): exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)
+    json_object: Literal[True] | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = Field(default=None, min_length=1)
+
+    def params(self) -> dict[str, Any]:
+        """Keyword arguments of vLLM's ``StructuredOutputsParams`` (set fields only)."""
+        return self.model_dump(by_alias=True, exclude_unset=True, exclude_none=True)
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+_TEXT_PARTS: dict[str, Any] = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    },
+}
+_TOKEN_IDS: dict[str, Any] = {
+    "type": "array",
+    "minItems": 1,
+    "items": {"type": "integer", "minimum": 0},
+}
+
+
+class ChatMessage(_Strict):
+    """One chat message: the fields vLLM passes to the chat template (text content only)."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]], WithJsonSchema(_TEXT_PARTS)] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, v: str | list[dict[str, Any]] | None) -> Any:
+        for part in v if isinstance(v, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+        return v
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -92,20 +199,376 @@ class ChatMessage(BaseModel):
             parts.append(part["text"])
         return "".join(parts)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template sees it: role and text content, and name,
+        tool_calls and tool_call_id where given (the template decides what it renders)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+class _Common(_Strict):
+    """The fields chat and text completions share (vLLM's names, types and meanings)."""
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Annotated[
+        str | list[str] | None,
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {
+                        "type": "array",
+                        "maxItems": MAX_STOP_STRINGS,
+                        "items": {"type": "string", "minLength": 1},
+                    },
+                    {"type": "null"},
+                ]
+            }
+        ),
+    ] = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[NonEmpty] | None = None
+    logprob_token_ids: list[TokenId] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT64_MAX)
+    truncation_side: Literal["left", "right"] | None = None
+    stream_interval: int | None = Field(default=None, ge=1)
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    # the id of the response (and, suffixed, of the engine request); default: a random one
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # vLLM: a stable id of the conversation; kvroute: the session key when no x-session-id
+    session_id: str | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    # vLLM's rule: 1-128 characters, none of '@', '/', '\\', NUL
+    cache_salt: str | None = Field(
+        default=None, min_length=1, max_length=128, pattern=r"^[^@/\\\x00]+$"
+    )
+    # vLLM's field: a KV connector's per-request parameters, passed on to the engine unchanged
+    # (kvroute's policy hints are merged in under "kvroute")
+    kv_transfer_params: dict[str, Any] | None = None
+    # kvroute extension: request type for the CPU-tier policy (text/search/image/file).
+    kvroute_category: str | None = None
+    # kvroute extension: the client's probability that this conversation sends another turn,
+    # for the CPU-tier policy (also header x-kvroute-continuation; this field wins)
+    kvroute_continuation: float | None = Field(default=None, ge=0, le=1)
+
+    # Accepted by vLLM, not honoured by kvroute: a 400 unless at the default (``refusals``).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    watermarking: bool | None = None
+    prompt_logprobs: int | None = None
+    priority: int = 0
+    thinking_token_budget: int | None = None
+    repetition_detection: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    add_special_tokens: bool | None = None
+    return_token_offsets: bool | None = False
+    mm_payload: Literal["tensors", "none"] = "tensors"
+    return_mm_kwargs: bool | None = None
+    routed_experts_prompt_start: int = 0
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return v
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(
+        cls, v: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("only with stream=true")
+        return v
+
+    # -- what the request asks for ---------------------------------------------------------------
+
+    def output_limit(self, default: int) -> int:
+        return self.max_tokens or default
+
+    def top_candidates(self) -> int | None:
+        """Candidates per output token besides the sampled one (vLLM's ``logprobs``); None: the
+        request wants no logprobs."""
+        raise NotImplementedError
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def wants_logprobs(self) -> bool:
+        return self.top_candidates() is not None or bool(self.logprob_token_ids)
+
+    def structured(self) -> dict[str, Any] | None:
+        """vLLM's ``StructuredOutputsParams`` keyword arguments: ``structured_outputs`` with
+        ``response_format`` applied over it (vLLM's rule); None: unconstrained."""
+        params = self.structured_outputs.params() if self.structured_outputs else {}
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            params["json_object"] = True
+        elif rf is not None and rf.type == "json_schema" and rf.json_schema is not None:
+            params["json"] = rf.json_schema.json_schema
+        if not params:
+            return None
+        given = [k for k in _CONSTRAINTS if params.get(k) is not None]
+        if len(given) != 1:
+            raise APIError(
+                400,
+                "structured outputs need exactly one constraint "
+                f"({', '.join(_CONSTRAINTS)}); got {', '.join(given) or 'none'}",
+                param="structured_outputs" if self.structured_outputs else "response_format",
+            )
+        return params
+
+    def refusals(self, engine_kind: EngineKind) -> None:
+        """Raise the 400 naming the first field set to something kvroute cannot honour, or (for
+        ``engine_kind="sim"``) the sim engine cannot."""
+        for name, accepted, why in self.refused_fields():
+            if getattr(self, name) not in accepted:
+                raise unsupported(name, why)
+        if self.n > 1 and self.temperature == 0:
+            raise APIError(400, "n must be 1 with greedy sampling (temperature 0)", param="n")
+        if self.logprob_token_ids and self.top_candidates() is None:
+            raise APIError(400, "logprob_token_ids: needs logprobs", param="logprob_token_ids")
+        if engine_kind == "sim":
+            for name, why in SIM_UNSUPPORTED.items():
+                if self._is_set(name):
+                    raise unsupported(name, why)
+
+    @classmethod
+    def refused_fields(cls) -> list[tuple[str, tuple[Any, ...], str]]:
+        """``(field, the values accepted, why)`` of the fields vLLM accepts and kvroute does not
+        honour (the OpenAPI schema documents the accepted values)."""
+        return _REFUSED + cls._refused_here()
+
+    def _is_set(self, name: str) -> bool:
+        """``name`` asks for something (not its default or an empty value)."""
+        value = getattr(self, name)
+        if name == "logprobs":
+            return self.top_candidates() is not None
+        if name == "response_format":
+            return value is not None and value.type != "text"
+        if name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            return value is False
+        return value not in (None, [], {})
+
+    @classmethod
+    def _refused_here(cls) -> list[tuple[str, tuple[Any, ...], str]]:
+        return []
+
+    def sampling(self, max_tokens: int, vocab_size: int) -> SamplingParams:
+        """The engine's ``SamplingParams`` of this body (vLLM's ``to_sampling_params``: same
+        fields, same meanings), ``max_tokens`` already resolved against the context. Token ids
+        are checked against the vocabulary (vLLM refuses ids outside it)."""
+        for param, ids in (
+            ("stop_token_ids", self.stop_token_ids or []),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("logprob_token_ids", self.logprob_token_ids or []),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:
+                raise APIError(
+                    400,
+                    f"token ids {bad[:5]} are outside the vocabulary (size {vocab_size})",
+                    param=param,
+                )
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise APIError(400, "allowed_token_ids must not be empty", param="allowed_token_ids")
+        bias: dict[int, float] | None = None
+        if self.logit_bias:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    token = int(key)
+                except ValueError:
+                    raise APIError(
+                        400, f"logit_bias key {key!r} is not a token id", param="logit_bias"
+                    ) from None
+                if not 0 <= token < vocab_size:
+                    raise APIError(
+                        400,
+                        f"logit_bias token id {token} is outside the vocabulary "
+                        f"(size {vocab_size})",
+                        param="logit_bias",
+                    )
+                bias[token] = min(100.0, max(-100.0, value))  # vLLM clamps
+        if self.min_tokens > max_tokens:
+            raise APIError(
+                400,
+                f"min_tokens {self.min_tokens} exceeds max_tokens {max_tokens}",
+                param="min_tokens",
+            )
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+            stop=self.stops(),
+            stop_token_ids=list(dict.fromkeys(self.stop_token_ids or [])),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=None if self.logprob_token_ids else self.top_candidates(),
+            logprob_token_ids=list(self.logprob_token_ids) if self.logprob_token_ids else None,
+            logit_bias=bias,
+            allowed_token_ids=list(self.allowed_token_ids) if self.allowed_token_ids else None,
+            bad_words=list(dict.fromkeys(self.bad_words or [])),
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=self.structured(),
+            stream_interval=self.stream_interval,
+            extra_args=dict(self.vllm_xargs) if self.vllm_xargs else None,
+        )
+
+
+# (field, the values accepted, why) for fields vLLM accepts and kvroute does not honour
+_REFUSED: list[tuple[str, tuple[Any, ...], str]] = [
+    ("use_beam_search", (False,), "beam search is not supported by this server"),
+    ("length_penalty", (1.0,), "applies to beam search only, which this server does not support"),
+    ("watermarking", (None, False), "not supported by this server"),
+    ("prompt_logprobs", (None,), "not supported by this server"),
+    ("priority", (0,), "the engines do not schedule by priority"),
+    ("thinking_token_budget", (None, -1), "no reasoning parser is configured"),
+    ("repetition_detection", (None,), "not supported by this server"),
+    ("ec_transfer_params", (None,), "no encoder-cache transfer is configured"),
+    ("return_token_offsets", (None, False), _RENDER_ONLY),
+    ("mm_payload", ("tensors",), _RENDER_ONLY),
+    ("return_mm_kwargs", (None,), _RENDER_ONLY),
+    ("routed_experts_prompt_start", (0,), "routed-expert data is not returned by this server"),
+]
+
+# What a model-free sim engine cannot produce, though vLLM can (a 400 on sim deployments): it
+# has no token distribution (logprobs, biases, constraints) and no detokenizer of its own (the
+# ingress detokenizes with special tokens skipped).
+SIM_UNSUPPORTED: dict[str, str] = {
+    "logprobs": "the sim engine has no token distribution to report",
+    "logprob_token_ids": "the sim engine has no token distribution to report",
+    "logit_bias": "the sim engine has no token distribution to bias",
+    "allowed_token_ids": "the sim engine's tokens cannot be constrained",
+    "bad_words": "the sim engine's tokens cannot be constrained",
+    "response_format": "the sim engine's tokens cannot be constrained (structured outputs)",
+    "structured_outputs": "the sim engine's tokens cannot be constrained",
+    "vllm_xargs": "the sim engine runs no vLLM extensions",
+    "stream_interval": "not supported by the sim engine",
+    "skip_special_tokens": "the sim engine's text always skips special tokens",
+    "spaces_between_special_tokens": "the sim engine's text always skips special tokens",
+}
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=0, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = "none"
+    parallel_tool_calls: bool | None = True  # no effect without tools (as in vLLM)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        None
+    )
+    include_reasoning: bool = True
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    return_prompt_text: bool | None = None
 
-    @model_validator(mode="after")
-    def _text_only(self) -> ChatCompletionRequest:
-        for m in self.messages:
-            m.text()
-        return self
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("needs logprobs=true")
+        return v
+
+    def output_limit(self, default: int) -> int:
+        return self.max_completion_tokens or self.max_tokens or default
+
+    def top_candidates(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @classmethod
+    def _refused_here(cls) -> list[tuple[str, tuple[Any, ...], str]]:
+        tools = "tool calling is not supported by this server"
+        return [
+            ("tools", (None,), tools),
+            ("tool_choice", (None, "none"), tools),
+            ("reasoning_effort", (None,), "no reasoning parser or template options are configured"),
+            ("include_reasoning", (True,), "no reasoning parser is configured"),
+            ("echo", (False,), "not supported by this server"),
+            ("add_generation_prompt", (True,), "the ingress always adds the generation prompt"),
+            ("continue_final_message", (False,), "not supported by this server"),
+            ("add_special_tokens", (None, False), "the chat template alone adds special tokens"),
+            ("documents", (None,), "not supported by this server"),
+            ("chat_template", (None,), "request chat templates are not trusted by this server"),
+            ("chat_template_kwargs", (None, {}), "not supported by this server"),
+            ("media_io_kwargs", (None, {}), "only text content is supported"),
+            ("mm_processor_kwargs", (None, {}), "only text content is supported"),
+            ("return_prompt_text", (None, False), "not supported by this server"),
+        ]
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    # one prompt: text or token ids, or a list of exactly one of those
+    prompt: Annotated[
+        str | list[int] | list[str] | list[list[int]],
+        WithJsonSchema(
+            {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    _TOKEN_IDS,
+                    {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": 1,
+                        "items": {"type": "string", "minLength": 1},
+                    },
+                    {"type": "array", "minItems": 1, "maxItems": 1, "items": _TOKEN_IDS},
+                ]
+            }
+        ),
+    ]
+    echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0)
+    suffix: str | None = None
+    prompt_embeds: bytes | list[bytes] | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -119,3 +582,136 @@ class CompletionRequest(_Common):
         if isinstance(v, list) and min(v) < 0:  # type: ignore[type-var]
             raise ValueError("token ids must be non-negative")
         return v  # type: ignore[no-any-return]
+
+    def top_candidates(self) -> int | None:
+        return self.logprobs
+
+    @classmethod
+    def _refused_here(cls) -> list[tuple[str, tuple[Any, ...], str]]:
+        return [
+            ("echo", (None, False), "not supported by this server"),
+            ("suffix", (None,), "not supported by this server"),
+            ("prompt_embeds", (None,), "only text or token-id prompts are supported"),
+            (
+                "add_special_tokens",
+                (None, False),
+                "the ingress tokenizes completion prompts without special tokens",
+            ),
+        ]
+
+
+def json_body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI ``openapi_extra`` of an endpoint that reads its body itself (bounded,
+    4xx-shaped): the model's JSON schema as the request body, with pydantic's ``$defs`` inlined
+    (OpenAPI resolves a ``$ref`` from the document's root)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+    refused = getattr(model, "refused_fields", None)
+    for name, accepted, why in refused() if refused is not None else ():
+        schema["properties"][name] = {"enum": list(accepted), "description": why}
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": inline(schema)}},
+        }
+    }
+
+
+_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+_USAGE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        "prompt_tokens": {"type": "integer", "minimum": 0},
+        "completion_tokens": {"type": "integer", "minimum": 0},
+        "total_tokens": {"type": "integer", "minimum": 0},
+        "prompt_tokens_details": {
+            "type": "object",
+            "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
+        },
+    },
+}
+
+
+def openapi_responses(chat: bool) -> dict[int | str, dict[str, Any]]:
+    """The documented responses of a completion endpoint: the body (or an SSE stream with
+    ``stream: true``) and the OpenAI-shaped errors."""
+    choice: dict[str, Any] = {
+        "type": "object",
+        "required": ["index", "finish_reason", "logprobs"],
+        "properties": {
+            "index": {"type": "integer", "minimum": 0},
+            "finish_reason": {"type": ["string", "null"]},
+            "logprobs": {"type": ["object", "null"]},
+            "stop_reason": {"type": ["integer", "string", "null"]},
+            **(
+                {
+                    "message": {
+                        "type": "object",
+                        "required": ["role", "content"],
+                        "properties": {
+                            "role": {"const": "assistant"},
+                            "content": {"type": ["string", "null"]},
+                        },
+                    }
+                }
+                if chat
+                else {"text": {"type": "string"}}
+            ),
+        },
+    }
+    body = {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices", "usage"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "chat.completion" if chat else "text_completion"},
+            "created": {"type": "integer"},
+            "model": {"type": "string"},
+            "choices": {"type": "array", "items": choice},
+            "usage": _USAGE_SCHEMA,
+        },
+    }
+    error = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    return {
+        200: {
+            "description": "The completion; with stream: true, server-sent events of chunks",
+            "content": {
+                "application/json": {"schema": body},
+                "text/event-stream": {"schema": {"type": "string"}},
+            },
+        },
+        400: {"description": "Malformed body, field, or a parameter not supported", **error},
+        401: {"description": "Missing or invalid API key", **error},
+        404: {"description": "Unknown model", **error},
+        413: {"description": "Body over the limit", **error},
+        429: {"description": "Overloaded (admission); see Retry-After", **error},
+        500: {"description": "Internal error", **error},
+        503: {"description": "No engine could serve the request; see Retry-After", **error},
+    }

@@ -20,16 +20,23 @@ from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from cachemap import BlockHasher
-from engines.base import EngineError, EngineRequest, RoutedRequest, SamplingParams
+from engines.base import EngineError, EngineOutput, EngineRequest, RoutedRequest
 from router.admission import Rejected, Ticket
-from router.api import APIError, ChatCompletionRequest, CompletionRequest
+from router.api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EngineKind,
+    json_body_schema,
+    openapi_responses,
+)
 from router.dispatch import Dispatcher, StreamBroken
 from router.hints import PolicyHints, conversation_ids, parse_continuation
 from router.kv_control import KvControl, kv_routes
 from router.metrics import RouterMetrics
 from router.placement import NoInstanceError
 from router.ratelimit import RateLimiter
-from router.responses import ResponseBuilder
+from router.responses import ChoiceStreams, ResponseBuilder, choice_requests
 from router.tokenizer import PromptTokenizer
 
 tracer = trace.get_tracer("kvroute.router")
@@ -53,6 +60,11 @@ class IngressConfig:
     # category and turn only (what the hint experiment compares against)
     session_hints: bool = True
     max_body_bytes: int = 4 << 20
+    # the engines behind this ingress: "sim" engines cannot produce what needs a token
+    # distribution or a detokenizer (logprobs, structured outputs ...: a 400 naming the field)
+    engine_kind: EngineKind = "sim"
+    max_n: int = 16  # choices per request (``n``): each is an engine request of its own
+    max_logprobs: int = 20  # candidates per token (vLLM's max_logprobs default)
     category_header: str = "x-kvroute-category"
     session_header: str = "x-session-id"
     continuation_header: str = "x-kvroute-continuation"
@@ -110,10 +122,21 @@ class RequestPreparer:
         """The engine request and routing record of a validated body: tokenized once (chat
         template for chats), checked against the context, hashed, with its policy hints."""
         config, tokenizer = self.config, self.tokenizer
-        session = request.headers.get(config.session_header) or req.user
+        chat = isinstance(req, ChatCompletionRequest)
+        req.refusals(config.engine_kind)
+        if req.n > config.max_n:
+            raise APIError(400, f"n must be at most {config.max_n}, got {req.n}", param="n")
+        top = req.top_candidates()
+        if top is not None and top > config.max_logprobs:
+            raise APIError(
+                400,
+                f"at most {config.max_logprobs} logprobs per token, got {top}",
+                param="top_logprobs" if chat else "logprobs",
+            )
+        session = request.headers.get(config.session_header) or req.session_id or req.user
         node = parent = None
         if isinstance(req, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = [m.for_template() for m in req.messages]
             ids = tokenizer.chat(messages)
             text = "".join(m["content"] for m in messages)
             turn = sum(1 for m in req.messages if m.role == "user")
@@ -129,6 +152,18 @@ class RequestPreparer:
                     param="prompt",
                 )
             text, turn = " ".join(map(str, ids[:256])), 1
+        keep = req.truncate_prompt_tokens
+        if keep is not None:  # vLLM's rule: -1 is the context less one; default side "left"
+            if keep > config.max_model_len:
+                raise APIError(
+                    400,
+                    f"truncate_prompt_tokens {keep} exceeds the context length "
+                    f"{config.max_model_len}",
+                    param="truncate_prompt_tokens",
+                )
+            keep = config.max_model_len - 1 if keep == -1 else keep
+            if keep < len(ids):
+                ids = ids[len(ids) - keep :] if req.truncation_side != "right" else ids[:keep]
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt")
         room = config.max_model_len - len(ids)
@@ -137,7 +172,7 @@ class RequestPreparer:
                 400,
                 f"this model's maximum context length is {config.max_model_len} "
                 f"tokens; the prompt has {len(ids)}",
-                param="messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+                param="messages" if chat else "prompt",
                 code="context_length_exceeded",
             )
         max_tokens = req.output_limit(default=room)
@@ -146,7 +181,9 @@ class RequestPreparer:
                 400,
                 f"max_tokens {max_tokens} + prompt {len(ids)} tokens exceeds the "
                 f"context length {config.max_model_len}",
-                param="max_tokens",
+                param="max_completion_tokens"
+                if chat and req.max_completion_tokens  # type: ignore[union-attr]
+                else "max_tokens",
                 code="context_length_exceeded",
             )
         kind = request.headers.get(config.category_header) or req.kvroute_category or "text"
@@ -164,18 +201,10 @@ class RequestPreparer:
             else PolicyHints(category, turn)
         )
         try:
-            sampling = SamplingParams(
-                max_tokens=max_tokens,
-                temperature=req.temperature,
-                top_p=req.top_p,
-                seed=req.seed,
-                ignore_eos=req.ignore_eos,
-            )
+            sampling = req.sampling(max_tokens, tokenizer.vocab_size)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        rid = (
-            "chatcmpl-" if isinstance(req, ChatCompletionRequest) else "cmpl-"
-        ) + uuid.uuid4().hex
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         engine_req = EngineRequest(
             rid,
             ids,
@@ -335,66 +364,115 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
         except ValidationError as e:
             raise _validation_error(e) from None
         check_model(req.model)
-        if isinstance(req, CompletionRequest) and req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         ctx = propagate.extract(dict(request.headers))
         with tracer.start_as_current_span("kvroute.ingress", context=ctx) as span:
             routed = prepare(request, req)
-            span.set_attribute("kvroute.prompt_tokens", len(routed.request.prompt_token_ids))
-            builder = ResponseBuilder(
-                req,
-                chat,
-                tokenizer,
-                routed.request.request_id,
-                len(routed.request.prompt_token_ids),
+            prompt_ids = routed.request.prompt_token_ids
+            span.set_attribute("kvroute.prompt_tokens", len(prompt_ids))
+            children = choice_requests(routed, req.n)
+            response_id = (
+                ("chatcmpl-" if chat else "cmpl-") + req.request_id
+                if req.request_id
+                else routed.request.request_id
             )
+            builder = ResponseBuilder(
+                req, chat, tokenizer, response_id, len(prompt_ids), prompt_token_ids=prompt_ids
+            )
+            queued_at = time.monotonic()
             ticket = await dispatcher.state.admission.acquire()
+            streams: ChoiceStreams | None = None
+            handed_off = False
             try:
                 with tracer.start_as_current_span("kvroute.placement") as ps:
-                    first = dispatcher.place(dispatcher.placement_request(routed), set())
+                    first = dispatcher.place(
+                        dispatcher.placement_request(children[0]),
+                        set(),
+                        waited_s=time.monotonic() - queued_at,  # the client's TTFT counts it
+                    )
                     if first is not None:
                         ps.set_attribute("kvroute.instance", first.instance_id)
                         ps.set_attribute("kvroute.cached_blocks", first.cached_blocks)
                         metrics.placed(first)
+                # every choice goes where the first was placed (vLLM runs n in one engine too)
+                streams = ChoiceStreams(dispatcher, children, first)
+                items = streams.items()
                 if req.stream:
+                    # NOTE: the first output comes before the 200: a request the engines refuse
+                    # or cannot serve gets its 4xx/5xx, not an error event.
+                    head: list[dict[str, Any]] = []
+                    async for i, placement, out in items:
+                        head = builder.chunks(i, out, placement.instance_id)
+                        if builder.choices[i].done and not out.finished:
+                            streams.stop(i)
+                        break
+                    handed_off = True
                     return StreamingResponse(
-                        sse(routed, first, builder, ticket),
+                        sse(items, streams, head, builder, ticket, children),
                         media_type="text/event-stream",
                         background=BackgroundTask(ticket.release),
                     )
-                async for placement, out in dispatcher.stream(routed, first):
-                    builder.add(out, placement.instance_id)
+                async for i, placement, out in items:
+                    builder.add(i, out, placement.instance_id)
+                    if builder.choices[i].done and not out.finished:
+                        streams.stop(i)
+                builder.estimate_cached_tokens(children[0].request.expected_cached_tokens)
                 metrics.finished(builder)
                 return JSONResponse(builder.final())
             finally:
-                if not req.stream:
+                if not handed_off:
+                    if streams is not None:
+                        await streams.close()
                     ticket.release()
 
     async def sse(
-        routed: RoutedRequest, first: Any, builder: ResponseBuilder, ticket: Ticket
+        items: AsyncIterator[tuple[int, Any, EngineOutput]],
+        streams: ChoiceStreams,
+        head: list[dict[str, Any]],
+        builder: ResponseBuilder,
+        ticket: Ticket,
+        children: list[RoutedRequest],
     ) -> AsyncIterator[bytes]:
         try:
+            for chunk in head:
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
             with tracer.start_as_current_span("kvroute.engine_call"):
-                async for placement, out in dispatcher.stream(routed, first):
-                    for chunk in builder.chunks(out, placement.instance_id):
+                async for i, placement, out in items:
+                    for chunk in builder.chunks(i, out, placement.instance_id):
                         yield f"data: {json.dumps(chunk)}\n\n".encode()
+                    if builder.choices[i].done and not out.finished:
+                        streams.stop(i)
+            builder.estimate_cached_tokens(children[0].request.expected_cached_tokens)
             if builder.include_usage:
                 yield f"data: {json.dumps(builder.usage_chunk())}\n\n".encode()
             metrics.finished(builder)
         except Exception as e:  # the client already has a 200: end the stream with an error
             metrics.errors.labels("stream").inc()
-            kind = "engine failed mid-stream" if isinstance(e, StreamBroken) else "stream aborted"
-            err = APIError(500, f"{kind}: {e}", type_="server_error")
+            if isinstance(e, APIError):
+                err = e
+            else:
+                kind = (
+                    "engine failed mid-stream" if isinstance(e, StreamBroken) else "stream aborted"
+                )
+                err = APIError(500, f"{kind}: {e}", type_="server_error")
             yield f"data: {json.dumps(err.body())}\n\n".encode()
         finally:
+            await streams.close()
             ticket.release()
         yield b"data: [DONE]\n\n"
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=json_body_schema(ChatCompletionRequest),
+        responses=openapi_responses(chat=True),
+    )
     async def chat_completions(request: Request) -> Response:
         return await _guard(request, True)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        openapi_extra=json_body_schema(CompletionRequest),
+        responses=openapi_responses(chat=False),
+    )
     async def completions(request: Request) -> Response:
         return await _guard(request, False)
 

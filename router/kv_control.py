@@ -37,6 +37,7 @@ from cachemap import BlockHasher
 from cachemap.map import Match
 from engines.base import EngineError, EngineRequest, KvCommand, RoutedRequest, SamplingParams
 from router.api import APIError, ChatMessage
+from router.api import json_body_schema as _schema
 from router.dispatch import EngineClient
 from router.hints import PolicyHints
 from router.placement import InstanceView, PlacementRequest
@@ -159,7 +160,7 @@ class KvControl:
 
     def tokens(self, p: KvPrompt) -> list[int]:
         if p.messages is not None:
-            ids = self.tokenizer.chat([{"role": m.role, "content": m.text()} for m in p.messages])
+            ids = self.tokenizer.chat([m.for_template() for m in p.messages])
         elif p.text is not None:
             ids = self.tokenizer.encode(p.text)
         else:
@@ -349,27 +350,3 @@ def kv_routes(control: KvControl, check_admin: Any, read_body: Any) -> APIRouter
         return await control.clear(await body_of(request, ClearBody))
 
     return api
-
-
-def _schema(model: type[BaseModel]) -> dict[str, Any]:
-    """The OpenAPI request body of an endpoint that reads its body itself (bounded, 4xx-shaped),
-    with pydantic's ``$defs`` inlined (OpenAPI resolves a ``$ref`` from the document's root)."""
-    schema = model.model_json_schema()
-    defs = schema.pop("$defs", {})
-
-    def inline(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return inline(defs[ref.removeprefix("#/$defs/")])
-            return {k: inline(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [inline(v) for v in node]
-        return node
-
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": inline(schema)}},
-        }
-    }

@@ -7,17 +7,63 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from deploy.local import LocalStack
+from engines.base import Engine
 from engines.vllm_engine import free_port
 
 if TYPE_CHECKING:
     from deploy.config import ServeConfig
 
-__all__ = ["Server", "free_port", "serve_app"]
+__all__ = ["Server", "free_port", "serve_app", "sim_stack"]
+
+SIM_MODEL = "tiny-sim"
+
+
+def sim_stack(
+    n: int = 2,
+    *,
+    block_size: int = 32,
+    max_model_len: int = 2048,
+    time_scale: float = 0.05,
+    engine: dict[str, Any] | None = None,
+    **stack: Any,
+) -> LocalStack:
+    """``n`` sim engines (``sim-0`` ...; profile ``cpu-tiny-llama``, tokens the built-in tiny
+    model's tokenizer decodes; ``engine``: more ``SimEngine`` options) behind a ``LocalStack``
+    serving model ``SIM_MODEL`` (``stack``: more ``LocalStack`` options)."""
+    from engines.sim import LatencyProfile
+    from engines.sim.engine import SimEngine
+    from engines.tiny_model import build_tiny_model
+    from router.tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer(build_tiny_model())
+    profile = LatencyProfile.load("cpu-tiny-llama")
+    engines: dict[str, Engine] = {
+        f"sim-{i}": SimEngine(
+            f"sim-{i}",
+            profile,
+            block_size=block_size,
+            time_scale=time_scale,
+            vocab_size=tok.vocab_size,
+            token_offset=10,
+            max_model_len=max_model_len,
+            **(engine or {}),
+        )
+        for i in range(n)
+    }
+    return LocalStack(
+        engines,
+        model=SIM_MODEL,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        latency=profile,
+        tokenizer=tok,
+        **stack,
+    )
 
 
 @contextmanager

@@ -201,7 +201,11 @@ class SimEngine(Engine):
 
     def _final(self, req: SimRequest, tokens: list[int]) -> EngineOutput:
         usage = Usage(req.prompt_len, req.num_output, max(req.cached_tokens, 0))
-        return EngineOutput(req.request_id, tokens, None, True, req.finish_reason, usage)
+        # a "stop" finish is always a stop token here (the sim has no EOS): vLLM reports its id
+        stop_reason = req.token_ids[-1] if req.finish_reason == "stop" and req.token_ids else None
+        return EngineOutput(
+            req.request_id, tokens, None, True, req.finish_reason, usage, stop_reason=stop_reason
+        )
 
     # -- the step loop ---------------------------------------------------------------------------
 

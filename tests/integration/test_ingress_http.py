@@ -19,7 +19,7 @@ from engines.sim.engine import SimEngine
 from engines.tiny_model import build_tiny_model
 from router.admission import Admission
 from router.tokenizer import PromptTokenizer
-from tests.support import Server, free_port
+from tests.support import Server, free_port, sim_stack
 
 MODEL = "tiny-sim"
 KEY = "sk-test"
@@ -27,29 +27,8 @@ KEY = "sk-test"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    tok = PromptTokenizer(build_tiny_model())
-    profile = LatencyProfile.load("cpu-tiny-llama")
-    engines = {
-        f"sim-{i}": SimEngine(
-            f"sim-{i}",
-            profile,
-            block_size=32,
-            time_scale=0.05,
-            vocab_size=tok.vocab_size,
-            token_offset=10,
-            max_model_len=2048,
-        )
-        for i in range(2)
-    }
-    stack = LocalStack(
-        engines,
-        model=MODEL,
-        block_size=32,
-        max_model_len=2048,
-        latency=profile,
-        tokenizer=tok,
-        api_keys=frozenset({KEY}),
-        admission=Admission(max_in_flight=64, max_queue=64),
+    stack = sim_stack(
+        api_keys=frozenset({KEY}), admission=Admission(max_in_flight=64, max_queue=64)
     )
     with Server(stack, free_port()) as s:
         yield s

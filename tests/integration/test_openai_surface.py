@@ -1,0 +1,317 @@
+"""The OpenAI parameter surface over real HTTP (uvicorn) with two real sim engines: stop strings
+cut the text at the ingress (finish_reason "stop", the engine request aborted), stop tokens and
+seeds are honoured, ``n`` fans out, unknown fields and what a sim engine cannot produce are 400s
+naming the field, the official client's parameters pass, the request bodies are documented in
+the OpenAPI schema, and schemathesis finds no server error and no schema violation."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from router.admission import Admission
+from tests.support import Server, free_port, sim_stack
+
+MODEL = "tiny-sim"
+MSGS = [{"role": "user", "content": "tell me a story"}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    stack = sim_stack(time_scale=0.02, admission=Admission(max_in_flight=64, max_queue=256))
+    with Server(stack, free_port()) as s:
+        yield s
+
+
+@pytest.fixture()
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+
+
+def _post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{server.port}{path}", json=body, timeout=60)
+
+
+def _chat(server: Server, **fields: Any) -> httpx.Response:
+    return _post(server, "/v1/chat/completions", {"model": MODEL, "messages": MSGS, **fields})
+
+
+def _sse(server: Server, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    chunks = []
+    with httpx.stream("POST", f"http://127.0.0.1:{server.port}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def _stop_string(text: str) -> str:
+    """A stop string that occurs in ``text`` past its start, and first where it is taken from."""
+    for start in range(4, len(text) - 3):
+        stop = text[start : start + 3]
+        if stop.strip() and text.find(stop) == start:
+            return stop
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+def _in_flight(server: Server) -> int:
+    return sum(len(e._requests) for e in server.stack.engines.values())  # type: ignore[attr-defined]
+
+
+def test_stop_strings_cut_the_text_and_abort_the_engine_request(server: Server) -> None:
+    full = _chat(server, max_tokens=40, seed=11).json()["choices"][0]["message"]["content"]
+    stop = _stop_string(full)
+    cut = _chat(server, max_tokens=40, seed=11, stop=[stop, "never-seen-string"])
+    assert cut.status_code == 200, cut.text
+    body = cut.json()
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == full[: full.find(stop)]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    assert body["usage"]["completion_tokens"] < 40
+    time.sleep(0.2)
+    assert _in_flight(server) == 0  # the engine request was aborted, not left to run to 40
+    kept = _chat(server, max_tokens=40, seed=11, stop=stop, include_stop_str_in_output=True)
+    assert kept.json()["choices"][0]["message"]["content"] == full[: full.find(stop) + len(stop)]
+    # streamed: the same text (a possible stop prefix is held back until it cannot match)
+    chunks = _sse(
+        server,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": MSGS,
+            "max_tokens": 40,
+            "seed": 11,
+            "stop": stop,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == full[: full.find(stop)]
+    finals = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [(f["finish_reason"], f["stop_reason"]) for f in finals] == [("stop", stop)]
+    assert chunks[-1]["usage"]["completion_tokens"] == body["usage"]["completion_tokens"]
+
+
+def test_stop_strings_on_text_completions(server: Server, client: openai.OpenAI) -> None:
+    full = client.completions.create(model=MODEL, prompt="once", max_tokens=30, seed=5)
+    stop = _stop_string(full.choices[0].text)
+    cut = client.completions.create(model=MODEL, prompt="once", max_tokens=30, seed=5, stop=stop)
+    assert cut.choices[0].text == full.choices[0].text[: full.choices[0].text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_stop_token_ids_end_with_stop_and_leave_the_token_out(server: Server) -> None:
+    r = _post(
+        server,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "abc", "max_tokens": 12, "seed": 2, "return_token_ids": True},
+    ).json()
+    ids = r["choices"][0]["token_ids"]
+    assert r["prompt_token_ids"] and len(ids) == 12
+    stop_id = ids[5]
+    first = ids.index(stop_id)
+    s = _post(
+        server,
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "abc",
+            "max_tokens": 12,
+            "seed": 2,
+            "stop_token_ids": [stop_id],
+            "return_token_ids": True,
+        },
+    ).json()["choices"][0]
+    assert (s["finish_reason"], s["stop_reason"], s["token_ids"]) == (
+        "stop",
+        stop_id,
+        ids[: first + 1],
+    )
+    assert r["choices"][0]["text"].startswith(s["text"])
+
+
+def test_seeds_reproduce_and_n_fans_out(server: Server, client: openai.OpenAI) -> None:
+    a = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, seed=9, n=3)
+    b = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, seed=9, n=3)
+    texts = [c.message.content for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in b.choices]  # seed + i per choice
+    assert len(set(texts)) == 3
+    assert a.usage.completion_tokens == 24 and a.usage.prompt_tokens == b.usage.prompt_tokens
+    one = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, seed=10)
+    assert one.choices[0].message.content == texts[1]  # choice i runs with seed + i, as in vLLM
+    unseeded = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=8, n=2)
+    assert unseeded.choices[0].message.content != unseeded.choices[1].message.content
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="go",
+        max_tokens=5,
+        n=2,
+        stream=True,
+        seed=1,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    done = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert done == [0, 1] and chunks[-1].usage.completion_tokens == 10
+    r = _chat(server, n=17)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"logit_bias": {"12": 5}}, "logit_bias"),
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages.0.extra"),
+    ],
+)
+def test_what_is_not_honoured_is_a_400_naming_it(server: Server, fields: dict, param: str) -> None:
+    r = _chat(server, **fields)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param.split(".")[-1] in err["message"]
+
+
+def test_the_official_clients_parameters_pass(server: Server, client: openai.OpenAI) -> None:
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "be brief", "name": "rules"}, *MSGS],
+        max_completion_tokens=6,
+        temperature=0.5,
+        top_p=0.9,
+        presence_penalty=0.2,
+        frequency_penalty=0.1,
+        seed=3,
+        stop=["@@@@"],
+        n=2,
+        user="u-1",
+        response_format={"type": "text"},
+        tool_choice="none",
+        extra_body={
+            "top_k": 5,
+            "min_p": 0.1,
+            "repetition_penalty": 1.1,
+            "min_tokens": 2,
+            "request_id": "my-id",
+            "session_id": "s-1",
+        },
+    )
+    assert chat.id == "chatcmpl-my-id" and len(chat.choices) == 2
+    assert all(c.finish_reason == "length" for c in chat.choices)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=MSGS, max_tokens=2, extra_body={"not_a_field": True}
+        )
+    assert e.value.body["param"] == "not_a_field"  # type: ignore[index]
+    text = client.completions.create(
+        model=MODEL,
+        prompt="hi",
+        max_tokens=4,
+        temperature=0.3,
+        top_p=0.8,
+        seed=1,
+        stop="\n\n",
+        presence_penalty=0.1,
+        frequency_penalty=0.1,
+        user="u",
+        n=1,
+    )
+    assert text.choices[0].finish_reason == "length"
+
+
+def test_request_bodies_are_in_the_openapi_document(server: Server) -> None:
+    doc = httpx.get(f"http://127.0.0.1:{server.port}/openapi.json").json()
+    for path, field in (("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")):
+        op = doc["paths"][path]["post"]
+        schema = op["requestBody"]["content"]["application/json"]["schema"]
+        assert field in schema["required"] and "stop" in schema["properties"]
+        assert {"200", "400", "404", "429", "503"} <= set(op["responses"])
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(
+    server: Server, mode: str
+) -> None:
+    """Every schemathesis check on both completion endpoints and the GET ones, with generated
+    schema-valid (positive) and schema-invalid (negative) bodies, bounded to 60 cases a mode.
+    ``positive_data_acceptance`` is left out: a schema-valid body can still be refused, and must
+    be (an unknown model is a 404, a prompt over the context a 400, a field the sim engine cannot
+    honour a 400). Positive bodies name the served model, so that they reach an engine."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis.checks import CHECKS, load_all_checks
+    from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+    load_all_checks()
+    base = f"http://127.0.0.1:{server.port}"
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json").include(
+        path_regex=r"^/(v1/(chat/)?completions|v1/models|health)$"
+    )
+    checks = [c for c in CHECKS.get_all() if c is not positive_data_acceptance]
+    generation = getattr(schemathesis.GenerationMode, mode.upper())
+    failures: list[str] = []
+    statuses: dict[int, int] = {}
+
+    @settings(
+        max_examples=60,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=schema.as_strategy(generation))
+    def run(case: Any) -> None:
+        if mode == "positive" and isinstance(case.body, dict) and "model" in case.body:
+            case.body["model"] = MODEL
+        try:
+            response = case.call_and_validate(base_url=base, checks=checks, timeout=60)
+        except AssertionError as e:  # a check failed: collect them all, fail at the end
+            failures.append(f"{case.operation.label}: {e}")
+            return
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+
+    run()
+    assert not failures, "\n\n".join(failures[:5])
+    assert not any(code >= 500 for code in statuses), statuses
+    assert sum(statuses.values()) >= 50, statuses
+    if mode == "positive":
+        assert statuses.get(200, 0) >= 10, statuses
+
+
+def test_truncate_prompt_tokens_and_continuous_usage(server: Server) -> None:
+    ids = list(range(40, 140))
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "return_token_ids": True}
+    left = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 10}).json()
+    assert left["prompt_token_ids"] == ids[-10:] and left["usage"]["prompt_tokens"] == 10
+    right = _post(
+        server,
+        "/v1/completions",
+        {**body, "truncate_prompt_tokens": 10, "truncation_side": "right"},
+    ).json()
+    assert right["prompt_token_ids"] == ids[:10]
+    too_long = _post(server, "/v1/completions", {**body, "truncate_prompt_tokens": 5000})
+    assert too_long.json()["error"]["param"] == "truncate_prompt_tokens"
+    chunks = _sse(
+        server,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "go", "max_tokens": 4, "stream": True,
+         "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )  # fmt: skip
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 4 and chunks[-1]["choices"] == []

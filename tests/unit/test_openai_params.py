@@ -1,0 +1,362 @@
+"""The OpenAI request surface, unit level: every parameter vLLM's OpenAI server accepts maps onto
+kvroute's engine ``SamplingParams`` and from there onto vLLM's ``SamplingParams`` exactly as vLLM's
+own ``to_sampling_params`` maps the same body (built with vLLM's own classes); unknown fields and
+what kvroute cannot honour are 400s naming the field; stop strings at the ingress follow vLLM's
+detokenizer; ``n`` choices get vLLM's per-child seeds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from engines.base import EngineOutput, EngineRequest, RoutedRequest, SamplingParams, Usage
+from router.api import APIError, ChatCompletionRequest, CompletionRequest, json_body_schema
+from router.responses import ResponseBuilder, check_stop_strings, choice_requests
+
+VOCAB = 512
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMPLETION = {"model": "m", "prompt": "hi"}
+
+# Bodies that exercise every sampling parameter kvroute passes to vLLM.
+BODIES: list[dict[str, Any]] = [
+    {},
+    {"temperature": 0.0, "seed": 7, "stop": "\n\n", "max_tokens": 9},
+    {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+        "min_p": 0.05,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.25,
+        "repetition_penalty": 1.1,
+        "seed": -3,
+        "stop": ["END", "##"],
+        "stop_token_ids": [3, 4, 3],
+        "include_stop_str_in_output": True,
+        "ignore_eos": True,
+        "min_tokens": 2,
+        "logit_bias": {"17": 250.0, "18": -5.5},
+        "allowed_token_ids": [17, 18, 19],
+        "bad_words": ["foo", "bar"],
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+        "stream": True,
+        "stream_interval": 4,
+        "vllm_xargs": {"a": 1, "b": ["x", 2.5]},
+    },
+    {"response_format": {"type": "json_object"}},
+    {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "t", "schema": {"type": "object"}, "strict": True},
+        }
+    },
+    {"response_format": {"type": "text"}, "structured_outputs": {"choice": ["yes", "no"]}},
+    {"structured_outputs": {"regex": "[ab]+", "disable_any_whitespace": True}},
+]
+CHAT_ONLY = [
+    {"logprobs": True, "top_logprobs": 5},
+    {"logprobs": True},
+    {"logprobs": True, "logprob_token_ids": [5, 6]},
+]
+COMPLETION_ONLY = [{"logprobs": 3}, {"logprobs": 0}, {"logprobs": 2, "logprob_token_ids": [9]}]
+COMPARED = [
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "logprob_token_ids",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "stream_interval",
+    "structured_outputs",
+    "extra_args",
+    "n",
+]
+
+
+def _vllm_engine() -> Any:
+    from engines.vllm_engine import VllmEngine
+
+    return VllmEngine("unused-model-path", "unit")  # _sampling needs no running engine
+
+
+def _ours(body: dict[str, Any], chat: bool, max_tokens: int) -> Any:
+    model = ChatCompletionRequest if chat else CompletionRequest
+    req = model.model_validate(body)
+    req.refusals("vllm")
+    request = EngineRequest("r", [1, 2, 3], req.sampling(max_tokens, VOCAB))
+    return _vllm_engine()._sampling(request)
+
+
+def _theirs(body: dict[str, Any], chat: bool, max_tokens: int) -> Any:
+    if chat:
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionRequest as VllmChat,
+        )
+
+        return VllmChat.model_validate(body).to_sampling_params(max_tokens, {})
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VllmCompletion
+
+    return VllmCompletion.model_validate(body).to_sampling_params(max_tokens, {})
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+@pytest.mark.parametrize("extra", range(len(BODIES) + 3))
+def test_sampling_matches_vllms_own_openai_mapping(chat: bool, extra: int) -> None:
+    pytest.importorskip("vllm")
+    if extra < len(BODIES):
+        fields = BODIES[extra]
+    else:
+        fields = (CHAT_ONLY if chat else COMPLETION_ONLY)[extra - len(BODIES)]
+    body = {**(CHAT if chat else COMPLETION), **fields}
+    ours, theirs = _ours(body, chat, 11), _theirs(body, chat, 11)
+    for name in COMPARED:
+        assert getattr(ours, name) == getattr(theirs, name), name
+
+
+def test_defaults_stay_unset_for_the_engines_generation_config() -> None:
+    """A body that sets no sampling knob leaves them None: the vLLM engine applies the model's
+    generation config (as vLLM's server does), then OpenAI's defaults."""
+    sp = ChatCompletionRequest.model_validate(CHAT).sampling(5, VOCAB)
+    assert sp.temperature is sp.top_p is sp.top_k is sp.repetition_penalty is None
+    engine = _vllm_engine()
+    engine._generation_defaults = {"temperature": 0.6, "top_k": 20}
+    vsp = engine._sampling(EngineRequest("r", [1], sp))
+    assert (vsp.temperature, vsp.top_k, vsp.top_p) == (0.6, 20, 1.0)
+    explicit = ChatCompletionRequest.model_validate({**CHAT, "temperature": 1.0}).sampling(5, VOCAB)
+    assert engine._sampling(EngineRequest("r", [1], explicit)).temperature == 1.0
+
+
+def _field_error(body: dict[str, Any], chat: bool = True) -> str:
+    model = ChatCompletionRequest if chat else CompletionRequest
+    with pytest.raises(ValidationError) as e:
+        model.model_validate({**(CHAT if chat else COMPLETION), **body})
+    return ".".join(str(p) for p in e.value.errors()[0]["loc"])
+
+
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [
+        ({"functions": []}, "functions"),
+        ({"store": True}, "store"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # needs stream=true
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # needs logprobs=true
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages.0.content",
+        ),
+        ({"messages": [{"role": "user", "content": "x", "audio": None}]}, "messages.0.audio"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
+        ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"seed": 2**64}, "seed"),
+        ({"cache_salt": "a/b"}, "cache_salt"),
+    ],
+)
+def test_unknown_and_malformed_fields_are_errors_naming_them(body: dict, loc: str) -> None:
+    assert _field_error(body) == loc
+
+
+def _refusal(body: dict[str, Any], chat: bool = True, kind: str = "vllm") -> str | None:
+    model = ChatCompletionRequest if chat else CompletionRequest
+    req = model.model_validate({**(CHAT if chat else COMPLETION), **body})
+    with pytest.raises(APIError) as e:
+        req.refusals(kind)  # type: ignore[arg-type]
+        req.sampling(16, VOCAB)
+    assert e.value.status == 400
+    return e.value.param
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, True, "tools"),
+        ({"tool_choice": "auto"}, True, "tool_choice"),
+        ({"use_beam_search": True}, True, "use_beam_search"),
+        ({"prompt_logprobs": 1}, False, "prompt_logprobs"),
+        ({"echo": True}, False, "echo"),
+        ({"echo": True}, True, "echo"),
+        ({"suffix": "x"}, False, "suffix"),
+        ({"chat_template": "{{ x }}"}, True, "chat_template"),
+        ({"add_generation_prompt": False}, True, "add_generation_prompt"),
+        ({"priority": 1}, True, "priority"),
+        ({"n": 2, "temperature": 0}, True, "n"),
+        ({"logit_bias": {"x": 1}}, True, "logit_bias"),
+        ({"logit_bias": {"9999": 1}}, True, "logit_bias"),
+        ({"stop_token_ids": [VOCAB]}, False, "stop_token_ids"),
+        ({"allowed_token_ids": []}, False, "allowed_token_ids"),
+        ({"min_tokens": 17}, False, "min_tokens"),
+        ({"logprob_token_ids": [1]}, False, "logprob_token_ids"),
+        (
+            {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+            True,
+            "structured_outputs",
+        ),
+    ],
+)
+def test_what_kvroute_cannot_honour_is_a_400_naming_it(body: dict, chat: bool, param: str) -> None:
+    assert _refusal(body, chat) == param
+
+
+@pytest.mark.parametrize(
+    ("body", "chat", "param"),
+    [
+        ({"logprobs": True}, True, "logprobs"),
+        ({"logprobs": 0}, False, "logprobs"),
+        ({"response_format": {"type": "json_object"}}, True, "response_format"),
+        ({"structured_outputs": {"choice": ["a"]}}, False, "structured_outputs"),
+        ({"logit_bias": {"3": 5}}, True, "logit_bias"),
+        ({"allowed_token_ids": [3]}, False, "allowed_token_ids"),
+        ({"bad_words": ["x"]}, True, "bad_words"),
+        ({"skip_special_tokens": False}, True, "skip_special_tokens"),
+        ({"vllm_xargs": {"a": 1}}, False, "vllm_xargs"),
+    ],
+)
+def test_the_sim_engine_refuses_what_it_cannot_produce(body: dict, chat: bool, param: str) -> None:
+    assert _refusal(body, chat, kind="sim") == param
+
+
+def test_what_the_sim_engine_honours_or_has_no_distribution_for_passes() -> None:
+    body = {
+        **CHAT,
+        "temperature": 0.3,
+        "top_p": 0.5,
+        "presence_penalty": 1,
+        "seed": 4,
+        "n": 3,
+        "stop": ["x"],
+        "stop_token_ids": [9],
+        "min_tokens": 1,
+        "ignore_eos": True,
+        "response_format": {"type": "text"},
+        "tool_choice": "none",
+        "parallel_tool_calls": True,
+        "user": "u",
+        "session_id": "s",
+        "request_id": "abc",
+        "return_token_ids": True,
+    }
+    req = ChatCompletionRequest.model_validate(body)
+    req.refusals("sim")
+    sp = req.sampling(8, VOCAB)
+    assert (sp.seed, sp.stop, sp.stop_token_ids, sp.min_tokens) == (4, ["x"], [9], 1)
+
+
+def test_choices_get_vllms_child_ids_and_seeds() -> None:
+    routed = RoutedRequest(EngineRequest("cmpl-1", [1, 2], SamplingParams(seed=100)), "p")
+    assert choice_requests(routed, 1) == [routed]
+    kids = choice_requests(routed, 3)
+    assert [k.request.request_id for k in kids] == ["0_cmpl-1", "1_cmpl-1", "2_cmpl-1"]
+    assert [k.request.sampling.seed for k in kids] == [100, 101, 102]
+    assert len({id(k.request) for k in kids}) == 3  # the dispatcher stamps each on its own
+    unseeded = RoutedRequest(EngineRequest("r", [1], SamplingParams()), "p")
+    seeds = [k.request.sampling.seed for k in choice_requests(unseeded, 2)]
+    assert seeds[0] is not None and seeds[1] == seeds[0] + 1
+
+
+def test_request_bodies_are_documented_with_defs_inlined() -> None:
+    schema = json_body_schema(ChatCompletionRequest)["requestBody"]["content"]
+    body = schema["application/json"]["schema"]
+    assert "$ref" not in str(body) and "$defs" not in body
+    assert {"messages", "stop", "logprobs", "response_format", "n"} <= set(body["properties"])
+    assert body["additionalProperties"] is False
+
+
+# -- stop strings at the ingress (engines that return token ids only) ------------------------------
+
+
+class _CharTokenizer:
+    """Token id i decodes to chr(i) (ids >= 32); enough for IncrementalDetokenizer."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def _builder(body: dict[str, Any]) -> ResponseBuilder:
+    req = CompletionRequest.model_validate({**COMPLETION, **body})
+    return ResponseBuilder(req, False, _CharTokenizer(), "cmpl-x", 2)  # type: ignore[arg-type]
+
+
+def _outs(text: str, per: int = 1) -> list[EngineOutput]:
+    ids = [ord(c) for c in text]
+    outs = [EngineOutput("r", ids[i : i + per]) for i in range(0, len(ids), per)]
+    outs[-1].finished, outs[-1].finish_reason = True, "length"
+    outs[-1].usage = Usage(2, len(ids), 0)
+    return outs
+
+
+@pytest.mark.parametrize("per", [1, 3])
+def test_stop_strings_cut_the_text_like_vllm(per: int) -> None:
+    b = _builder({"stop": ["lo w", "zz"]})
+    streamed = ""
+    for out in _outs("hello world, zz", per):
+        for chunk in b.chunks(0, out, "i"):
+            streamed += chunk["choices"][0]["text"]
+        if b.choices[0].done:
+            break
+    c = b.choices[0]
+    assert (c.text, streamed, c.finish_reason, c.stop_reason) == ("hel", "hel", "stop", "lo w")
+    # tokens after the one completing the stop string are dropped, that one is kept
+    assert c.token_ids == [ord(ch) for ch in "hello w"]
+    inc = _builder({"stop": "lo", "include_stop_str_in_output": True})
+    for out in _outs("hello world", per):
+        inc.add(0, out, "i")
+    assert inc.choices[0].text == "hello" and inc.choices[0].finish_reason == "stop"
+
+
+def test_stop_strings_wait_for_min_tokens_and_stop_tokens_are_not_text() -> None:
+    b = _builder({"stop": "ab", "min_tokens": 3})
+    for out in _outs("abxab--"):
+        b.add(0, out, "i")
+    assert b.choices[0].text == "abx"
+    t = _builder({})
+    ids = [ord("a"), ord("!")]
+    out = EngineOutput("r", ids, None, True, "stop", Usage(2, 2, 0), stop_reason=33)
+    t.add(0, out, "i")
+    assert (t.choices[0].text, t.choices[0].stop_reason) == ("a", 33)
+    kept = _builder({"include_stop_str_in_output": True})
+    kept.add(0, out, "i")
+    assert kept.choices[0].text == "a!"
+
+
+def test_streaming_holds_back_a_possible_stop_string_prefix() -> None:
+    b = _builder({"stop": "xyz"})
+    sent = [b.add(0, out, "i") for out in _outs("abcxy!")]
+    assert sent == ["", "", "a", "b", "c", "xy!"]  # 2 characters held until they cannot match
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.text("abc", max_size=12),
+    st.integers(0, 12),
+    st.lists(st.text("abc", min_size=1, max_size=3), min_size=1, max_size=3),
+    st.booleans(),
+)
+def test_check_stop_strings_is_vllms(text: str, new: int, stops: list[str], include: bool) -> None:
+    pytest.importorskip("vllm")
+    from vllm.v1.engine.detokenizer import check_stop_strings as vllm_check
+
+    new = min(new, len(text))
+    assert check_stop_strings(text, new, stops, include) == vllm_check(text, new, stops, include)
