@@ -91,6 +91,12 @@ class EvictionPolicy(ABC):
     def begin_request(self, request: RequestInfo, now_s: float) -> None:  # noqa: B027
         """A request arrives; the ``touch``/``insert`` calls that follow are on its behalf."""
 
+    def resume_request(self, request: RequestInfo, now_s: float) -> None:  # noqa: B027
+        """The ``touch``/``insert`` calls that follow are on behalf of ``request``, which
+        ``begin_request`` already announced: caches interleave requests (a block is stored or
+        touched for one request while another is the latest to arrive). Counts nothing: a
+        request is counted once, at ``begin_request``."""
+
     def end_request(
         self, request: RequestInfo, keys: Sequence[Key], reused: Sequence[Key], now_s: float
     ) -> None:

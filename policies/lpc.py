@@ -82,6 +82,9 @@ class LPCPolicy(ScoredPolicy):
 
     def begin_request(self, request: RequestInfo, now_s: float) -> None:
         self.predictor.observe(request)
+        self.resume_request(request, now_s)
+
+    def resume_request(self, request: RequestInfo, now_s: float) -> None:
         p = request.continuation_p
         if p is None:
             p = self.predictor.predict(request)

@@ -132,6 +132,7 @@ class KvrouteCachePolicy(CachePolicy):
 
     def _begin(self, req_context: ReqContext) -> RequestInfo:
         info = req_context.get_state(RequestInfo)
+        first = info is None
         if info is None:
             info = request_info(req_context)
             req_context.set_state(info)
@@ -140,7 +141,11 @@ class KvrouteCachePolicy(CachePolicy):
         self._now = max(self._now, float(now) if now is not None else type(self).clock())
         if req_context is not self._current:
             self._current = req_context
-            self.policy.begin_request(info, self._now)
+            # NOTE: requests interleave; a request is counted (begin) once, then resumed
+            if first:
+                self.policy.begin_request(info, self._now)
+            else:
+                self.policy.resume_request(info, self._now)
         return info
 
     def _pin(self, keys: Iterable[OffloadKey]) -> None:

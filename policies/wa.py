@@ -97,6 +97,9 @@ class WAPolicy(EvictionPolicy):
         self._current = self._category(name)
         self._now = max(self._now, now_s)
 
+    def resume_request(self, request: RequestInfo, now_s: float) -> None:
+        self.begin_request(request, now_s)  # NOTE: begin only picks the category: counts nothing
+
     def insert(self, key: Key, now_s: float, parent: Key | None = None, offset: int = 0) -> None:
         self._now = max(self._now, now_s)
         cat = self._current

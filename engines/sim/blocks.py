@@ -48,6 +48,8 @@ class Block:
     lora_name: str | None = None
     extra_keys: tuple[Any, ...] | None = None
     generated: bool = False  # holds generated tokens (not offloaded by a prompt-only CPU tier)
+    # the last request that held it: the CPU-tier policy stores it on that request's behalf
+    info: RequestInfo | None = None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -212,6 +214,7 @@ class KVBlockManager:
             if b.ref_cnt == 0:
                 del free_q[b.block_id]
             b.ref_cnt += 1
+            b.info = req.info
         req.blocks = list(hit)
         req.num_cached_blocks = n_hit
         if n_cpu:
@@ -293,6 +296,7 @@ class KVBlockManager:
                         b.token_ids or [],
                         b.lora_name,
                         b.extra_keys,
+                        b.info,
                     )
         elif dups is not None:
             dups.remove(b)
@@ -300,7 +304,7 @@ class KVBlockManager:
             del self._dups[h]
         if self.events is not None:
             self.events.append(BlockRemoved(block_hashes=[h], medium=GPU, group_idx=0))
-        b.block_hash = b.parent_hash = b.token_ids = None
+        b.block_hash = b.parent_hash = b.token_ids = b.info = None
 
     def _stored(self, req: SimRequest, start: int, end: int, tokens: list[int]) -> BlockStored:
         """vLLM's ``BlockStored`` for blocks ``start:end`` of ``req`` (GPU, KV group 0)."""
@@ -336,7 +340,7 @@ class KVBlockManager:
         prompt_blocks = req.prompt_len // self.block_size
         for i in range(start, num_full):
             b, h = blocks[i], hashes[i]
-            b.block_hash, b.parent_hash, b.depth = h, prev, i
+            b.block_hash, b.parent_hash, b.depth, b.info = h, prev, i, req.info
             b.generated = i >= prompt_blocks
             if h in cached:
                 self._dups.setdefault(h, []).append(b)

@@ -89,6 +89,7 @@ class CPUTier:
     ) -> None:
         """A request finished: ``hashes`` are all its blocks, ``loaded`` those it read from
         this tier. The policy hears which are resident here, and the reuse (policy contract)."""
+        self.policy.resume_request(info, now_s)
         res, pinned = self._resident, self.pinned
         keys = [h for h in hashes if h in res and h not in pinned]
         reused = [h for h in loaded if h in res and h not in pinned]
@@ -103,9 +104,13 @@ class CPUTier:
         tokens: list[int],
         lora_name: str | None = None,
         extra_keys: tuple[Any, ...] | None = None,
+        info: RequestInfo | None = None,
     ) -> bool:
-        """Store a block the GPU just evicted, evicting per the policy if full. False if the
+        """Store a block the GPU just evicted, evicting per the policy if full; ``info`` is the
+        last request that held it (the policy stores it on that request's behalf). False if the
         policy refused it or nothing unprotected (unpinned, not being loaded) could make room."""
+        if info is not None:
+            self.policy.resume_request(info, now_s)
         pinned = self.pinned
         if h in self._resident or (
             h not in pinned and not self.policy.admit(h, parent, depth, now_s)

@@ -308,3 +308,27 @@ def test_clear_cache_empties_both_tiers_and_says_so_in_events():
     publish()
     assert not cmap.resident("sim-0", Tier.GPU) and not cmap.resident("sim-0", Tier.CPU)
     assert _run(bm, req("a2", toks(100, 16))) == 0  # a miss now
+
+
+def test_an_offloaded_block_carries_the_request_that_held_it() -> None:
+    """The CPU tier stores a GPU-evicted block on behalf of the request that last held it, not of
+    whichever request's allocation evicted it (LPC's odds are per request)."""
+    bm = KVBlockManager(5, BS, cpu_capacity_blocks=8, cpu_policy="lpc")
+    a = req("a", toks(100, 13))
+    a.info = RequestInfo(category="text_1", continuation_p=0.9)
+    _run(bm, a)
+    b = req("b", toks(200, 16))
+    b.info = RequestInfo(category="api_1", continuation_p=0.0)
+    bm.begin_request(b)  # b is the latest to arrive when a's blocks leave the GPU
+    seen: list[float | None] = []
+    policy = bm.cpu.policy  # type: ignore[union-attr]
+    original = policy.resume_request
+
+    def spy(info: RequestInfo, now_s: float) -> None:
+        seen.append(info.continuation_p)
+        original(info, now_s)
+
+    policy.resume_request = spy  # type: ignore[method-assign]
+    admit(bm, b)
+    assert set(a.block_hashes) <= bm.cpu_hashes()
+    assert seen and set(seen) == {0.9}  # every offload on a's behalf
