@@ -212,3 +212,19 @@ def test_pins_refuse_stores_they_cannot_make_room_for_and_clear_drops_them() -> 
     assert _serve(manager, pinned, "after", 2.0) == 0
     assert _serve(manager, other, "other2", 3.0) == 0  # unpinned now: LRU makes room
     assert _resident(manager, pinned) == 3
+
+
+def test_an_interleaved_request_is_counted_once() -> None:
+    """vLLM calls the policy for request A, then B, then A again (stores and touches interleave):
+    LPC must count A once, or its continuation odds are diluted by its own re-entries."""
+    policy = CachePolicyFactory.get_cache_policy_cls("KvrouteLPC", MODULE)(cache_capacity=8)
+    a = ReqContext(
+        req_id="a", kv_transfer_params={"kvroute": {"category": "text_1", "session_id": 1}}
+    )
+    b = ReqContext(
+        req_id="b", kv_transfer_params={"kvroute": {"category": "text_1", "session_id": 2}}
+    )
+    for i, ctx in enumerate((a, b, a, b, a)):
+        policy.on_store_miss([_key(i)], ctx)
+    predictor = policy.policy.predictor  # type: ignore[attr-defined]
+    assert predictor._seen == {"text_1": 2}
