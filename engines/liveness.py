@@ -67,6 +67,7 @@ class EngineWatcher:
         self.dropped = 0
         self.malformed_loads = 0
         self._blind_since: float | None = None  # when reading the buses started failing
+        self._forgotten: set[str] = set()  # dropped as silent; a resync is due if they return
 
     def pump(self, now: float) -> list[str]:
         """Apply what is new; returns the instances dropped as silent by this call."""
@@ -101,12 +102,19 @@ class EngineWatcher:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 self.malformed_loads += 1
                 continue
-            self.loads[sample.instance_id] = sample
-            self.last_seen[sample.instance_id] = now
+            inst = sample.instance_id
+            if inst in self._forgotten:
+                # NOTE: dropped as silent, now back: its residency was forgotten, and an idle
+                # engine sends no batch whose gap would ask for it again
+                self._forgotten.discard(inst)
+                self.ingestor.needs_resync.add(inst)
+            self.loads[inst] = sample
+            self.last_seen[inst] = now
         dropped = [i for i, t in self.last_seen.items() if now - t > self.timeout_s]
         for inst in dropped:
             log.warning("instance %s: no load sample for %.1f s, dropping it", inst, self.timeout_s)
             self.forget(inst)
+            self._forgotten.add(inst)
             self.dropped += 1
         if self.request_resync is not None:
             for inst in self.ingestor.needs_resync:

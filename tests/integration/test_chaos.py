@@ -118,7 +118,20 @@ class Cluster:
             if self.seen(self.a) == truth and self.seen(self.b) == truth:
                 return time.monotonic() - start
             if time.monotonic() - start > timeout_s:
-                raise AssertionError(f"routers did not converge in {timeout_s} s")
+                diff = {
+                    name: {k: (len(v), len(stack_seen.get(k, set()))) for k, v in truth.items()}
+                    for name, stack in (("a", self.a), ("b", self.b))
+                    for stack_seen in [self.seen(stack)]
+                    if stack_seen != truth
+                }
+                ingest = {
+                    name: (stack.state.core.ingestor.gaps, sorted(stack.state.needs_resync()))
+                    for name, stack in (("a", self.a), ("b", self.b))
+                }
+                raise AssertionError(
+                    f"routers did not converge in {timeout_s} s: (truth, seen) blocks per "
+                    f"(instance, tier) {diff}; (gaps, needing resync) {ingest}"
+                )
             time.sleep(0.05)
 
 

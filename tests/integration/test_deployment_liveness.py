@@ -47,6 +47,23 @@ def test_silent_instances_are_dropped_and_live_ones_kept() -> None:
     assert "b" in w.live() and "b" in w.ingestor.needs_resync
 
 
+def test_an_idle_instance_that_returns_is_resynced() -> None:
+    """Dropped as silent (its residency forgotten), then back without a new batch: an idle
+    engine would never show a gap, so its return alone asks for a snapshot."""
+    asked: list[str] = []
+    events, loads = InProcessBus(), InProcessBus()
+    w = EngineWatcher(
+        events, loads, CacheMapIngestor(CacheMap()), timeout_s=2.0, request_resync=asked.append
+    )
+    events.publish(_stored("a", 0))
+    loads.publish(_load("a"))
+    w.pump(0.0)
+    assert w.pump(2.5) == ["a"] and not w.ingestor.map.match(HASHES)
+    loads.publish(_load("a"))
+    w.pump(3.0)
+    assert "a" in w.ingestor.needs_resync and asked == ["a"]
+
+
 def test_time_the_buses_could_not_be_read_is_not_silence() -> None:
     events, loads = InProcessBus(), InProcessBus()
     w = EngineWatcher(events, loads, CacheMapIngestor(CacheMap()), timeout_s=2.0)
