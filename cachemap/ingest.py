@@ -84,10 +84,6 @@ class EngineEventTranslator:
     ``cpu_blocks_per_chunk``: GPU blocks per CPU-tier chunk (offloaded block size / engine block
     size), what a placeholder covers.
 
-    ``reset_clears_cpu``: ``AllBlocksCleared`` empties the CPU tier too. Set it for a vLLM engine
-    with a CPU tier: its cache reset drops the connector's cache along with the GPU prefix cache
-    and vLLM publishes no CPU removals for that (the sim engine does, so it leaves this off).
-
     ``trusted_hashes``: the engine's block hashes already are chained prefix ids in our hash
     space, so a ``BlockStored`` without ``token_ids`` maps each engine hash to itself. That is
     the case for hash-only traces (Mooncake/Bailian ``hash_ids``, which identify a whole prefix)
@@ -102,7 +98,6 @@ class EngineEventTranslator:
         cpu_blocks_per_chunk: int = 1,
         *,
         trusted_hashes: bool = False,
-        reset_clears_cpu: bool = False,
     ) -> None:
         if cpu_blocks_per_chunk < 1:
             raise ValueError(f"cpu_blocks_per_chunk must be >= 1, got {cpu_blocks_per_chunk}")
@@ -110,7 +105,6 @@ class EngineEventTranslator:
         self.block_size = block_size
         self.cpu_blocks_per_chunk = cpu_blocks_per_chunk
         self.trusted_hashes = trusted_hashes
-        self.reset_clears_cpu = reset_clears_cpu
         self._hasher = BlockHasher(model, block_size)
         self._table: dict[EngineHash, _Block] = {}
         self._chunks: dict[EngineHash, list[EngineHash]] = {}  # placeholder chunk -> members
@@ -308,18 +302,12 @@ class EngineEventTranslator:
                 out.append(Removed(tier.value, gone))
 
     def _cleared(self, out: list[Update]) -> None:
-        # NOTE: vLLM emits AllBlocksCleared from the GPU block pool (reset_prefix_cache).
-        slots = [_TIERS[Tier.GPU.value].slot]
-        if self.reset_clears_cpu:
-            slots.append(_TIERS[Tier.CPU.value].slot)
-            self._chunks.clear()
-        for eh in [eh for eh, b in self._table.items() if any(b.refs[ti] for ti in slots)]:
-            b = self._table[eh]
-            for ti in slots:
-                b.refs[ti] = 0
-            if not any(b.refs):
-                del self._table[eh]
-        out.append(Cleared(None if self.reset_clears_cpu else Tier.GPU.value))
+        # NOTE: vLLM emits AllBlocksCleared from the GPU block pool (reset_prefix_cache), and
+        # nothing for its connector's CPU tier, which kvroute's engines reset with it
+        # (``Engine.clear_cache``): the instance holds nothing on any tier afterwards.
+        self._table.clear()
+        self._chunks.clear()
+        out.append(Cleared(None))
 
     def snapshot(self) -> Snapshot:
         """Everything this instance holds, as of ``self.seq`` (for a router's resync)."""

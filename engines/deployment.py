@@ -180,13 +180,7 @@ class EngineDeployment:
             raise EngineError(f"engine {self.instance_id} publishes no KV events")
         take = getattr(events, "take_resync", None)
         return KvEventForwarder(
-            EngineEventTranslator(
-                self.instance_id,
-                ecfg.model_name,
-                ecfg.block_size,
-                # vLLM's reset drops its CPU tier without a CPU removal event; the sim's says so
-                reset_clears_cpu=ecfg.kind == "vllm" and ecfg.cpu_tier is not None,
-            ),
+            EngineEventTranslator(self.instance_id, ecfg.model_name, ecfg.block_size),
             events,
             endpoint,
             replay_endpoint=self.engine.kv_events_replay_endpoint,

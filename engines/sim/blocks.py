@@ -139,9 +139,9 @@ class KVBlockManager:
                 cpu.unpin(req.block_hashes, self.now_s)
 
     def clear_cache(self) -> bool:
-        """vLLM's ``reset_prefix_cache``: forget every cached block on both tiers (and the
-        CPU tier's pins), publishing ``AllBlocksCleared`` and the CPU tier's removals. False,
-        changing nothing, while any request holds blocks."""
+        """vLLM's ``reset_prefix_cache`` with its connector's: forget every cached block on both
+        tiers (and the CPU tier's pins), publishing ``AllBlocksCleared`` (for every tier, as
+        vLLM does). False, changing nothing, while any request holds blocks."""
         if len(self._free) < self.num_gpu_blocks - 1:
             return False
         for h in self._cached:
@@ -152,7 +152,7 @@ class KVBlockManager:
         self._cached.clear()
         self._dups.clear()
         for b in self.blocks:
-            b.parent_hash = b.token_ids = None
+            b.parent_hash = b.token_ids = b.info = None
         if self.events is not None:
             self.events.append(AllBlocksCleared())
         if self.cpu is not None:

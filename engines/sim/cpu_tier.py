@@ -70,16 +70,12 @@ class CPUTier:
                 if h in res:
                     self.policy.insert(h, now_s)
 
-    def clear(self) -> list[int]:
-        """Drop every block and pin; the hashes that were resident (their ``BlockRemoved``
-        is published here)."""
-        gone = list(self._resident)
+    def clear(self) -> None:
+        """Drop every block and pin (vLLM's connector reset: no removal events; the engine's
+        ``AllBlocksCleared`` stands for every tier)."""
         self._resident.clear()
         self.pinned.clear()
         self.policy.clear()
-        if gone and self.events is not None:
-            self.events.append(BlockRemoved(block_hashes=[*gone], medium=CPU))  # type: ignore[list-item]
-        return gone
 
     def begin_request(self, info: RequestInfo, now_s: float) -> None:
         self.policy.begin_request(info, now_s)

@@ -116,11 +116,15 @@ def test_cpu_placeholder_expands_to_the_chunk() -> None:
     assert len(p.tr) == 0
 
 
-def test_all_blocks_cleared_clears_gpu_only() -> None:
+def test_all_blocks_cleared_clears_every_tier() -> None:
+    """kvroute's engines reset their CPU tier with the prefix cache, and vLLM publishes no CPU
+    removals for it: AllBlocksCleared leaves the instance holding nothing, and forgets the
+    engine hashes (a later CPU event for them is unknown)."""
     p = Pipeline()
     p.feed(stored([b"e1"], None, TOKENS[:4]), stored([b"e1"], None, TOKENS[:4], medium="CPU"))
+    assert p.map.match(OURS) == {"e0": Match(1, 1)}
     p.feed(AllBlocksCleared())
-    assert p.map.match(OURS) == {"e0": Match(0, 1)}
+    assert p.map.match(OURS) == {} and len(p.tr) == 0
 
 
 def test_malformed_events_are_counted_and_skipped_not_fatal() -> None:
