@@ -52,18 +52,15 @@ class CpuTierConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> CpuTierConfig:
-        from policies.registry import create_policy
+        from policies.registry import create_policy, engine_policy_class
 
         if (self.gib is None) == (self.blocks is None):
             raise ValueError("cpu_tier: give exactly one of gib and blocks")
-        if self.policy in ("belady", "reuse-oracle"):
-            raise ValueError(
-                f"cpu_tier.policy: {self.policy!r} needs the future and cannot run in an engine"
-            )
         try:
+            engine_policy_class(self.policy)
             create_policy(self.policy, 16, **self.policy_options)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"cpu_tier.policy: {str(e).removeprefix('policy: ')}") from None
+            raise ValueError(f"cpu_tier.policy: {e}") from None
         return self
 
     def capacity_blocks(self, block_size: int, kv_bytes_per_token: int) -> int:

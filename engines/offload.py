@@ -24,7 +24,7 @@ config.py``, ``vllm/v1/kv_offload/cpu/spec.py``, ``vllm/v1/kv_offload/cpu/polici
   saves through all; a child config must not carry ``engine_id`` (vLLM passes the parent's one
   beside it and the constructor call fails).
 
-Pure: no vLLM import here except where a function says so (the adapter's class names).
+Pure: no vLLM import (the adapter's class names come from ``policies.registry``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from engines.config import CpuTierConfig
+from policies.registry import POLICY_OPTIONS_ENV, engine_policy_class
 
 OFFLOADING_CONNECTOR = "OffloadingConnector"
 MULTI_CONNECTOR = "MultiConnector"
@@ -57,17 +58,11 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
 
 
 def cache_policy_class(policy: str) -> str:
-    """The ``policies.vllm_adapter`` class vLLM loads for kvroute policy ``policy`` (imports
-    vLLM)."""
-    from policies.vllm_adapter import CLASS_NAMES
-
-    for cls_name, name in CLASS_NAMES.items():
-        if name == policy:
-            return cls_name
-    raise ValueError(
-        f"cpu_tier.policy: {policy!r} has no vLLM adapter class; "
-        f"valid: {', '.join(CLASS_NAMES.values())}"
-    )
+    """The ``policies.vllm_adapter`` class vLLM loads for kvroute policy ``policy``."""
+    try:
+        return engine_policy_class(policy)
+    except ValueError as e:
+        raise ValueError(f"cpu_tier.policy: {e}") from None
 
 
 def cpu_bytes_to_use(
@@ -182,9 +177,7 @@ def kv_transfer_config(
 
 def policy_options_env(cpu_tier: CpuTierConfig) -> dict[str, str]:
     """Environment variables that carry ``cpu_tier.policy_options`` to the adapter class in
-    vLLM's engine core process; set them before ``AsyncLLM`` starts (imports vLLM)."""
-    from policies.vllm_adapter import POLICY_OPTIONS_ENV
-
+    vLLM's engine core process; set them before ``AsyncLLM`` starts."""
     return {
         POLICY_OPTIONS_ENV: json.dumps(
             {cache_policy_class(cpu_tier.policy): dict(cpu_tier.policy_options)}

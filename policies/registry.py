@@ -25,6 +25,37 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 }
 
 
+# The policies an engine can run (the oracles need the future), by the name of their vLLM
+# ``CachePolicy`` class in ``policies.vllm_adapter``.
+ENGINE_POLICY_CLASSES: dict[str, str] = {
+    "lru": "KvrouteLRU",
+    "fifo": "KvrouteFIFO",
+    "lfu": "KvrouteLFU",
+    "arc": "KvrouteARC",
+    "s3-fifo": "KvrouteS3FIFO",
+    "gdsf": "KvrouteGDSF",
+    "aging-lfu": "KvrouteAgingLFU",
+    "wa": "KvrouteWA",
+    "lpc": "KvrouteLPC",
+    "prefix-reuse": "KvroutePrefixReuse",
+    "prefix-odds": "KvroutePrefixOdds",
+}
+# The environment variable that carries a CPU-tier policy's constructor options into vLLM's
+# engine-core process (JSON keyed by class name; vLLM builds the policy with its capacity alone).
+POLICY_OPTIONS_ENV = "KVROUTE_CPU_POLICY_OPTIONS"
+
+
+def engine_policy_class(name: str) -> str:
+    """The vLLM ``CachePolicy`` class name of engine-runnable policy ``name``; ``ValueError``
+    naming the valid ones otherwise (an offline oracle needs the future)."""
+    key = name.strip().lower()
+    cls = ENGINE_POLICY_CLASSES.get(key)
+    if cls is None:
+        why = "needs the future and cannot run in an engine" if key in _REGISTRY else "is unknown"
+        raise ValueError(f"policy {name!r} {why}; valid: {', '.join(ENGINE_POLICY_CLASSES)}")
+    return cls
+
+
 def policy_names() -> list[str]:
     """Registered names, in registration order."""
     return list(_REGISTRY)

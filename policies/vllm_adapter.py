@@ -38,24 +38,10 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
 from policies.base import EvictionPolicy, RequestInfo
-from policies.registry import create_policy
+from policies.registry import ENGINE_POLICY_CLASSES, POLICY_OPTIONS_ENV, create_policy
 
-POLICY_OPTIONS_ENV = "KVROUTE_CPU_POLICY_OPTIONS"
-
-# vLLM class name -> kvroute policy name (Belady needs the future and is not deployable).
-CLASS_NAMES: dict[str, str] = {
-    "KvrouteLRU": "lru",
-    "KvrouteFIFO": "fifo",
-    "KvrouteLFU": "lfu",
-    "KvrouteARC": "arc",
-    "KvrouteS3FIFO": "s3-fifo",
-    "KvrouteGDSF": "gdsf",
-    "KvrouteAgingLFU": "aging-lfu",
-    "KvrouteWA": "wa",
-    "KvrouteLPC": "lpc",
-    "KvroutePrefixReuse": "prefix-reuse",
-    "KvroutePrefixOdds": "prefix-odds",
-}
+# vLLM class name -> kvroute policy name (the engine-runnable ones; the registry owns the list).
+CLASS_NAMES: dict[str, str] = {cls: name for name, cls in ENGINE_POLICY_CLASSES.items()}
 
 
 def request_info(req_context: ReqContext | None) -> RequestInfo:

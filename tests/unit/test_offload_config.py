@@ -197,8 +197,10 @@ def test_the_cpu_platform_stops_at_the_worker(model: str, monkeypatch: pytest.Mo
 def test_class_names_sizes_and_alignment() -> None:
     for cls_name, name in CLASS_NAMES.items():
         assert offload.cache_policy_class(name) == cls_name
-    with pytest.raises(ValueError, match=r"cpu_tier\.policy: 'belady'"):
+    with pytest.raises(ValueError, match=r"cpu_tier\.policy: policy 'belady' needs the future"):
         offload.cache_policy_class("belady")
+    # the registry's spelling rules: a name the config accepts, the engine can run
+    assert offload.cache_policy_class(CpuTierConfig(blocks=4, policy=" LRU").policy) == "KvrouteLRU"
     assert offload.HOST_PAGE_SIZE == CPUOffloadingSpec.BLOCK_SIZE_ALIGNMENT
     tier = CpuTierConfig(blocks=10)
     # 10 blocks of 16 tokens at 100 B/token: 1,600 B per chunk, a page each; in chunks of 3
