@@ -9,7 +9,7 @@ block it stores (``insert``), every reuse (``touch``) and every removal it makes
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping, Sequence, Set
+from collections.abc import Container, Hashable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -168,3 +168,43 @@ class OfflinePolicy(EvictionPolicy):
         if request.index >= loaded:
             raise ValueError(f"{self.name}: request index {request.index} beyond the loaded future")
         return request.index
+
+
+class OperatorPins:
+    """An operator's pins over one cache and its policy (the KV control API): a pinned key is
+    kept whatever the policy says until unpinned. A resident pinned key is out of the policy
+    altogether, so eviction never considers (or steps over) it, and it re-enters the policy as
+    a fresh insert when unpinned. Pins outlive residency: a key pinned before it is stored is
+    pinned when it arrives. The cache asks ``key in pins`` before telling the policy about a key.
+    """
+
+    __slots__ = ("keys", "policy")
+
+    def __init__(self, policy: EvictionPolicy) -> None:
+        self.policy = policy
+        self.keys: set[Key] = set()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def pin(self, keys: Iterable[Key], resident: Container[Key]) -> None:
+        pins = self.keys
+        for key in keys:
+            if key not in pins:
+                pins.add(key)
+                if key in resident:
+                    self.policy.remove(key)
+
+    def unpin(self, keys: Iterable[Key], resident: Container[Key], now_s: float) -> None:
+        pins = self.keys
+        for key in keys:
+            if key in pins:
+                pins.discard(key)
+                if key in resident:
+                    self.policy.insert(key, now_s)
+
+    def clear(self) -> None:
+        self.keys.clear()

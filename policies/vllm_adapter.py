@@ -37,7 +37,7 @@ from typing import Any, ClassVar, cast
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
-from policies.base import EvictionPolicy, RequestInfo
+from policies.base import EvictionPolicy, OperatorPins, RequestInfo
 from policies.registry import ENGINE_POLICY_CLASSES, POLICY_OPTIONS_ENV, create_policy
 
 # vLLM class name -> kvroute policy name (the engine-runnable ones; the registry owns the list).
@@ -112,7 +112,7 @@ class KvrouteCachePolicy(CachePolicy):
             raise ValueError(f"{POLICY_OPTIONS_ENV}[{type(self).__name__!r}]: {e}") from None
         self.chunks: dict[OffloadKey, ChunkStatus] = {}
         self._pinned: set[OffloadKey] = set()  # in transfer (ref_cnt != 0)
-        self.operator_pins: set[OffloadKey] = set()  # resident or not; resident: not in policy
+        self.operator_pins = OperatorPins(self.policy)
         self._current: ReqContext | None = None
         self._now = 0.0
 
@@ -133,22 +133,6 @@ class KvrouteCachePolicy(CachePolicy):
             else:
                 self.policy.resume_request(info, self._now)
         return info
-
-    def _pin(self, keys: Iterable[OffloadKey]) -> None:
-        pins, chunks = self.operator_pins, self.chunks
-        for key in keys:
-            if key not in pins:
-                pins.add(key)
-                if key in chunks:
-                    self.policy.remove(key)
-
-    def _unpin(self, keys: Iterable[OffloadKey]) -> None:
-        pins, chunks = self.operator_pins, self.chunks
-        for key in keys:
-            if key in pins:
-                pins.discard(key)
-                if key in chunks:
-                    self.policy.insert(key, self._now)
 
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         return self.chunks.get(key)
@@ -176,7 +160,7 @@ class KvrouteCachePolicy(CachePolicy):
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         info = self._begin(req_context)  # the stores that follow are on this request's behalf
         if info.pin:
-            self._pin(keys)  # pinned from the moment they are stored
+            self.operator_pins.pin(keys, self.chunks)  # pinned from the moment they are stored
 
     def on_request_finished(
         self,
@@ -188,7 +172,10 @@ class KvrouteCachePolicy(CachePolicy):
         info = self._begin(req_context)
         all_keys = order_request_keys(key_groups, req_context)
         if info.pin is not None:
-            (self._pin if info.pin else self._unpin)(all_keys)
+            if info.pin:
+                self.operator_pins.pin(all_keys, self.chunks)
+            else:
+                self.operator_pins.unpin(all_keys, self.chunks, self._now)
         pins = self.operator_pins
         keys = [k for k in all_keys if k in self.chunks and k not in pins]
         reused = [k for k in keys if k in reused_keys]

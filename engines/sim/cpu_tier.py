@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cachemap.events import BlockRemoved, BlockStored
-from policies.base import EvictionPolicy, RequestInfo
+from policies.base import EvictionPolicy, OperatorPins, RequestInfo
 from policies.registry import create_policy
 
 CPU = "CPU"
@@ -35,10 +35,8 @@ class CPUTier:
         self._resident: dict[int, None] = {}
         # NOTE: blocks a request is loading right now; an offload must not evict them.
         self.protected: frozenset[int] = frozenset()
-        # Operator pins (KV control API), resident or not: admitted whatever the policy says and
-        # never a victim, until unpinned. A resident pinned block is out of the policy altogether
-        # (as in the vLLM adapter): eviction never steps over it, and it re-enters when unpinned.
-        self.pinned: set[int] = set()
+        # Operator pins (KV control API): admitted whatever the policy says, never a victim
+        self.pinned = OperatorPins(self.policy)
         self.evictions = 0
         self.prompt_only = False  # offload only blocks of prompt tokens (vLLM's option)
 
@@ -55,20 +53,10 @@ class CPUTier:
         return len(self._resident) / self.capacity_blocks
 
     def pin(self, hashes: Sequence[int]) -> None:
-        pinned, res = self.pinned, self._resident
-        for h in hashes:
-            if h not in pinned:
-                pinned.add(h)
-                if h in res:
-                    self.policy.remove(h)
+        self.pinned.pin(hashes, self._resident)
 
     def unpin(self, hashes: Sequence[int], now_s: float) -> None:
-        pinned, res = self.pinned, self._resident
-        for h in hashes:
-            if h in pinned:
-                pinned.discard(h)
-                if h in res:
-                    self.policy.insert(h, now_s)
+        self.pinned.unpin(hashes, self._resident, now_s)
 
     def clear(self) -> None:
         """Drop every block and pin (vLLM's connector reset: no removal events; the engine's

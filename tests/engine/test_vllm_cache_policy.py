@@ -170,7 +170,7 @@ def test_a_pinned_system_prompt_survives_a_flood_and_unpins() -> None:
     assert _serve(manager, pinned, "pin", t, pin=True) == 0
     assert _serve(manager, control, "control", t + 1) == 0
     policy = manager._policy
-    assert isinstance(policy, KvrouteCachePolicy) and policy.operator_pins == set(pinned)
+    assert isinstance(policy, KvrouteCachePolicy) and policy.operator_pins.keys == set(pinned)
 
     def flood(tag: str, n: int = 40) -> None:
         nonlocal t
