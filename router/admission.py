@@ -18,10 +18,11 @@ from collections import deque
 class Rejected(Exception):
     """The request is not admitted; ``retry_after_s`` is a hint for the client."""
 
-    def __init__(self, reason: str, retry_after_s: float) -> None:
+    def __init__(self, reason: str, retry_after_s: float, code: str = "overloaded") -> None:
         super().__init__(reason)
         self.reason = reason
         self.retry_after_s = retry_after_s
+        self.code = code  # the 429's error code: "overloaded", "rate_limited"
 
     @property
     def retry_after_header(self) -> str:

@@ -277,13 +277,11 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
         client = auth if config.api_keys else (request.client.host if request.client else "")
         wait = limiter.take(client, time.monotonic())
         if wait > 0:
-            raise APIError(
-                429,
+            raise Rejected(
                 f"rate limit: {config.rate_limit:g} requests/s per client "
                 f"(bursts of {config.rate_burst}); retry in {wait:.2f} s",
-                type_="rate_limit_error",
+                wait,
                 code="rate_limited",
-                headers={"Retry-After": RateLimiter.retry_after(wait)},
             )
 
     def check_admin(request: Request) -> None:
@@ -485,7 +483,7 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
                 429,
                 e.reason,
                 type_="rate_limit_error",
-                code="overloaded",
+                code=e.code,
                 headers={"Retry-After": e.retry_after_header},
             )
             return JSONResponse(err.body(), status_code=429, headers=err.headers)

@@ -4,7 +4,6 @@ address when the endpoint has no keys), so one client's flood is refused with 42
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -46,8 +45,3 @@ class RateLimiter:
             return 0.0
         self.refused += 1
         return (1.0 - b.tokens) / self.rate
-
-    @staticmethod
-    def retry_after(wait_s: float) -> str:
-        """``Retry-After``'s value: whole seconds, at least 1."""
-        return str(max(1, math.ceil(wait_s)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from router.admission import Rejected
 from router.ratelimit import RateLimiter
 
 
@@ -14,7 +15,8 @@ def test_a_burst_then_the_rate_and_an_honest_wait() -> None:
     assert wait == pytest.approx(0.5) and lim.refused == 1
     assert lim.take("a", 0.49) > 0  # not yet
     assert lim.take("a", 0.5) == 0.0  # one token refilled by then
-    assert RateLimiter.retry_after(0.01) == "1" and RateLimiter.retry_after(2.2) == "3"
+    assert Rejected("", 0.01).retry_after_header == "1"
+    assert Rejected("", 2.2).retry_after_header == "3"
 
 
 def test_one_clients_flood_leaves_the_others_alone() -> None:
