@@ -62,30 +62,30 @@ import json
 import math
 import statistics
 import sys
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-import uvicorn
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deploy.local import LocalStack
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
-from engines.sim.request import SimRequest
 from engines.tiny_model import build_tiny_model
-from engines.vllm_engine import free_port
+from loadgen.metrics import server_hit_rate
 from loadgen.prompts import PromptSynth
+from loadgen.records import RequestRecord
 from loadgen.runner import RunConfig, Runner
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned, build_schedule
 from policies import create_policy
 from policies.base import EvictionPolicy
-from policies.lpc import LPCPolicy
+from policies.lpc import HistoryPredictor, LPCPolicy
 from router.tokenizer import PromptTokenizer
+from tests.support import Server, free_port
 
 MODEL = "tiny-sim"
 PROFILE = "h100-llama3.1-8b"
@@ -94,55 +94,6 @@ MAX_MODEL_LEN = 8192
 INSTANCES = 2
 BAILIAN_THINK_S = 600.0 / math.log(5.0)  # to-C think time in the wild (SynthParams default)
 LPC_DECAY_PER_TRACE_S = 1.0 / 120.0  # LPCPolicy's default
-
-
-class CountingSimEngine(SimEngine):
-    """A sim engine that also sums, over its finished requests, prompt tokens and the tokens
-    served from its cache at admission, all and from the CPU tier."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
-        self.counts = {"requests": 0, "prompt": 0, "cached": 0, "cpu_cached": 0}
-
-    def _final(self, req: SimRequest, tokens: list[int]) -> Any:
-        if req.cached_tokens >= 0:  # admitted (an abort before admission has no lookup)
-            c = self.counts
-            c["requests"] += 1
-            c["prompt"] += req.prompt_len
-            c["cached"] += req.cached_tokens
-            c["cpu_cached"] += req.cpu_cached_tokens
-        return super()._final(req, tokens)
-
-
-@contextmanager
-def serve(stack: LocalStack) -> Iterator[str]:
-    """``stack`` under uvicorn on its own thread and event loop; yields the base URL."""
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(stack.app, host="127.0.0.1", port=port, log_level="warning")
-    )
-
-    def run() -> None:
-        loop = asyncio.new_event_loop()
-        loop.run_until_complete(stack.start())
-        try:
-            loop.run_until_complete(server.serve())
-        finally:
-            loop.run_until_complete(stack.stop())
-            loop.close()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("server did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 # to-c-types: per type (share of requests, mean turns, median words of a new user message)
@@ -197,20 +148,23 @@ def make_policy(name: str, cpu_blocks: int, compression: float) -> EvictionPolic
     return create_policy(name, cpu_blocks)
 
 
-def learned_odds(engines: list[CountingSimEngine]) -> dict[str, list[float]] | None:
+def learned_odds(engines: list[SimEngine]) -> dict[str, list[float]] | None:
     """LPC's history predictor, summed over the engines: ``{category: [p, requests seen]}``."""
-    seen: dict[str, int] = {}
-    cont: dict[str, int] = {}
+    seen: Counter[str] = Counter()
+    cont: Counter[str] = Counter()
     for e in engines:
         policy = e.blocks.cpu.policy if e.blocks.cpu is not None else None
         pred = getattr(policy, "predictor", None)
-        if pred is None:
+        if not isinstance(pred, HistoryPredictor):
             return None
-        for cat, n in pred._seen.items():
-            seen[cat] = seen.get(cat, 0) + n
-        for cat, n in pred._continued.items():
-            cont[cat] = cont.get(cat, 0) + n
+        for cat, (n, k) in pred.counts().items():
+            seen[cat] += n
+            cont[cat] += k
     return {c: [round(cont.get(c, 0) / n, 3), n] for c, n in sorted(seen.items()) if n >= 10}
+
+
+def _round(x: float | None) -> float | None:
+    return round(x, 4) if x is not None else None
 
 
 def run_once(
@@ -225,7 +179,7 @@ def run_once(
     time_scale = 1.0 / compression
     profile = LatencyProfile.load(PROFILE)
     engines = {
-        f"sim-{i}": CountingSimEngine(
+        f"sim-{i}": SimEngine(
             f"sim-{i}",
             profile,
             block_size=BS,
@@ -250,9 +204,9 @@ def run_once(
         session_hints=hints,
     )
     t0 = time.perf_counter()
-    with serve(stack) as url:
+    with Server(stack, free_port()) as server:
         config = RunConfig(
-            url,
+            f"http://127.0.0.1:{server.port}",
             MODEL,
             PromptSynth(SYNTH_BLOCK_SIZE, seed=seed),
             api="chat",
@@ -264,37 +218,32 @@ def run_once(
         result = asyncio.run(Runner(config, plan).run())
     wall = time.perf_counter() - t0
     ok = [r for r in result.records if r.ok]
-    errors: dict[str, int] = {}
-    for r in result.records:
-        if not r.ok:
-            errors[r.error or "unfinished"] = errors.get(r.error or "unfinished", 0) + 1
-    prompt = sum(r.prompt_tokens or 0 for r in ok)
-    cached = sum(r.cached_tokens or 0 for r in ok)
-    by_type: dict[str, list[int]] = {}
+    errors = Counter(r.error or "unfinished" for r in result.records if not r.ok)
+    by_type: dict[str, list[RequestRecord]] = {}
     for r in ok:
-        t = by_type.setdefault(r.category.rsplit("_", 1)[0], [0, 0])
-        t[0] += r.cached_tokens or 0
-        t[1] += r.prompt_tokens or 0
+        by_type.setdefault(r.category.rsplit("_", 1)[0], []).append(r)
     eng = list(engines.values())
-    c = {k: sum(e.counts[k] for e in eng) for k in eng[0].counts}
-    gpu_missed = c["prompt"] - (c["cached"] - c["cpu_cached"])
-    prompt_e = c["prompt"] or 1
+    scheds = [e.scheduler for e in eng]
+    prompt_e = sum(s.prompt_tokens_admitted for s in scheds)
+    cached_e = sum(s.cached_tokens_admitted for s in scheds)
+    cpu_cached_e = sum(s.cpu_cached_tokens_admitted for s in scheds)
+    gpu_missed = prompt_e - (cached_e - cpu_cached_e)
     return {
         "policy": policy,
         "hints": "on" if hints else "off",
         "seed": seed,
         "requests": len(result.records),
         "completed": len(ok),
-        "errors": errors,
+        "errors": dict(errors),
         "wall_s": round(wall, 1),
-        "hit_rate": round(cached / prompt, 4) if prompt else None,
-        "hit_rate_by_type": {k: round(c / max(p, 1), 4) for k, (c, p) in sorted(by_type.items())},
-        "cpu_hit_per_prompt_token": round(c["cpu_cached"] / prompt_e, 4),
-        "cpu_hit_rate": round(c["cpu_cached"] / max(gpu_missed, 1), 4),
-        "engine_hit_rate": round(c["cached"] / prompt_e, 4),
-        "prompt_tokens": c["prompt"],
+        "hit_rate": _round(server_hit_rate(ok)),
+        "hit_rate_by_type": {k: _round(server_hit_rate(rs)) for k, rs in sorted(by_type.items())},
+        "cpu_hit_per_prompt_token": round(cpu_cached_e / max(prompt_e, 1), 4),
+        "cpu_hit_rate": round(cpu_cached_e / max(gpu_missed, 1), 4),
+        "engine_hit_rate": round(cached_e / max(prompt_e, 1), 4),
+        "prompt_tokens": prompt_e,
         "cpu_evictions": sum(e.blocks.cpu.evictions for e in eng if e.blocks.cpu is not None),
-        "requests_per_engine": sorted(e.counts["requests"] for e in eng),
+        "requests_per_engine": sorted(s.requests_admitted for s in scheds),
         "lpc_learned_odds": learned_odds(eng) if policy == "lpc" else None,
     }
 

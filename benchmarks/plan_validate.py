@@ -54,6 +54,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from e2e_bench import PROFILE, WORKLOAD, run_router, schedule, sim_settings_like_real
+from loadgen_bench import cpu_busy
 
 ROUTER = "kv_ttft"
 
@@ -92,11 +93,9 @@ def wait_quiet(limit_s: float = 180.0, busy_pct: float = 15.0) -> float:
     """Wait until the box is idle (total CPU under ``busy_pct`` for 3 s in a row, at most
     ``limit_s``): a deleted deployment's engines can go on working off their queue for a while,
     and would slow the next run down. Returns the seconds waited."""
-    import psutil
-
     t0, calm = time.monotonic(), 0
     while calm < 3 and time.monotonic() - t0 < limit_s:
-        calm = calm + 1 if psutil.cpu_percent(interval=1.0) < busy_pct else 0
+        calm = calm + 1 if cpu_busy(1.0) * 100 < busy_pct else 0
     return round(time.monotonic() - t0, 1)
 
 

@@ -30,7 +30,6 @@ import os
 import platform
 import queue
 import random
-import socket
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ from engines.pd.transfer import (
     layer_specs,
     scatter_blocks,
 )
+from engines.vllm_engine import free_port
 
 MIB = 1 << 20
 MODELS: dict[str, dict[str, Any]] = {
@@ -60,12 +60,6 @@ MODELS: dict[str, dict[str, Any]] = {
 DTYPE = torch.bfloat16
 SIZES_MIB = [1, 4, 16, 64, 256]
 PROMPTS = {"1k": 1024, "4k": 4096}
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def block_bytes(cfg: dict[str, Any]) -> int:
@@ -223,7 +217,7 @@ def _run_rank(
             # end to end: the receiver is waiting before the sender starts
             if rank == 1:
                 store.set(f"r{ci}.{rep}", "1")
-                st = t.recv_blocks(0, f"req-{ci}-{rep}", cache, dst_ids)
+                st = t.recv_blocks(0, f"req-{ci}-{rep}", specs, dst_ids)
                 t_end = time.perf_counter()
                 t_start = float(store.get(f"s{ci}.{rep}").decode())
                 if rep == args.reps:  # rank 0's pattern (seed 0) in the freshly written blocks
@@ -231,7 +225,7 @@ def _run_rank(
             else:
                 store.wait([f"r{ci}.{rep}"])
                 t_start = time.perf_counter()
-                st = t.send_blocks(1, f"req-{ci}-{rep}", cache, src_ids)
+                st = t.send_blocks(1, f"req-{ci}-{rep}", specs, src_ids)
                 store.set(f"s{ci}.{rep}", repr(t_start))
             if rep == 0:
                 continue
@@ -292,7 +286,7 @@ def main() -> None:
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, args, cases, q)) for r in range(2)]
     t0 = time.perf_counter()
     for p in procs:

@@ -41,6 +41,11 @@ class HistoryPredictor:
             self._category_of[request.session_id] = request.category
             self._seen[request.category] = self._seen.get(request.category, 0) + 1
 
+    def counts(self) -> dict[str, tuple[int, int]]:
+        """What it learned so far: ``{category: (requests seen, of which continued)}`` (a
+        copy; the raw counts, without the prior)."""
+        return {c: (n, self._continued.get(c, 0)) for c, n in self._seen.items()}
+
     def predict(self, request: RequestInfo) -> float:
         seen = self._seen.get(request.category, 0)
         cont = self._continued.get(request.category, 0)

@@ -17,6 +17,7 @@ from engines.vllm_engine import free_port
 
 if TYPE_CHECKING:
     from deploy.config import ServeConfig
+    from engines.sim import LatencyProfile
 
 __all__ = ["Server", "free_port", "serve_app", "sim_stack"]
 
@@ -30,11 +31,13 @@ def sim_stack(
     max_model_len: int = 2048,
     time_scale: float = 0.05,
     engine: dict[str, Any] | None = None,
+    latency: LatencyProfile | None = None,
     **stack: Any,
 ) -> LocalStack:
     """``n`` sim engines (``sim-0`` ...; profile ``cpu-tiny-llama``, tokens the built-in tiny
     model's tokenizer decodes; ``engine``: more ``SimEngine`` options) behind a ``LocalStack``
-    serving model ``SIM_MODEL`` (``stack``: more ``LocalStack`` options)."""
+    serving model ``SIM_MODEL`` (``latency``: the router's profile, the engines' unless given;
+    ``stack``: more ``LocalStack`` options)."""
     from engines.sim import LatencyProfile
     from engines.sim.engine import SimEngine
     from engines.tiny_model import build_tiny_model
@@ -60,7 +63,7 @@ def sim_stack(
         model=SIM_MODEL,
         block_size=block_size,
         max_model_len=max_model_len,
-        latency=profile,
+        latency=latency or profile,
         tokenizer=tok,
         **stack,
     )

@@ -77,6 +77,13 @@ class Scheduler:
         self.running: list[SimRequest] = []
         self._admission_blocked = False
         self.num_preemptions = 0
+        # over the requests admitted so far, each counted once (on its first admission, not
+        # again after a preemption): prompt tokens, and of those served from cache (GPU or CPU
+        # tier) and loaded from the CPU tier
+        self.requests_admitted = 0
+        self.prompt_tokens_admitted = 0
+        self.cached_tokens_admitted = 0
+        self.cpu_cached_tokens_admitted = 0
 
     @classmethod
     def for_profile(
@@ -232,6 +239,10 @@ class Scheduler:
             r.status = Status.RUNNING
             if r.cached_tokens < 0:
                 r.cached_tokens, r.cpu_cached_tokens = computed, n_cpu * bs
+                self.requests_admitted += 1
+                self.prompt_tokens_admitted += r.prompt_len
+                self.cached_tokens_admitted += computed
+                self.cpu_cached_tokens_admitted += n_cpu * bs
             step.load_tokens += n_cpu * bs
             step.admitted.append(r)
             step.scheduled.append((r, n, computed))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import sys
 import threading
 import time
@@ -30,16 +29,11 @@ from engines.pd.transfer import (
     layout_fingerprint,
     request_key,
 )
+from engines.vllm_engine import free_port
 
 NUM_BLOCKS = 10
 SILENT_TIMEOUT_S = 1.0
 DEAD_TIMEOUT_S = 3.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _caches(seed: int) -> list[torch.Tensor]:
@@ -195,7 +189,7 @@ def _rank_main(rank: int, port: int, results: Any) -> None:
 def test_transfer_between_processes() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, results)) for r in range(3)]
     for p in procs:
         p.start()

@@ -209,6 +209,29 @@ def test_cpu_hits_charge_the_load_time():
     assert step.duration_s == pytest.approx(p.prefill_s(1, 12) + p.load_s(cpu))
 
 
+def test_admission_counters_count_each_request_once():
+    """Prompt, cached and CPU-cached tokens summed at first admission; a preempted request
+    re-admitted is not counted again."""
+    s = make(n_blocks=8, budget=64)  # the preemption case above
+    a, b = req("a", 12, out=12), req("b", 12, start=500, out=12)
+    s.add(a)
+    s.add(b)
+    run(s)
+    assert b.num_preemptions >= 1
+    assert (s.requests_admitted, s.prompt_tokens_admitted) == (2, 24)
+    assert s.cached_tokens_admitted == s.cpu_cached_tokens_admitted == 0
+
+    p = profile(max_num_batched_tokens=64)  # the CPU-tier case above
+    s = Scheduler(KVBlockManager(6, BS, cpu_capacity_blocks=8), p, SchedulerConfig.from_profile(p))
+    reqs = [req("a", 13, out=1), req("b", 16, start=500, out=1), req("a2", 13, out=1)]
+    for r in reqs:
+        s.add(r)
+        run(s)
+    assert s.requests_admitted == 3 and s.prompt_tokens_admitted == 13 + 16 + 13
+    assert s.cached_tokens_admitted == sum(r.cached_tokens for r in reqs) == 12
+    assert s.cpu_cached_tokens_admitted == reqs[2].cpu_cached_tokens > 0
+
+
 def test_cpu_policy_hears_each_request_begin_once():
     """A queue head blocked for KV blocks is retried every step; the policy hears it begin once."""
     p = profile(max_num_batched_tokens=64)
