@@ -64,6 +64,19 @@ class _EngineStats:
     ts: float = 0.0
 
 
+# OpenAI's defaults of the sampling knobs (what vLLM's server uses where the model's generation
+# config sets none)
+OPENAI_KNOB_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
 class VllmEngine(Engine):
     """One vLLM ``AsyncLLM``.
 
@@ -137,6 +150,9 @@ class VllmEngine(Engine):
         self._inflight: dict[str, _InFlight] = {}
         self._stats = _EngineStats()
         self.num_gpu_blocks: int | None = None
+        # the sampling knobs a request leaves unset: the model's generation config over
+        # OpenAI's defaults (set by ``start``)
+        self.knob_defaults: dict[str, Any] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -180,6 +196,16 @@ class VllmEngine(Engine):
         except Exception as e:
             raise EngineError(f"vLLM engine {self.instance_id} failed to start: {e}") from e
         self.num_gpu_blocks = self._llm.vllm_config.cache_config.num_gpu_blocks
+        # NOTE: vLLM reads the generation config from disk on every call: once per engine.
+        try:
+            model_defaults = dict(self._llm.model_config.get_diff_sampling_param())
+        except Exception as e:  # no readable generation config: OpenAI's defaults
+            log.debug("engine %s: no generation-config defaults: %s", self.instance_id, e)
+            model_defaults = {}
+        self.knob_defaults = {
+            name: model_defaults.get(name, default)
+            for name, default in OPENAI_KNOB_DEFAULTS.items()
+        }
         log.info(
             "vLLM engine %s up: %s blocks of %d tokens, KV events on %s",
             self.instance_id,
@@ -286,30 +312,10 @@ class VllmEngine(Engine):
         extra = dict(s.extra_args) if s.extra_args else {}
         if request.kv_transfer_params is not None:
             extra["kv_transfer_params"] = dict(request.kv_transfer_params)
-        # NOTE: vLLM reads the generation config from disk on every call: once per engine.
-        model_defaults: dict[str, Any] | None = getattr(self, "_generation_defaults", None)
-        if model_defaults is None and self._llm is not None:
-            try:
-                model_defaults = dict(self._llm.model_config.get_diff_sampling_param())
-            except Exception as e:  # no readable generation config: OpenAI's defaults
-                log.debug("engine %s: no generation-config defaults: %s", self.instance_id, e)
-                model_defaults = {}
-            self._generation_defaults = model_defaults
-        model_defaults = model_defaults or {}
-        openai_defaults: dict[str, Any] = {
-            "temperature": 1.0,
-            "top_p": 1.0,
-            "top_k": 0,
-            "min_p": 0.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "repetition_penalty": 1.0,
-        }
+        defaults = self.knob_defaults or OPENAI_KNOB_DEFAULTS
         knobs = {
-            name: value
-            if (value := getattr(s, name)) is not None
-            else model_defaults.get(name, default)
-            for name, default in openai_defaults.items()
+            name: value if (value := getattr(s, name)) is not None else default
+            for name, default in defaults.items()
         }
         return VllmSamplingParams.from_optional(
             **knobs,

@@ -12,7 +12,8 @@ produce (logprobs, structured outputs, logit_bias ...; see ``SIM_UNSUPPORTED``).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -75,43 +76,82 @@ def unsupported(param: str, why: str = "not supported by this server") -> APIErr
     return APIError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
 
 
-class _Strict(BaseModel):
-    """Unknown fields are errors; NaN and infinities are not numbers (vLLM refuses them).
-    Validation errors locate the field without pydantic's union-member tags (``stop``, not
-    ``stop.list[str]``), so that the 400's ``param`` is the client's field path."""
+class StrictBody(BaseModel):
+    """A request body: unknown fields are errors; NaN and infinities are not numbers (vLLM
+    refuses them). ``validation_error`` turns its ``ValidationError`` into the 400."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> Any:
-        try:
-            return super().model_validate(obj, **kwargs)
-        except ValidationError as e:
-            details: list[Any] = [
-                {**err, "loc": tuple(p for p in err["loc"] if not _union_tag(p))}
-                for err in e.errors(include_url=False)
-            ]
-            raise ValidationError.from_exception_data(e.title, details) from None
+
+def validation_error(e: ValidationError, model: type[BaseModel]) -> APIError:
+    """The 400 of ``model``'s ``ValidationError`` ``e``: its first error, located by the client's
+    field path (``param``), without pydantic's union-member tags (``stop``, not
+    ``stop.list[str]``)."""
+    err = e.errors(include_url=False)[0]
+    param = ".".join(str(p) for p in field_path(model, err["loc"])) or None
+    msg = str(err["msg"])
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param)
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+def field_path(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """``loc`` of a ``model`` validation error less its union-member tags. Pydantic puts the tag
+    of the member that failed (``str``, ``list[str]``, a model's name ...) after the location of
+    a union with several members; walking ``model``'s field types along ``loc`` tells the tags
+    from field names, indices and dict keys (a key may look like a tag: ``vllm_xargs.Key``)."""
+    path: list[int | str] = []
+    tp: Any = model
+    for part in loc:
+        tp = _bare(tp)
+        members = [_bare(m) for m in get_args(tp) if m is not type(None)] if _is_union(tp) else []
+        if len(members) == 1:  # ``X | None``: no tag
+            tp = members[0]
+        elif members:  # ``part`` is the tag of the member that failed
+            tp = next((m for m in members if _tag_names(m, part)), Any)
+            continue
+        path.append(part)
+        origin = get_origin(tp)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            field = next(
+                (f for name, f in tp.model_fields.items() if part in (name, f.alias)), None
+            )
+            tp = field.annotation if field is not None else Any
+        elif origin is list and get_args(tp):
+            tp = get_args(tp)[0]
+        elif origin is dict and get_args(tp):
+            tp = get_args(tp)[1]
+        else:
+            tp = Any  # the rest of ``loc`` is inside a value of no known shape: kept whole
+    return tuple(path)
 
 
-def _union_tag(part: int | str) -> bool:
-    """``part`` of an error location names a union member, not a field (fields and message
-    indices are snake_case names and ints; tags are types: str, list[str], ResponseFormat ...)."""
-    return isinstance(part, str) and (
-        part in _TYPE_TAGS or part[:1].isupper() or any(c in part for c in "[]-,'")
-    )
+def _bare(tp: Any) -> Any:
+    while get_origin(tp) is Annotated:
+        tp = get_args(tp)[0]
+    return tp
 
 
-class StreamOptions(_Strict):
+def _is_union(tp: Any) -> bool:
+    return get_origin(tp) in (Union, UnionType)
+
+
+def _tag_names(member: Any, tag: int | str) -> bool:
+    """``tag`` is pydantic's tag of union member ``member`` (``list[...]`` of a list ...)."""
+    if not isinstance(tag, str):
+        return False
+    if isinstance(member, type) and issubclass(member, BaseModel):
+        return tag == member.__name__
+    origin = get_origin(member) or member
+    name = getattr(origin, "__name__", None)
+    return name is not None and (tag == name or tag.startswith(f"{name}["))
+
+
+class StreamOptions(StrictBody):
     include_usage: bool | None = False
     # vLLM's extension: every chunk carries the usage so far
     continuous_usage_stats: bool | None = False
 
 
-class JsonSchemaFormat(_Strict):
+class JsonSchemaFormat(StrictBody):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
     name: str
@@ -120,7 +160,7 @@ class JsonSchemaFormat(_Strict):
     strict: bool | None = None
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictBody):
     """OpenAI's ``response_format``; json_object / json_schema go to vLLM's structured outputs
     (vLLM's ``structural_tag`` type is not supported)."""
 
@@ -134,7 +174,7 @@ class ResponseFormat(_Strict):
         return self
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictBody):
     """vLLM's ``structured_outputs`` (``StructuredOutputsParams``): exactly one constraint."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
@@ -172,7 +212,7 @@ _TOKEN_IDS: dict[str, Any] = {
 }
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     """One chat message: the fields vLLM passes to the chat template (text content only)."""
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -192,12 +232,7 @@ class ChatMessage(_Strict):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(part["text"] for part in self.content)  # text parts (``_text_only``)
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template sees it: role and text content, and name,
@@ -210,7 +245,7 @@ class ChatMessage(_Strict):
         return out
 
 
-class _Common(_Strict):
+class _Common(StrictBody):
     """The fields chat and text completions share (vLLM's names, types and meanings)."""
 
     model: str
@@ -259,7 +294,8 @@ class _Common(_Strict):
     truncation_side: Literal["left", "right"] | None = None
     stream_interval: int | None = Field(default=None, ge=1)
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
-    # the id of the response (and, suffixed, of the engine request); default: a random one
+    # the id of the response, prefixed "chatcmpl-" / "cmpl-"; default: the engine request's,
+    # which is always a random one
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
     # vLLM: a stable id of the conversation; kvroute: the session key when no x-session-id
     session_id: str | None = None

@@ -1,14 +1,16 @@
 """Dispatch: place a request, stream it from the chosen engine, fail over before the first token.
 
 Independent of HTTP: the ingress turns a validated body into a ``RoutedRequest`` and iterates
-``Dispatcher.stream``. The engine side is an ``EngineClient`` (Ray Serve handle in production,
-engines in-process in the router benchmark).
+``Dispatcher.stream`` (through ``ChoiceStreams``: one engine request per choice of ``n``). The
+engine side is an ``EngineClient`` (Ray Serve handle in production, engines in-process in the
+router benchmark).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
 from engines.base import EngineError, EngineOutput, KvCommand, RoutedRequest
@@ -101,8 +103,9 @@ class Dispatcher:
             if placement is not None:
                 self.state.assigned(preq, placement)
             started = False
+            outs = self.client.stream(routed)
             try:
-                async for out in self.client.stream(routed):
+                async for out in outs:
                     if not started:
                         started = True
                         self.state.first_token(preq.request_id)
@@ -127,5 +130,94 @@ class Dispatcher:
                 self.failovers += 1
                 placement = self.place(preq, tried)
             finally:
+                # closed early (its choice was stopped): close the engine's stream now, not
+                # whenever it is collected, so that the engine aborts the request at once
+                close = getattr(outs, "aclose", None)
+                if close is not None:
+                    await close()
                 if placement is not None:
                     self.state.finished(preq, placement.instance_id)
+
+
+class ChoiceStreams:
+    """The engine streams of one request's choices (``n`` engine requests, one per choice,
+    all sent where ``first`` placed the first), merged: ``items()`` yields ``(index, placement,
+    output)`` as outputs arrive. ``stop(index)`` ends that choice's engine request (the engine
+    aborts it) and the others go on; ``close()`` ends them all.
+
+    One choice is iterated directly (``stop`` closes its stream). Several each run in a task of
+    their own (``EngineClient.isolate`` first), so that ``stop`` cancels exactly that one; a
+    stream's failure is raised from ``items()``, which then cancels the rest."""
+
+    def __init__(
+        self, dispatcher: Dispatcher, children: list[RoutedRequest], first: Placement | None
+    ) -> None:
+        self._dispatcher, self._children, self._first = dispatcher, children, first
+        self._items: AsyncGenerator[tuple[int, Placement, EngineOutput], None] | None = None
+        self._queue: asyncio.Queue[tuple[int, Placement | None, Any]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._open: set[int] = set()
+
+    def items(self) -> AsyncIterator[tuple[int, Placement, EngineOutput]]:
+        if self._items is None:
+            self._items = self._one() if len(self._children) == 1 else self._merged()
+        return self._items
+
+    async def _one(self) -> AsyncGenerator[tuple[int, Placement, EngineOutput], None]:
+        stream = self._dispatcher.stream(self._children[0], self._first)
+        try:
+            async for placement, out in stream:
+                yield 0, placement, out
+        finally:
+            await stream.aclose()
+
+    async def _pump(self, index: int) -> None:
+        self._dispatcher.client.isolate()
+        try:
+            async for placement, out in self._dispatcher.stream(self._children[index], self._first):
+                self._queue.put_nowait((index, placement, out))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._queue.put_nowait((index, None, e))
+        else:
+            self._queue.put_nowait((index, None, None))
+
+    async def _merged(self) -> AsyncGenerator[tuple[int, Placement, EngineOutput], None]:
+        self._open = set(range(len(self._children)))
+        self._tasks = [
+            asyncio.create_task(self._pump(i), name=f"kvroute-choice-{i}")
+            for i in range(len(self._children))
+        ]
+        try:
+            while self._open:
+                index, placement, item = await self._queue.get()
+                if index not in self._open:
+                    continue  # stopped: what it still sent is dropped
+                if placement is None:
+                    self._open.discard(index)
+                    if item is not None:
+                        raise item
+                    continue
+                yield index, placement, item
+        finally:
+            await self._cancel()
+
+    async def stop(self, index: int) -> None:
+        """Choice ``index`` needs nothing more (a stop string ended it here): abort its engine
+        request."""
+        if len(self._children) == 1:
+            await self.close()
+        else:
+            self._open.discard(index)
+            self._tasks[index].cancel()
+
+    async def _cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        if self._items is not None:
+            await self._items.aclose()
+        await self._cancel()

@@ -29,14 +29,15 @@ from router.api import (
     EngineKind,
     json_body_schema,
     openapi_responses,
+    validation_error,
 )
-from router.dispatch import Dispatcher, StreamBroken
+from router.dispatch import ChoiceStreams, Dispatcher, StreamBroken
 from router.hints import PolicyHints, conversation_ids, parse_continuation
 from router.kv_control import KvControl, kv_routes
 from router.metrics import RouterMetrics
 from router.placement import NoInstanceError
 from router.ratelimit import RateLimiter
-from router.responses import ChoiceStreams, ResponseBuilder, choice_requests
+from router.responses import ResponseBuilder, choice_requests
 from router.tokenizer import PromptTokenizer
 
 tracer = trace.get_tracer("kvroute.router")
@@ -101,12 +102,13 @@ def _authorized(request: Request, keys: frozenset[str]) -> bool:
     return any(secrets.compare_digest(token, k) for k in keys)
 
 
-def _validation_error(e: ValidationError) -> APIError:
-    err = e.errors()[0]
-    param = ".".join(str(p) for p in err.get("loc", ())) or None
-    return APIError(
-        400, f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param
-    )
+async def _stop_if_ended(
+    streams: ChoiceStreams, builder: ResponseBuilder, index: int, out: EngineOutput
+) -> None:
+    """Abort choice ``index``'s engine request if the builder ended the choice (a stop string)
+    while its engine goes on."""
+    if builder.choices[index].done and not out.finished:
+        await streams.stop(index)
 
 
 class RequestPreparer:
@@ -118,9 +120,11 @@ class RequestPreparer:
 
     def __call__(
         self, request: Request, req: ChatCompletionRequest | CompletionRequest
-    ) -> RoutedRequest:
-        """The engine request and routing record of a validated body: tokenized once (chat
-        template for chats), checked against the context, hashed, with its policy hints."""
+    ) -> tuple[RoutedRequest, str]:
+        """The engine request and routing record of a validated body (tokenized once, chat
+        template for chats; checked against the context, hashed, with its policy hints), and
+        the response's id: the body's ``request_id`` prefixed as OpenAI's ids are, or else
+        the engine request's (always a random one)."""
         config, tokenizer = self.config, self.tokenizer
         chat = isinstance(req, ChatCompletionRequest)
         req.refusals(config.engine_kind)
@@ -204,7 +208,8 @@ class RequestPreparer:
             sampling = req.sampling(max_tokens, tokenizer.vocab_size)
         except ValueError as e:
             raise APIError(400, str(e)) from None
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        rid = prefix + uuid.uuid4().hex
         engine_req = EngineRequest(
             rid,
             ids,
@@ -219,7 +224,7 @@ class RequestPreparer:
             session_key=session,
             category=category,
         )
-        return routed
+        return routed, prefix + req.request_id if req.request_id else rid
 
 
 def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTokenizer) -> FastAPI:
@@ -360,19 +365,16 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
                 else CompletionRequest.model_validate(body)
             )
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise validation_error(
+                e, ChatCompletionRequest if chat else CompletionRequest
+            ) from None
         check_model(req.model)
         ctx = propagate.extract(dict(request.headers))
         with tracer.start_as_current_span("kvroute.ingress", context=ctx) as span:
-            routed = prepare(request, req)
+            routed, response_id = prepare(request, req)
             prompt_ids = routed.request.prompt_token_ids
             span.set_attribute("kvroute.prompt_tokens", len(prompt_ids))
             children = choice_requests(routed, req.n)
-            response_id = (
-                ("chatcmpl-" if chat else "cmpl-") + req.request_id
-                if req.request_id
-                else routed.request.request_id
-            )
             builder = ResponseBuilder(
                 req, chat, tokenizer, response_id, len(prompt_ids), prompt_token_ids=prompt_ids
             )
@@ -400,8 +402,7 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
                     head: list[dict[str, Any]] = []
                     async for i, placement, out in items:
                         head = builder.chunks(i, out, placement.instance_id)
-                        if builder.choices[i].done and not out.finished:
-                            streams.stop(i)
+                        await _stop_if_ended(streams, builder, i, out)
                         break
                     handed_off = True
                     return StreamingResponse(
@@ -411,8 +412,7 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
                     )
                 async for i, placement, out in items:
                     builder.add(i, out, placement.instance_id)
-                    if builder.choices[i].done and not out.finished:
-                        streams.stop(i)
+                    await _stop_if_ended(streams, builder, i, out)
                 builder.estimate_cached_tokens(children[0].request.expected_cached_tokens)
                 metrics.finished(builder)
                 return JSONResponse(builder.final())
@@ -437,8 +437,7 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
                 async for i, placement, out in items:
                     for chunk in builder.chunks(i, out, placement.instance_id):
                         yield f"data: {json.dumps(chunk)}\n\n".encode()
-                    if builder.choices[i].done and not out.finished:
-                        streams.stop(i)
+                    await _stop_if_ended(streams, builder, i, out)
             builder.estimate_cached_tokens(children[0].request.expected_cached_tokens)
             if builder.include_usage:
                 yield f"data: {json.dumps(builder.usage_chunk())}\n\n".encode()

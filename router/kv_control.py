@@ -31,12 +31,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from cachemap import BlockHasher
 from cachemap.map import Match
 from engines.base import EngineError, EngineRequest, KvCommand, RoutedRequest, SamplingParams
-from router.api import APIError, ChatMessage
+from router.api import APIError, ChatMessage, StrictBody, validation_error
 from router.api import json_body_schema as _schema
 from router.dispatch import EngineClient
 from router.hints import PolicyHints
@@ -45,8 +45,8 @@ from router.state import RouterState
 from router.tokenizer import PromptTokenizer
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Body(StrictBody):
+    """A KV control body: strict as the OpenAI bodies are (unknown fields, NaN: 400s)."""
 
 
 class KvPrompt(_Body):
@@ -127,16 +127,6 @@ class ActionResponse(BaseModel):
     object: Literal["kv.pin", "kv.unpin", "kv.warm", "kv.clear"]
     prompt_tokens: int | None = None
     instances: list[InstanceResult]
-
-
-def _validated(model: type[_Body], body: dict[str, Any]) -> Any:
-    try:
-        return model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
-        msg = str(err.get("msg"))
-        raise APIError(400, f"{param}: {msg}" if param else msg, param=param) from None
 
 
 class KvControl:
@@ -323,7 +313,10 @@ def kv_routes(control: KvControl, check_admin: Any, read_body: Any) -> APIRouter
 
     async def body_of(request: Request, model: type[_Body]) -> Any:
         check_admin(request)
-        return _validated(model, await read_body(request))
+        try:
+            return model.model_validate(await read_body(request))
+        except ValidationError as e:
+            raise validation_error(e, model) from None
 
     @api.post(
         "/lookup",

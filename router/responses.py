@@ -7,30 +7,25 @@ strings exactly as vLLM's detokenizer does (earliest match, ``min_tokens``, the 
 text left out, the held-back tail while streaming), and reports the choice done so that the
 ingress aborts its engine request.
 
-``ChoiceStreams`` runs the engine requests of a request's choices (``n``, each its own engine
-request, seeded as vLLM seeds its own ``n`` children) and merges their outputs.
+``choice_requests`` makes the engine requests of a request's choices (``n``, each its own engine
+request, seeded as vLLM seeds its own ``n`` children); ``router.dispatch.ChoiceStreams`` runs
+them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import sys
 import time
 from bisect import bisect_left
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from engines.base import EngineOutput, RoutedRequest, TopLogprob
 from router.api import APIError, ChatCompletionRequest, CompletionRequest
 from router.tokenizer import IncrementalDetokenizer, PromptTokenizer
-
-if TYPE_CHECKING:
-    from router.dispatch import Dispatcher
-    from router.placement import Placement
 
 _LOGPROB_FLOOR = -9999.0  # vLLM's (and OpenAI's) stand-in for -inf
 
@@ -119,14 +114,6 @@ class ResponseBuilder:
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.choices[0].finish_reason
-
-    @property
-    def done(self) -> bool:
-        return all(c.done for c in self.choices)
 
     def estimate_cached_tokens(self, estimate: int) -> None:
         """Report the router's estimate of the cached prefix when no engine reported its own
@@ -362,67 +349,6 @@ def _openai_reason(reason: str | None) -> str | None:
     if reason in (None, "stop", "length"):
         return reason
     return "stop" if reason == "abort" else reason
-
-
-class ChoiceStreams:
-    """The engine streams of one request's choices (``n`` engine requests, one per choice),
-    merged: ``items()`` yields ``(index, placement, output)`` as outputs arrive. Each stream
-    runs in its own task (``EngineClient.isolate`` first when there are several), so that
-    ``stop(index)`` cancels exactly that engine request (the engine aborts it) and the others
-    go on. A stream's failure is raised from ``items()``, which then cancels the rest."""
-
-    def __init__(
-        self, dispatcher: Dispatcher, children: list[RoutedRequest], first: Placement | None
-    ) -> None:
-        self._dispatcher, self._children, self._first = dispatcher, children, first
-        self._queue: asyncio.Queue[tuple[int, Placement | None, Any]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._open: set[int] = set()
-
-    async def _pump(self, index: int) -> None:
-        if len(self._children) > 1:
-            self._dispatcher.client.isolate()
-        try:
-            async for placement, out in self._dispatcher.stream(self._children[index], self._first):
-                self._queue.put_nowait((index, placement, out))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self._queue.put_nowait((index, None, e))
-        else:
-            self._queue.put_nowait((index, None, None))
-
-    async def items(self) -> AsyncIterator[tuple[int, Placement, EngineOutput]]:
-        self._open = set(range(len(self._children)))
-        self._tasks = [
-            asyncio.create_task(self._pump(i), name=f"kvroute-choice-{i}")
-            for i in range(len(self._children))
-        ]
-        try:
-            while self._open:
-                index, placement, item = await self._queue.get()
-                if index not in self._open:
-                    continue  # stopped: what it still sent is dropped
-                if placement is None:
-                    self._open.discard(index)
-                    if item is not None:
-                        raise item
-                    continue
-                yield index, placement, item
-        finally:
-            await self.close()
-
-    def stop(self, index: int) -> None:
-        """Choice ``index`` needs nothing more (a stop string ended it here): abort its engine
-        request."""
-        self._open.discard(index)
-        if index < len(self._tasks):
-            self._tasks[index].cancel()
-
-    async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def choice_requests(routed: RoutedRequest, n: int) -> list[RoutedRequest]:

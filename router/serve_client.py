@@ -22,12 +22,21 @@ class ServeEngineClient:
         self._command = handle.kv_command
 
     async def stream(self, routed: RoutedRequest) -> AsyncIterator[EngineOutput]:
+        """Outputs of ``routed``; closed early (a stop string, a client gone), it cancels the
+        call, which aborts the request in the replica."""
+        response = self._generate.remote(routed)
+        finished = False
         try:
-            async for out in self._generate.remote(routed):
+            async for out in response:
                 yield out
+            finished = True
         except RayError as e:
             # Replica died, became unavailable or raised: the dispatcher decides on failover.
+            finished = True
             raise EngineError(f"{type(e).__name__}: {e}") from e
+        finally:
+            if not finished:
+                response.cancel()
 
     async def command(self, command: KvCommand) -> dict[str, Any]:
         async def call() -> dict[str, Any]:

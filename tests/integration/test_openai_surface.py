@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from engines.sim.request import Status
 from router.admission import Admission
 from tests.support import Server, free_port, sim_stack
 
@@ -61,13 +62,37 @@ def _stop_string(text: str) -> str:
     raise AssertionError(f"no usable stop string in {text!r}")
 
 
-def _in_flight(server: Server) -> int:
-    return sum(len(e._requests) for e in server.stack.engines.values())  # type: ignore[attr-defined]
+def _spy_aborts(server: Server, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids of the requests the sim engines abort while they run (not after their end),
+    the engines slowed down (about 6 ms a token) so that a request ends long after a stop
+    string in its first tokens."""
+    aborted: list[str] = []
+    for engine in server.stack.engines.values():
+        monkeypatch.setattr(engine, "time_scale", 5.0)
+        abort = engine._abort  # type: ignore[attr-defined]
+
+        def spy(req: Any, abort: Any = abort) -> None:
+            if req.status != Status.FINISHED:
+                aborted.append(req.request_id)
+            abort(req)
+
+        monkeypatch.setattr(engine, "_abort", spy)
+    return aborted
 
 
-def test_stop_strings_cut_the_text_and_abort_the_engine_request(server: Server) -> None:
+def _aborted(aborted: list[str], request_id: str) -> bool:
+    deadline = time.monotonic() + 2  # closing the engine's stream may take a loop turn or two
+    while request_id not in aborted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return request_id in aborted
+
+
+def test_stop_strings_cut_the_text_and_abort_the_engine_request(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     full = _chat(server, max_tokens=40, seed=11).json()["choices"][0]["message"]["content"]
     stop = _stop_string(full)
+    aborted = _spy_aborts(server, monkeypatch)
     cut = _chat(server, max_tokens=40, seed=11, stop=[stop, "never-seen-string"])
     assert cut.status_code == 200, cut.text
     body = cut.json()
@@ -75,8 +100,8 @@ def test_stop_strings_cut_the_text_and_abort_the_engine_request(server: Server) 
     assert choice["message"]["content"] == full[: full.find(stop)]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
     assert body["usage"]["completion_tokens"] < 40
-    time.sleep(0.2)
-    assert _in_flight(server) == 0  # the engine request was aborted, not left to run to 40
+    # the engine request was aborted, not left to run to 40 (its id is the response's, n=1)
+    assert _aborted(aborted, body["id"]), aborted
     kept = _chat(server, max_tokens=40, seed=11, stop=stop, include_stop_str_in_output=True)
     assert kept.json()["choices"][0]["message"]["content"] == full[: full.find(stop) + len(stop)]
     # streamed: the same text (a possible stop prefix is held back until it cannot match)
@@ -93,6 +118,7 @@ def test_stop_strings_cut_the_text_and_abort_the_engine_request(server: Server) 
             "stream_options": {"include_usage": True},
         },
     )
+    assert _aborted(aborted, chunks[0]["id"]), aborted  # streamed too
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == full[: full.find(stop)]
     finals = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]

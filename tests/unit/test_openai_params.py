@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from engines.base import EngineOutput, EngineRequest, RoutedRequest, SamplingParams, Usage
-from router.api import APIError, ChatCompletionRequest, CompletionRequest, json_body_schema
+from router.api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    field_path,
+    json_body_schema,
+    validation_error,
+)
 from router.responses import ResponseBuilder, check_stop_strings, choice_requests
 
 VOCAB = 512
@@ -138,19 +145,27 @@ def test_defaults_stay_unset_for_the_engines_generation_config() -> None:
     generation config (as vLLM's server does), then OpenAI's defaults."""
     sp = ChatCompletionRequest.model_validate(CHAT).sampling(5, VOCAB)
     assert sp.temperature is sp.top_p is sp.top_k is sp.repetition_penalty is None
+    from engines.vllm_engine import OPENAI_KNOB_DEFAULTS
+
     engine = _vllm_engine()
-    engine._generation_defaults = {"temperature": 0.6, "top_k": 20}
+    assert engine.knob_defaults is None  # before start: OpenAI's defaults
+    assert engine._sampling(EngineRequest("r", [1], sp)).temperature == 1.0
+    # what start() sets: the model's generation config over OpenAI's defaults
+    engine.knob_defaults = {**OPENAI_KNOB_DEFAULTS, "temperature": 0.6, "top_k": 20}
     vsp = engine._sampling(EngineRequest("r", [1], sp))
     assert (vsp.temperature, vsp.top_k, vsp.top_p) == (0.6, 20, 1.0)
     explicit = ChatCompletionRequest.model_validate({**CHAT, "temperature": 1.0}).sampling(5, VOCAB)
     assert engine._sampling(EngineRequest("r", [1], explicit)).temperature == 1.0
 
 
-def _field_error(body: dict[str, Any], chat: bool = True) -> str:
+def _field_error(body: dict[str, Any], chat: bool = True) -> str | None:
+    """The ``param`` of the 400 a malformed body gets."""
     model = ChatCompletionRequest if chat else CompletionRequest
     with pytest.raises(ValidationError) as e:
         model.model_validate({**(CHAT if chat else COMPLETION), **body})
-    return ".".join(str(p) for p in e.value.errors()[0]["loc"])
+    err = validation_error(e.value, model)
+    assert err.status == 400 and err.message.startswith(f"{err.param}: ")
+    return err.param
 
 
 @pytest.mark.parametrize(
@@ -173,10 +188,32 @@ def _field_error(body: dict[str, Any], chat: bool = True) -> str:
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"seed": 2**64}, "seed"),
         ({"cache_salt": "a/b"}, "cache_salt"),
+        ({"temperature": float("nan")}, "temperature"),
+        # pydantic's union-member tags are not part of the field's path ...
+        ({"stop": 5}, "stop"),
+        ({"tool_choice": 5}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"structured_outputs": {"json": 5}}, "structured_outputs.json"),
+        # ... but dict keys that look like them are
+        ({"vllm_xargs": {"Key": {}}}, "vllm_xargs.Key"),
+        ({"vllm_xargs": {"list[str]": [{}]}}, "vllm_xargs.list[str]"),
+        ({"vllm_xargs": {"K": [{}]}}, "vllm_xargs.K"),
     ],
 )
 def test_unknown_and_malformed_fields_are_errors_naming_them(body: dict, loc: str) -> None:
     assert _field_error(body) == loc
+
+
+def test_every_error_location_drops_union_tags_and_keeps_keys() -> None:
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({**CHAT, "vllm_xargs": {"Key": [{}]}})
+    locs = {field_path(ChatCompletionRequest, err["loc"]) for err in e.value.errors()}
+    assert locs == {("vllm_xargs", "Key"), ("vllm_xargs", "Key", 0)}
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate({**COMPLETION, "prompt": [[1, "a"]]})
+    locs = {field_path(CompletionRequest, err["loc"]) for err in e.value.errors()}
+    assert locs == {("prompt",), ("prompt", 0), ("prompt", 0, 1)}
+    assert _field_error({"prompt": 5}, chat=False) == "prompt"
 
 
 def _refusal(body: dict[str, Any], chat: bool = True, kind: str = "vllm") -> str | None:
