@@ -102,6 +102,7 @@ class Dispatcher:
             )
             if placement is not None:
                 self.state.assigned(preq, placement)
+            running = placement  # NOTE: a failover replaces ``placement`` before ``finally``
             started = False
             outs = self.client.stream(routed)
             try:
@@ -135,8 +136,8 @@ class Dispatcher:
                 close = getattr(outs, "aclose", None)
                 if close is not None:
                     await close()
-                if placement is not None:
-                    self.state.finished(preq, placement.instance_id)
+                if running is not None:
+                    self.state.finished(preq, running.instance_id)
 
 
 class ChoiceStreams:

@@ -353,3 +353,38 @@ def test_the_slo_gate_counts_time_already_spent_in_the_queue() -> None:
     assert d.place(r, set(), waited_s=0.2) is not None
     with pytest.raises(Rejected):
         d.place(r, set(), waited_s=0.4)
+
+
+def test_a_failover_finishes_each_attempt_on_its_own_instance() -> None:
+    """The engine placed first fails before any token (a real sim engine that is not running);
+    the retry runs on the other. Each attempt is finished on the instance it ran on, once."""
+    from engines.base import EngineRequest, RoutedRequest
+    from engines.sim.engine import SimEngine
+    from router.dispatch import Dispatcher
+    from router.local_client import LocalEngineClient
+    from router.state import RouterState
+
+    finished: list[str] = []
+
+    class Recording(type(create_scorer("round_robin"))):  # type: ignore[misc]
+        def on_finished(self, request: PlacementRequest, instance_id: str) -> None:
+            finished.append(instance_id)
+
+    down = SimEngine("a", kv_events_endpoint=None, time_scale=0)  # never started
+    up = SimEngine("b", kv_events_endpoint=None, time_scale=0)
+    state = RouterState(Recording(), Linear(), block_size=BS)
+    state.sync_instances(["a", "b"])
+    d = Dispatcher(state, LocalEngineClient({"a": down, "b": up}))
+    routed = RoutedRequest(EngineRequest("r", list(range(40))), "x", list(range(1, 3)))
+
+    async def run() -> list[str]:
+        await up.start()
+        try:
+            return [p.instance_id async for p, _ in d.stream(routed, Placement("a"))]
+        finally:
+            await up.stop()
+
+    served = asyncio.run(run())
+    assert set(served) == {"b"} and d.failovers == 1
+    assert finished == ["a", "b"]
+    assert state.load.in_flight() == 0
