@@ -40,7 +40,7 @@ from router.api import APIError, ChatMessage, StrictBody, validation_error
 from router.api import json_body_schema as _schema
 from router.dispatch import EngineClient
 from router.hints import PolicyHints
-from router.placement import InstanceView, PlacementRequest
+from router.placement import InstanceView, cached_tokens
 from router.state import RouterState
 from router.tokenizer import PromptTokenizer
 
@@ -195,7 +195,7 @@ class KvControl:
             instance=iid,
             gpu_tokens=gpu * bs,
             cpu_tokens=(total - gpu) * bs,
-            cached_tokens=PlacementRequest("", n, []).cached_tokens(total, bs),
+            cached_tokens=cached_tokens(n, total, bs),
         )
 
     # -- the operations ------------------------------------------------------------------------

@@ -45,10 +45,15 @@ class PlacementRequest:
     category: str = "all"
 
     def cached_tokens(self, cached_blocks: int, block_size: int) -> int:
-        """Prompt tokens a leading run of ``cached_blocks`` cached blocks spares the engine: it
-        always computes the prompt's last token, and hits whole blocks only, so a fully cached
-        prompt of whole blocks recomputes its last block (vLLM's ``num_tokens - 1`` rule)."""
-        return min(cached_blocks, max(self.prompt_tokens - 1, 0) // block_size) * block_size
+        return cached_tokens(self.prompt_tokens, cached_blocks, block_size)
+
+
+def cached_tokens(prompt_tokens: int, cached_blocks: int, block_size: int) -> int:
+    """Tokens of a ``prompt_tokens`` prompt that a leading run of ``cached_blocks`` cached blocks
+    spares the engine: it always computes the prompt's last token, and hits whole blocks only,
+    so a fully cached prompt of whole blocks recomputes its last block (vLLM's
+    ``num_tokens - 1`` rule)."""
+    return min(cached_blocks, max(prompt_tokens - 1, 0) // block_size) * block_size
 
 
 @dataclass(slots=True)
