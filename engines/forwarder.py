@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from cachemap.bus import EventBus
-from cachemap.events import InstanceGone, encode_message
+from cachemap.events import InstanceGone, Snapshot, encode_message
 from cachemap.ingest import EngineEventTranslator
 from engines.base import LOAD_INTERVAL_S, LoadSnapshot
 
@@ -114,9 +114,14 @@ class KvEventForwarder:
         """The thread is running (False before ``start`` and after ``stop`` or a crash)."""
         return self._thread is not None and self._thread.is_alive()
 
+    def snapshot(self) -> Snapshot:
+        """Everything this instance holds now, consistent with what was published."""
+        with self._lock:
+            return self.translator.snapshot()
+
     def publish_snapshot(self) -> int:
         """Publish a ``Snapshot`` of everything this instance holds now; returns its offset."""
-        with self._lock:
+        with self._lock:  # NOTE: one hold: no batch may be published between the two
             offset = self.bus.publish(encode_message(self.translator.snapshot()))
             self.published += 1
             return offset

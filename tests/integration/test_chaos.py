@@ -92,8 +92,7 @@ class Cluster:
         """What the engines hold, by their forwarders' tables (instance, tier) -> our hashes."""
         out: dict[tuple[str, str], set[int]] = {}
         for fwd in self.a.forwarders:
-            with fwd._lock:
-                snap = fwd.translator.snapshot()
+            snap = fwd.snapshot()
             for tier in (Tier.GPU.value, Tier.CPU.value):
                 out[(fwd.instance, tier)] = {b.hash for b in snap.blocks if tier in b.tiers}
         return out
