@@ -50,13 +50,14 @@ class RedisStreamBus(EventBus):
         self._counter = f"{stream}:next"
         self._epoch_key = f"{stream}:epoch"
         self._epoch: bytes | None = None  # the log's epoch this reader last saw
-        self._candidate = uuid.uuid4().hex  # the epoch this publisher gives a fresh log
         self._redis = client if client is not None else redis.Redis.from_url(url, **auth)
         self._publish = self._redis.register_script(_PUBLISH)
 
     def publish(self, payload: bytes) -> int:
         keys = [self.stream, self._counter, self._epoch_key]
-        return int(self._publish(keys=keys, args=[payload, self.maxlen, self._candidate]))
+        # NOTE: a fresh candidate per message: a publisher that outlives a Redis restart must not
+        # give the new log the old epoch, or readers would never see the reset
+        return int(self._publish(keys=keys, args=[payload, self.maxlen, uuid.uuid4().hex]))
 
     def read(self, cursor: int, max_items: int = 4096) -> BusRead:
         pipe = self._redis.pipeline(transaction=False)
