@@ -1,4 +1,5 @@
-"""Dispatch: place a request, stream it from the chosen engine, fail over before the first token.
+"""Dispatch: place a request, stream it from the chosen engine, retry it elsewhere before the
+first token and migrate it after.
 
 Independent of HTTP: the ingress turns a validated body into a ``RoutedRequest`` and iterates
 ``Dispatcher.stream`` (through ``ChoiceStreams``: one engine request per choice of ``n``). The
@@ -13,7 +14,9 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
-from engines.base import EngineError, EngineOutput, KvCommand, RoutedRequest
+import msgspec
+
+from engines.base import EngineError, EngineOutput, KvCommand, RoutedRequest, Usage
 from router.placement import Placement, PlacementRequest
 from router.state import RouterState
 
@@ -48,7 +51,7 @@ def request_for_placement(routed: RoutedRequest) -> PlacementRequest:
 
 
 class StreamBroken(Exception):
-    """The engine failed after the first token: the response cannot be retried."""
+    """The engines failed after the first token more times than a request may migrate."""
 
 
 class Dispatcher:
@@ -58,14 +61,19 @@ class Dispatcher:
         client: EngineClient,
         max_attempts: int = 3,
         pre_place: bool = True,
+        max_migrations: int = 2,
     ) -> None:
-        """``pre_place=False`` leaves placement to the engine handle's own request router (Ray's
+        """``max_attempts``: tries of a request that failed before its first token;
+        ``max_migrations``: moves of one that failed after it (see ``stream``).
+        ``pre_place=False`` leaves placement to the engine handle's own request router (Ray's
         PrefixCacheAffinityRouter as a peer): no estimate, so no SLO gate either."""
         self.state = state
         self.client = client
         self.max_attempts = max_attempts
         self.pre_place = pre_place
+        self.max_migrations = max_migrations
         self.failovers = 0
+        self.migrations = 0  # requests moved to another engine after their first token
         self.overrides = 0  # requests an engine reported running off their placement
 
     def placement_request(self, routed: RoutedRequest) -> PlacementRequest:
@@ -87,24 +95,33 @@ class Dispatcher:
     async def stream(
         self, routed: RoutedRequest, first: Placement | None = None
     ) -> AsyncIterator[tuple[Placement, EngineOutput]]:
-        """Yield ``(placement, output)``; retries on another instance while nothing was sent."""
+        """Yield ``(placement, output)`` as one stream whatever fails underneath. An engine that
+        fails before the first token: the request is retried on another instance (up to
+        ``max_attempts`` tries). One that fails after it: the request migrates (Dynamo calls it
+        so): the prompt plus the tokens already yielded go to another instance as a new engine
+        request for the tokens still owed, up to ``max_migrations`` times; only then
+        ``StreamBroken``. The final output's usage counts the client's prompt and every token
+        of every leg."""
         preq = self.placement_request(routed)
         tried: set[str] = set()
         placement = first or self.place(preq, tried)
         attempt = 0
+        current, legs = routed, 1
+        generated: list[int] = []  # tokens yielded so far, over every leg
         while True:
             attempt += 1
             # NOTE: without pre-placement the handle's own router picks; we learn nothing of it.
             where = placement.instance_id if placement is not None else "?"
-            routed.target_instance = placement.instance_id if placement is not None else None
-            routed.request.expected_cached_tokens = (
+            current.target_instance = placement.instance_id if placement is not None else None
+            current.request.expected_cached_tokens = (
                 self.state.cached_tokens(preq, placement) if placement is not None else 0
             )
             if placement is not None:
                 self.state.assigned(preq, placement)
-            running = placement  # NOTE: a failover replaces ``placement`` before ``finally``
+            # NOTE: a failover replaces ``placement`` and ``preq`` before ``finally``
+            running, running_preq = placement, preq
             started = False
-            outs = self.client.stream(routed)
+            outs = self.client.stream(current)
             try:
                 async for out in outs:
                     if not started:
@@ -117,19 +134,38 @@ class Dispatcher:
                         ):
                             # Serve's request router delivered it elsewhere than placed.
                             self.overrides += 1
+                    if current is not routed and out.usage is not None:
+                        out = _leg_usage(out, routed, len(generated) + len(out.token_ids))
+                    generated.extend(out.token_ids)
                     yield placement or Placement(where), out
                 return
             except (EngineError, ConnectionError, OSError) as e:
                 if placement is not None:
                     self.state.failed(placement.instance_id)
-                if started:
-                    raise StreamBroken(f"engine {where} failed: {e}") from e
                 tried.add(where)
-                if attempt >= self.max_attempts:
+                if generated:
+                    if legs > self.max_migrations:
+                        raise StreamBroken(f"engine {where} failed: {e}") from e
+                    log.warning(
+                        "engine %s failed after %d tokens, migrating: %s", where, len(generated), e
+                    )
+                    legs += 1
+                    leg = _continuation(routed, generated, legs)
+                    if leg is None:  # it failed with every owed token already yielded
+                        yield placement or Placement(where), _finished(routed, generated)
+                        return
+                    self.migrations += 1
+                    current = leg
+                    preq = self.placement_request(current)
+                    attempt = 0
+                elif attempt >= self.max_attempts:
                     raise
-                log.warning("engine %s failed before the first token, retrying: %s", where, e)
-                self.failovers += 1
-                placement = self.place(preq, tried)
+                else:
+                    log.warning("engine %s failed before the first token, retrying: %s", where, e)
+                    self.failovers += 1
+                # NOTE: no SLO gate: the request was admitted, and an accepted request is
+                # served (only NoInstanceError, with no instance left, ends it here)
+                placement = self.state.place(preq, exclude=tried) if self.pre_place else None
             finally:
                 # closed early (its choice was stopped): close the engine's stream now, not
                 # whenever it is collected, so that the engine aborts the request at once
@@ -137,7 +173,49 @@ class Dispatcher:
                 if close is not None:
                     await close()
                 if running is not None:
-                    self.state.finished(preq, running.instance_id)
+                    self.state.finished(running_preq, running.instance_id)
+
+
+def _continuation(routed: RoutedRequest, generated: list[int], leg: int) -> RoutedRequest | None:
+    """Leg ``leg`` (2, 3 ...) of ``routed`` after ``generated`` tokens: its prompt plus those
+    tokens, for the tokens still owed (None: none is), as request ``<id>-leg<leg>``. Placement
+    keeps the prompt's block hashes (the generated tail is cached nowhere else)."""
+    r, sampling = routed.request, routed.request.sampling
+    left = sampling.max_tokens - len(generated)
+    if left < 1:
+        return None
+    owed = msgspec.structs.replace(
+        sampling, max_tokens=left, min_tokens=max(0, sampling.min_tokens - len(generated))
+    )
+    request = msgspec.structs.replace(
+        r,
+        request_id=f"{r.request_id}-leg{leg}",
+        prompt_token_ids=[*r.prompt_token_ids, *generated],
+        sampling=owed,
+    )
+    return msgspec.structs.replace(routed, request=request, target_instance=None)
+
+
+def _leg_usage(out: EngineOutput, routed: RoutedRequest, completion: int) -> EngineOutput:
+    """A migrated leg's final output, its usage as the client's request sees it: the client's
+    prompt, every leg's tokens, and at most the prompt as cached."""
+    assert out.usage is not None
+    prompt = len(routed.request.prompt_token_ids)
+    usage = Usage(prompt, completion, min(out.usage.cached_tokens, prompt))
+    return msgspec.structs.replace(out, usage=usage)
+
+
+def _finished(routed: RoutedRequest, generated: list[int]) -> EngineOutput:
+    """The final output of a request whose engine failed after its last owed token."""
+    prompt = len(routed.request.prompt_token_ids)
+    cached = min(routed.request.expected_cached_tokens, prompt)
+    return EngineOutput(
+        routed.request.request_id,
+        [],
+        finished=True,
+        finish_reason="length",
+        usage=Usage(prompt, len(generated), cached),
+    )
 
 
 class ChoiceStreams:

@@ -41,7 +41,14 @@ class RouterMetrics:
         self.cache_map_blocks = Gauge("kvroute_cache_map_blocks", "Blocks in the map", registry=r)
         self.in_flight = Gauge("kvroute_in_flight", "Requests in flight", registry=r)
         self.queued = Gauge("kvroute_admission_queued", "Requests waiting", registry=r)
-        self.failovers = Gauge("kvroute_failovers", "Retries on another engine", registry=r)
+        self.failovers = Gauge(
+            "kvroute_failovers", "Retries on another engine before the first token", registry=r
+        )
+        self.migrations = Gauge(
+            "kvroute_migrations",
+            "Requests moved to another engine after their first token (prompt + tokens so far)",
+            registry=r,
+        )
         self.overrides = Gauge(
             "kvroute_placement_overrides",
             "Requests Serve delivered to another engine than placement chose",
@@ -71,6 +78,7 @@ class RouterMetrics:
     def observe(self, dispatcher: Dispatcher) -> None:
         state = dispatcher.state
         self.failovers.set(dispatcher.failovers)
+        self.migrations.set(dispatcher.migrations)
         self.overrides.set(dispatcher.overrides)
         self.cache_map_blocks.set(len(state.cache_map))
         self.in_flight.set(state.load.in_flight())

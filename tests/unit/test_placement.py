@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from cachemap import CacheMap, Match, Tier
-from engines.base import LoadSnapshot
+from engines.base import EngineOutput, LoadSnapshot
 from router.admission import Admission, Rejected
 from router.load import LoadTracker
 from router.placement import (
@@ -388,3 +388,56 @@ def test_a_failover_finishes_each_attempt_on_its_own_instance() -> None:
     assert set(served) == {"b"} and d.failovers == 1
     assert finished == ["a", "b"]
     assert state.load.in_flight() == 0
+
+
+def test_a_request_whose_engine_dies_mid_stream_migrates() -> None:
+    """Engine "a" dies after three outputs (the error Serve's handle raises when a replica
+    dies); the request goes on at "b" as prompt + those tokens, for the tokens still owed: the
+    client sees one stream of ``max_tokens`` tokens and usage counted against its own prompt.
+    With no migrations allowed the same death is ``StreamBroken``."""
+    from engines.base import EngineRequest, RoutedRequest, SamplingParams
+    from engines.sim.engine import SimEngine
+    from router.dispatch import Dispatcher, StreamBroken
+    from router.local_client import LocalEngineClient
+    from router.state import RouterState
+
+    legs: list[EngineRequest] = []
+
+    class Dying(LocalEngineClient):
+        async def stream(self, routed: RoutedRequest):  # type: ignore[no-untyped-def, override]
+            legs.append(routed.request)
+            n = 0
+            async for out in super().stream(routed):
+                if routed.target_instance == "a" and n == 3:
+                    raise ConnectionError("replica died")
+                n += 1
+                yield out
+
+    async def run(max_migrations: int) -> list[EngineOutput]:
+        engines = {i: SimEngine(i, kv_events_endpoint=None, time_scale=0) for i in "ab"}
+        state = RouterState("round_robin", Linear(), block_size=BS)
+        state.sync_instances(["a", "b"])
+        d = Dispatcher(state, Dying(engines), max_migrations=max_migrations)
+        sampling = SamplingParams(max_tokens=10, min_tokens=5, ignore_eos=True)
+        routed = RoutedRequest(EngineRequest("r", list(range(40)), sampling), "x", [1, 2])
+        for e in engines.values():
+            await e.start()
+        try:
+            return [out async for _, out in d.stream(routed, Placement("a"))]
+        finally:
+            for e in engines.values():
+                await e.stop()
+            assert state.load.in_flight() == 0
+
+    outs = asyncio.run(run(max_migrations=2))
+    tokens = [t for o in outs for t in o.token_ids]
+    assert len(tokens) == 10 and outs[-1].finished
+    _, second = legs
+    assert second.request_id == "r-leg2"
+    assert second.prompt_token_ids == list(range(40)) + tokens[:3]
+    assert (second.sampling.max_tokens, second.sampling.min_tokens) == (7, 2)
+    usage = outs[-1].usage
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (40, 10)
+    legs.clear()
+    with pytest.raises(StreamBroken):
+        asyncio.run(run(max_migrations=0))
