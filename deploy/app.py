@@ -92,6 +92,8 @@ class IngressDeployment:
                 block_size=ecfg.block_size,
                 api_keys=api_keys(self.cfg.router),
                 admin_keys=admin_keys(self.cfg.router),
+                metrics_admin=self.cfg.router.metrics_admin,
+                router_id=serve.get_replica_context().replica_id.unique_id,
                 rate_limit=self.cfg.router.rate_limit_rps,
                 rate_burst=self.cfg.router.rate_limit_burst,
                 pins=ecfg.cpu_tier is not None,
@@ -118,9 +120,9 @@ def build_serve_app(cfg: ServeConfig) -> Application:
             request_router_kwargs={"state_key": cfg.app_name},
         )
     engine = build_engine_app(cfg.engines, request_router_config=rr)
-    return IngressDeployment.options(num_replicas=cfg.router.replicas).bind(
-        engine, cfg.model_dump()
-    )
+    return IngressDeployment.options(
+        num_replicas=cfg.router.replicas, health_check_period_s=cfg.router.health_check_period_s
+    ).bind(engine, cfg.model_dump())
 
 
 def wait_until_ready(base_url: str, instances: int, timeout_s: float = 300.0) -> None:

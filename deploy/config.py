@@ -53,7 +53,16 @@ class RouterConfig(StrictModel):
         description="a file holding the KV control API's admin key(s), one per line; the keys "
         f"in ${ADMIN_KEY_ENV} (comma-separated) count too; neither: the API is off",
     )
+    metrics_admin: bool = Field(
+        False, description="/metrics answers only the admin keys (401 without, 403 with none set)"
+    )
     replicas: int = Field(1, ge=1, le=256, description="ingress replicas")
+    health_check_period_s: float = Field(
+        5.0,
+        gt=0,
+        description="Serve checks each ingress replica this often (a dead one is "
+        "replaced after the check that finds it)",
+    )
     max_body_bytes: int = Field(4 << 20, ge=1024)
     placement_log: str | None = Field(
         None,

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate, trace
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cachemap import BlockHasher
 from engines.base import EngineError, EngineOutput, EngineRequest, RoutedRequest
@@ -61,6 +64,10 @@ class IngressConfig:
     # category and turn only (what the hint experiment compares against)
     session_hints: bool = True
     max_body_bytes: int = 4 << 20
+    metrics_admin: bool = False  # /metrics answers the admin keys only
+    # names this router replica in every response's ``x-kvroute-router`` header (which of many
+    # replicas answered: for operators, and for tests that must reach a given one)
+    router_id: str = field(default_factory=lambda: f"{socket.gethostname()}:{os.getpid()}")
     # the engines behind this ingress: "sim" engines cannot produce what needs a token
     # distribution or a detokenizer (logprobs, structured outputs ...: a 400 naming the field)
     engine_kind: EngineKind = "sim"
@@ -227,46 +234,29 @@ class RequestPreparer:
         return routed, prefix + req.request_id if req.request_id else rid
 
 
-def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTokenizer) -> FastAPI:
-    app = FastAPI(title="kvroute", docs_url=None, redoc_url=None)
-    prepare = RequestPreparer(config, tokenizer)
-    hasher = prepare.hasher
-    metrics = RouterMetrics()
-    created = int(time.time())
+class Ingress:
+    """The OpenAI endpoints' work, one object per app: client checks (API key, rate limit,
+    admin key, model), then validate, prepare, admit, place, dispatch and answer. ``build_app``
+    wires its methods to routes."""
 
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        metrics.errors.labels(str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(NoInstanceError)
-    @app.exception_handler(EngineError)
-    async def _engine_error(_: Request, e: Exception) -> JSONResponse:
-        # Every attempt failed before a token was sent: the client may retry.
-        return await _api_error(
-            _,
-            APIError(
-                503,
-                f"no engine could serve the request: {e}",
-                type_="server_error",
-                code="engine_unavailable",
-                headers={"Retry-After": "1"},
-            ),
+    def __init__(
+        self, config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTokenizer
+    ) -> None:
+        self.config, self.dispatcher, self.tokenizer = config, dispatcher, tokenizer
+        self.prepare = RequestPreparer(config, tokenizer)
+        self.metrics = RouterMetrics()
+        self.created = int(time.time())
+        self.limiter = (
+            RateLimiter(config.rate_limit, config.rate_burst)
+            if config.rate_limit is not None
+            else None
         )
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        log.exception("internal error")
-        return await _api_error(
-            _, APIError(500, f"internal error: {type(e).__name__}", type_="server_error")
-        )
+    # -- client checks -------------------------------------------------------------------
 
-    limiter = (
-        RateLimiter(config.rate_limit, config.rate_burst) if config.rate_limit is not None else None
-    )
-
-    def check_auth(request: Request) -> None:
-        if config.api_keys and not _authorized(request, config.api_keys):
+    def check_auth(self, request: Request) -> None:
+        keys = self.config.api_keys
+        if keys and not _authorized(request, keys):
             raise APIError(
                 401,
                 "missing or invalid API key",
@@ -274,13 +264,14 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
                 code="invalid_api_key",
             )
 
-    def check_rate(request: Request) -> None:
+    def check_rate(self, request: Request) -> None:
         """One request of this client's allowance (its key, or its address without keys)."""
-        if limiter is None:
+        if self.limiter is None:
             return
+        config = self.config
         auth = request.headers.get("authorization", "")
         client = auth if config.api_keys else (request.client.host if request.client else "")
-        wait = limiter.take(client, time.monotonic())
+        wait = self.limiter.take(client, time.monotonic())
         if wait > 0:
             raise Rejected(
                 f"rate limit: {config.rate_limit:g} requests/s per client "
@@ -289,15 +280,15 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
                 code="rate_limited",
             )
 
-    def check_admin(request: Request) -> None:
-        if not config.admin_keys:
+    def check_admin(self, request: Request, what: str = "the KV control API") -> None:
+        if not self.config.admin_keys:
             raise APIError(
                 403,
-                "the KV control API is off: no admin key is configured (KVROUTE_ADMIN_KEY)",
+                f"{what} is off: no admin key is configured (KVROUTE_ADMIN_KEY)",
                 type_="permission_error",
                 code="admin_api_off",
             )
-        if not _authorized(request, config.admin_keys):
+        if not _authorized(request, self.config.admin_keys):
             raise APIError(
                 401,
                 "missing or invalid admin key",
@@ -305,78 +296,80 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
                 code="invalid_admin_key",
             )
 
-    app.include_router(
-        kv_routes(
-            KvControl(
-                dispatcher.state,
-                dispatcher.client,
-                tokenizer,
-                hasher,
-                config.max_model_len,
-                pins=config.pins,
-            ),
-            check_admin,
-            lambda request: _read_json_body(request, config.max_body_bytes),
-        )
-    )
-
-    def check_model(model: str) -> None:
-        if model != config.model:
+    def check_model(self, model: str) -> None:
+        if model != self.config.model:
             raise APIError(
                 404,
-                f"the model {model!r} does not exist; served: {config.model!r}",
+                f"the model {model!r} does not exist; served: {self.config.model!r}",
                 param="model",
                 code="model_not_found",
             )
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "instances": len(dispatcher.state.load.instance_ids())}
+    async def read_body(self, request: Request) -> dict[str, Any]:
+        return await _read_json_body(request, self.config.max_body_bytes)
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        metrics.observe(dispatcher)
-        return Response(metrics.render(), media_type=metrics.content_type)
+    # -- endpoints -----------------------------------------------------------------------
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        check_auth(request)
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "instances": len(self.dispatcher.state.load.instance_ids())}
+
+    def prometheus(self, request: Request) -> Response:
+        if self.config.metrics_admin:
+            self.check_admin(request, "/metrics")
+        self.metrics.observe(self.dispatcher)
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    def models(self, request: Request) -> dict[str, Any]:
+        self.check_auth(request)
+        config = self.config
         return {
             "object": "list",
             "data": [
                 {
                     "id": config.model,
                     "object": "model",
-                    "created": created,
+                    "created": self.created,
                     "owned_by": "kvroute",
                     "max_model_len": config.max_model_len,
                 }
             ],
         }
 
-    async def handle(request: Request, chat: bool) -> Response:
-        check_auth(request)
-        check_rate(request)
-        body = await _read_json_body(request, config.max_body_bytes)
+    async def completion(self, request: Request, chat: bool) -> Response:
+        """A chat or completions request, with admission's and the rate limit's refusals as
+        429 + Retry-After."""
         try:
-            req: ChatCompletionRequest | CompletionRequest = (
-                ChatCompletionRequest.model_validate(body)
-                if chat
-                else CompletionRequest.model_validate(body)
+            return await self._completion(request, chat)
+        except Rejected as e:
+            self.metrics.errors.labels("429").inc()
+            err = APIError(
+                429,
+                e.reason,
+                type_="rate_limit_error",
+                code=e.code,
+                headers={"Retry-After": e.retry_after_header},
             )
+            return JSONResponse(err.body(), status_code=429, headers=err.headers)
+
+    async def _completion(self, request: Request, chat: bool) -> Response:
+        self.check_auth(request)
+        self.check_rate(request)
+        body = await self.read_body(request)
+        model = ChatCompletionRequest if chat else CompletionRequest
+        try:
+            req: ChatCompletionRequest | CompletionRequest = model.model_validate(body)
         except ValidationError as e:
-            raise validation_error(
-                e, ChatCompletionRequest if chat else CompletionRequest
-            ) from None
-        check_model(req.model)
+            raise validation_error(e, model) from None
+        self.check_model(req.model)
+        dispatcher, metrics = self.dispatcher, self.metrics
         ctx = propagate.extract(dict(request.headers))
         with tracer.start_as_current_span("kvroute.ingress", context=ctx) as span:
-            routed, response_id = prepare(request, req)
+            routed, response_id = self.prepare(request, req)
             prompt_ids = routed.request.prompt_token_ids
             span.set_attribute("kvroute.prompt_tokens", len(prompt_ids))
             children = choice_requests(routed, req.n)
             builder = ResponseBuilder(
-                req, chat, tokenizer, response_id, len(prompt_ids), prompt_token_ids=prompt_ids
+                req, chat, self.tokenizer, response_id, len(prompt_ids), prompt_token_ids=prompt_ids
             )
             queued_at = time.monotonic()
             ticket = await dispatcher.state.admission.acquire()
@@ -406,7 +399,7 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
                         break
                     handed_off = True
                     return StreamingResponse(
-                        sse(items, streams, head, builder, ticket, children),
+                        self._sse(items, streams, head, builder, ticket, children),
                         media_type="text/event-stream",
                         background=BackgroundTask(ticket.release),
                     )
@@ -422,7 +415,8 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
                         await streams.close()
                     ticket.release()
 
-    async def sse(
+    async def _sse(
+        self,
         items: AsyncIterator[tuple[int, Any, EngineOutput]],
         streams: ChoiceStreams,
         head: list[dict[str, Any]],
@@ -441,9 +435,9 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
             builder.estimate_cached_tokens(children[0].request.expected_cached_tokens)
             if builder.include_usage:
                 yield f"data: {json.dumps(builder.usage_chunk())}\n\n".encode()
-            metrics.finished(builder)
+            self.metrics.finished(builder)
         except Exception as e:  # the client already has a 200: end the stream with an error
-            metrics.errors.labels("stream").inc()
+            self.metrics.errors.labels("stream").inc()
             if isinstance(e, APIError):
                 err = e
             else:
@@ -457,13 +451,101 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
             ticket.release()
         yield b"data: [DONE]\n\n"
 
+    # -- errors --------------------------------------------------------------------------
+
+    def api_error(self, e: APIError) -> JSONResponse:
+        self.metrics.errors.labels(str(e.status)).inc()
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    def engine_error(self, e: Exception) -> JSONResponse:
+        # Every attempt failed before a token was sent: the client may retry.
+        return self.api_error(
+            APIError(
+                503,
+                f"no engine could serve the request: {e}",
+                type_="server_error",
+                code="engine_unavailable",
+                headers={"Retry-After": "1"},
+            )
+        )
+
+    def internal_error(self, e: Exception) -> JSONResponse:
+        log.exception("internal error")
+        return self.api_error(
+            APIError(500, f"internal error: {type(e).__name__}", type_="server_error")
+        )
+
+
+class RouterIdHeader:
+    """ASGI middleware: ``x-kvroute-router: <router_id>`` on every HTTP response (plain ASGI,
+    not ``BaseHTTPMiddleware``: streams pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, router_id: str) -> None:
+        self.app = app
+        self.header = (b"x-kvroute-router", router_id.encode())
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), self.header]
+            await send(message)
+
+        await self.app(scope, receive, with_header)
+
+
+def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTokenizer) -> FastAPI:
+    """The FastAPI app of one ingress: the OpenAI endpoints, ``/health``, ``/metrics`` and the
+    KV control API, over ``dispatcher``'s router state and engines."""
+    app = FastAPI(title="kvroute", docs_url=None, redoc_url=None)
+    app.add_middleware(RouterIdHeader, router_id=config.router_id)
+    ingress = Ingress(config, dispatcher, tokenizer)
+
+    async def on_api_error(_: Request, e: APIError) -> JSONResponse:
+        return ingress.api_error(e)
+
+    async def on_engine_error(_: Request, e: Exception) -> JSONResponse:
+        return ingress.engine_error(e)
+
+    async def on_internal_error(_: Request, e: Exception) -> JSONResponse:
+        return ingress.internal_error(e)
+
+    app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(NoInstanceError, on_engine_error)
+    app.add_exception_handler(EngineError, on_engine_error)
+    app.add_exception_handler(Exception, on_internal_error)
+    control = KvControl(
+        dispatcher.state,
+        dispatcher.client,
+        tokenizer,
+        ingress.prepare.hasher,
+        config.max_model_len,
+        pins=config.pins,
+    )
+    app.include_router(kv_routes(control, ingress.check_admin, ingress.read_body))
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return ingress.health()
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        return ingress.prometheus(request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        return ingress.models(request)
+
     @app.post(
         "/v1/chat/completions",
         openapi_extra=json_body_schema(ChatCompletionRequest),
         responses=openapi_responses(chat=True),
     )
     async def chat_completions(request: Request) -> Response:
-        return await _guard(request, True)
+        return await ingress.completion(request, chat=True)
 
     @app.post(
         "/v1/completions",
@@ -471,20 +553,6 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
         responses=openapi_responses(chat=False),
     )
     async def completions(request: Request) -> Response:
-        return await _guard(request, False)
-
-    async def _guard(request: Request, chat: bool) -> Response:
-        try:
-            return await handle(request, chat)
-        except Rejected as e:
-            metrics.errors.labels("429").inc()
-            err = APIError(
-                429,
-                e.reason,
-                type_="rate_limit_error",
-                code=e.code,
-                headers={"Retry-After": e.retry_after_header},
-            )
-            return JSONResponse(err.body(), status_code=429, headers=err.headers)
+        return await ingress.completion(request, chat=False)
 
     return app

@@ -63,6 +63,7 @@ def server(tok: PromptTokenizer) -> Iterator[Server]:
         tokenizer=tok,
         api_keys=frozenset({KEY}),
         admin_keys=frozenset({ADMIN}),
+        metrics_admin=True,
         pins=True,
         admission=Admission(max_in_flight=64, max_queue=64),
     )
@@ -144,6 +145,16 @@ def test_admin_key_and_bad_bodies(api: Api) -> None:
     spec = httpx.get(f"{api.base}/openapi.json").json()["paths"]
     assert "requestBody" in spec["/v1/kv/pin"]["post"]
     assert "messages" in str(spec["/v1/kv/lookup"]["post"]["requestBody"])
+
+
+def test_metrics_behind_the_admin_key(api: Api) -> None:
+    """``metrics_admin``: /metrics is an admin endpoint (a client key is not enough)."""
+    url = f"{api.base}/metrics"
+    assert httpx.get(url).status_code == 401
+    user = httpx.get(url, headers={"authorization": f"Bearer {KEY}"})
+    assert user.status_code == 401 and user.json()["error"]["code"] == "invalid_admin_key"
+    admin = httpx.get(url, headers={"authorization": f"Bearer {ADMIN}"})
+    assert admin.status_code == 200 and "kvroute_requests_total" in admin.text
 
 
 def test_lookup_agrees_with_cached_tokens_and_warm_and_clear(
