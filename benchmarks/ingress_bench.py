@@ -1,0 +1,192 @@
+"""Ingress throughput under Ray Serve, next to the ceiling of this box. Prints JSON.
+
+    .venv/bin/python benchmarks/ingress_bench.py [--requests 3000] [--concurrency 32] \
+        [--repeats 3] [--input-tokens 1024] [--output-tokens 8]
+
+Two Serve applications on the same Ray, the same HTTP proxy and the same client, one at a time:
+
+- ``ceiling``: a constant-reply deployment (reads the body, answers a fixed chat completion):
+  what Ray Serve's proxy, one replica and the client cost on this machine, nothing else;
+- ``kvroute``: ``kvroute serve``'s app, one ingress replica (validate, chat template and
+  tokenization, hashing, admission, kv_ttft placement against the live cache map, the call to
+  the engine replica through Serve, the response) in front of two sim engines that answer at
+  once (``time_scale`` 0: no simulated step time), KV events and load samples on the Ray bus.
+
+The client is kvroute's load generator in a closed loop of ``--concurrency`` workers sending
+non-streaming 1k-token chats (``random`` workload: every prompt new, so every request is
+hashed, placed and prefilled in full; the synthetic text of ``--input-tokens`` 260 is ~1,020
+tokens of the tiny model's tokenizer, reported as ``prompt_tokens_mean``). Per app:
+completed requests per second (saturated: the loop keeps every worker busy) and latency
+p50/p99; the apps run alternately ``--repeats`` times and the medians are reported, with
+``kvroute_over_ceiling`` = the ratio of the medians.
+The issue's target is >= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from ray import serve
+
+from deploy.app import build_serve_app, delete_app, wait_until_ready
+from deploy.config import ServeConfig
+from loadgen.client import loop_factory
+from loadgen.metrics import percentiles_ms, summarize
+from loadgen.prompts import PromptSynth
+from loadgen.runner import RunConfig, Runner
+from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
+from loadgen.workloads import build_schedule
+from tests.support import free_port
+
+MODEL = "tiny"
+
+constant = FastAPI()
+REPLY = {
+    "id": "chatcmpl-constant",
+    "object": "chat.completion",
+    "created": 0,
+    "model": MODEL,
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "a constant reply of eight tokens"},
+            "finish_reason": "length",
+        }
+    ],
+    "usage": {"prompt_tokens": 1024, "completion_tokens": 8, "total_tokens": 1032},
+}
+
+
+@serve.deployment(name="constant", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=2048)
+@serve.ingress(constant)
+class ConstantReply:
+    """The ceiling: Serve's proxy and one replica, reading the body and answering at once."""
+
+    @constant.post("/v1/chat/completions")
+    async def chat(self, request: Request) -> JSONResponse:
+        await request.body()
+        return JSONResponse(REPLY)
+
+
+def kvroute_config(port: int) -> ServeConfig:
+    return ServeConfig.validated(
+        {
+            "port": port,
+            "app_name": "kvroute-bench",
+            "engines": {
+                "instances": 2,
+                "engine": {
+                    "kind": "sim",
+                    "model": MODEL,
+                    "block_size": 32,
+                    "max_model_len": 4096,
+                    "profile": "cpu-tiny-llama",
+                    "sim_options": {"time_scale": 0.0},
+                },
+                "bus": {"backend": "ray", "name": "kvroute-bench"},
+            },
+            "router": {"scorer": "kv_ttft", "max_in_flight": 1024, "max_queue": 1024},
+        }
+    )
+
+
+def drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One closed-loop run of ``args.requests`` chats: req/s and latency."""
+    params = SynthParams(
+        rate=1000.0,
+        duration_s=args.requests / 1000.0,
+        input_tokens=args.input_tokens,
+        output_tokens=args.output_tokens,
+        seed=args.seed,
+    )
+    plan = build_schedule(generate("random", params), rate=1000.0, arrival="constant")
+    config = RunConfig(
+        url,
+        MODEL,
+        PromptSynth(SYNTH_BLOCK_SIZE, seed=args.seed),
+        api="chat",
+        stream=False,
+        concurrency=args.concurrency,
+        timeout_s=60.0,
+    )
+    with asyncio.Runner(loop_factory=loop_factory()) as loop:
+        result = loop.run(Runner(config, plan).run())
+    s = summarize(result.records, duration_s=result.duration_s, requested_span_s=0.0)
+    lat = percentiles_ms([r.e2e_s for r in result.records if r.ok])
+    prompts = [r.prompt_tokens for r in result.records if r.ok and r.prompt_tokens]
+    return {
+        "prompt_tokens_mean": round(statistics.fmean(prompts)) if prompts else None,
+        "requests": s["requests"],
+        "completed": s["completed"],
+        "errors": s["errors"],
+        "req_per_s": round(s["completed"] / result.duration_s, 1),
+        "latency_ms": {k: lat[k] for k in ("p50", "p99")},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=3000, help="requests per run")
+    ap.add_argument("--concurrency", type=int, default=32, help="closed-loop workers")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--input-tokens", type=int, default=260, help="synthetic length (x3.9 tiny tokens)"
+    )
+    ap.add_argument("--output-tokens", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    for flag in ("requests", "concurrency", "repeats", "input_tokens", "output_tokens"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 1")
+    port = free_port()
+    cfg = kvroute_config(port)
+    base = f"http://127.0.0.1:{port}"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    runs: dict[str, list[dict[str, Any]]] = {"ceiling": [], "kvroute": []}
+    try:
+        for _ in range(args.repeats):
+            serve.run(ConstantReply.bind(), name="constant", route_prefix="/")
+            drive(base, argparse.Namespace(**{**vars(args), "requests": 200}))  # warm-up
+            runs["ceiling"].append(drive(base, args))
+            serve.delete("constant")
+            serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
+            wait_until_ready(base, cfg.engines.instances)
+            drive(base, argparse.Namespace(**{**vars(args), "requests": 200}))
+            runs["kvroute"].append(drive(base, args))
+            delete_app(cfg)
+            for name, rs in runs.items():
+                print(name, json.dumps(rs[-1]), file=sys.stderr, flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    out: dict[str, Any] = {}
+    for name, rs in runs.items():
+        out[name] = {
+            "req_per_s": statistics.median(r["req_per_s"] for r in rs),
+            "latency_p50_ms": statistics.median(r["latency_ms"]["p50"] for r in rs),
+            "latency_p99_ms": statistics.median(r["latency_ms"]["p99"] for r in rs),
+            "errors": sum(sum(r["errors"].values()) for r in rs),
+            "prompt_tokens_mean": rs[-1]["prompt_tokens_mean"],
+            "runs": [r["req_per_s"] for r in rs],
+        }
+    ratio = out["kvroute"]["req_per_s"] / out["ceiling"]["req_per_s"]
+    out["kvroute_over_ceiling"] = round(ratio, 3)
+    out["config"] = {k: getattr(args, k) for k in ("requests", "concurrency", "repeats")}
+    out["config"].update(input_tokens=args.input_tokens, output_tokens=args.output_tokens)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
