@@ -79,7 +79,7 @@ class IngressDeployment:
             recorder=placement_recorder(cfg.router),
         )
         register_state(cfg.app_name, self.state)
-        self.state.start()
+        self.state.start(cfg.router.bus_poll_s)
         self.tokenizer = PromptTokenizer(_tokenizer_path(cfg))
         self.dispatcher = Dispatcher(self.state, ServeEngineClient(engine), pre_place=pre_place)
 

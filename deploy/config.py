@@ -56,6 +56,9 @@ class RouterConfig(StrictModel):
     metrics_admin: bool = Field(
         False, description="/metrics answers only the admin keys (401 without, 403 with none set)"
     )
+    bus_poll_s: float = Field(
+        0.02, gt=0, le=1, description="the ingress reads KV events and load samples this often"
+    )
     replicas: int = Field(1, ge=1, le=256, description="ingress replicas")
     health_check_period_s: float = Field(
         5.0,

@@ -335,7 +335,10 @@ class RouterState:
                 with self._lock:  # engines are not silent while we cannot hear them
                     self.core.watcher.unreadable(self.clock() if now is None else now)
 
-    def start(self, interval_s: float = 0.005) -> None:
+    def start(self, interval_s: float = 0.02) -> None:
+        """Pump the buses every ``interval_s`` in a thread of its own (each pump is a read per
+        bus: over the Ray bus, two actor calls; at 5 ms they cost the ingress a quarter of its
+        throughput, see ``benchmarks/ingress_bench.py``)."""
         if self._thread is not None or self.core.watcher is None:
             return
 
