@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvroute-installed
 
-.PHONY: serve test test-unit test-integration test-engine lint format typecheck redis bench clean
+.PHONY: serve test test-unit test-integration test-engine lint format typecheck redis ssh bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,14 +24,22 @@ redis:
 		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
 
+# `ray up` with Ray's local node provider (tests/integration/test_ray_up_local.py) needs an SSH
+# server and rsync (Debian packages; root on CI machines).
+ssh:
+	@{ command -v rsync >/dev/null && test -x /usr/sbin/sshd; } || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update -qq && \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server rsync; }
+
 # The whole suite: lint, types, then every test tier.
-test: $(STAMP) redis lint typecheck
+test: $(STAMP) redis ssh lint typecheck
 	$(PY) -m pytest tests
 
 test-unit: $(STAMP)
 	$(PY) -m pytest tests/unit
 
-test-integration: $(STAMP) redis
+test-integration: $(STAMP) redis ssh
 	$(PY) -m pytest tests/integration
 
 test-engine: $(STAMP)
