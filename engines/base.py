@@ -8,9 +8,11 @@ both, translating them into stamped ``cachemap`` messages on the event bus.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
@@ -132,6 +134,70 @@ class EngineOutput(msgspec.Struct):
     # the engine refused the request as invalid (a client error, e.g. a JSON schema its
     # structured-output backend cannot compile): the only output, finished, reason "error"
     error: str | None = None
+
+
+def merge_outputs(outputs: Sequence[EngineOutput]) -> EngineOutput:
+    """Consecutive outputs of one request as one: their tokens, text and logprobs in order;
+    what ends a request (finished, reasons, usage, error, PD params) from the last; the
+    instance id from the first."""
+    if len(outputs) == 1:
+        return outputs[0]
+    first, last = outputs[0], outputs[-1]
+    texts = [o.text for o in outputs]
+    logprobs = [o.logprobs for o in outputs]
+    return msgspec.structs.replace(
+        last,
+        token_ids=[t for o in outputs for t in o.token_ids],
+        text=None if all(t is None for t in texts) else "".join(t or "" for t in texts),
+        logprobs=None
+        if all(lp is None for lp in logprobs)
+        else [p for lp in logprobs for p in lp or ()],
+        instance_id=first.instance_id,
+    )
+
+
+async def coalesce(outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
+    """``outputs``, with those that queued up while the consumer was busy merged into one
+    (``merge_outputs``): an output is never held back, but a consumer slower than the engine
+    (a loaded replica sending each output through Serve) gets fewer, larger ones. Closing the
+    result closes ``outputs`` (the engine aborts the request)."""
+    queue: asyncio.Queue[EngineOutput | BaseException | None] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for out in outputs:
+                queue.put_nowait(out)
+        except BaseException as e:  # handed to the consumer, raised there
+            queue.put_nowait(e)
+        else:
+            queue.put_nowait(None)
+
+    task = asyncio.create_task(pump())
+    try:
+        while True:
+            item = await queue.get()
+            batch: list[EngineOutput] = []
+            while isinstance(item, EngineOutput):
+                batch.append(item)
+                if item.finished or queue.empty():
+                    break
+                item = queue.get_nowait()
+            if batch:
+                yield merge_outputs(batch)
+                if batch[-1].finished:
+                    return
+                if batch[-1] is item:
+                    continue
+            if isinstance(item, BaseException):
+                raise item
+            return  # None: the engine's stream ended
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        close = getattr(outputs, "aclose", None)
+        if close is not None:
+            await close()
 
 
 # Seconds between two load samples of one engine on the load bus (the production interval).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import msgspec
 import pytest
 import zmq
 
@@ -269,3 +270,38 @@ def test_many_concurrent_requests_under_kv_pressure():
         assert sum(len(o.token_ids) for o in outs) == 60 and outs[-1].finish_reason == "length"
     assert preemptions > 0 and snap.gpu_kv_usage == 0 and (snap.running, snap.waiting) == (0, 0)
     assert sum(o[-1].usage.cached_tokens for o in results) > 0
+
+
+def test_coalesce_merges_what_queued_up_behind_a_slow_consumer():
+    """A consumer that takes 20 ms per output behind an engine stepping every ~1 ms gets fewer,
+    larger outputs carrying the same tokens in order, one final with the usage; a fast one gets
+    them as they come. Closing the coalesced stream early aborts the engine request."""
+    from engines.base import coalesce, merge_outputs
+
+    async def run(delay_s: float) -> list[EngineOutput]:
+        engine = SimEngine("e", kv_events_endpoint=None, time_scale=0.05)
+        await engine.start()
+        try:
+            req = EngineRequest("r", list(range(100)), SamplingParams(max_tokens=40, seed=1))
+            outs = []
+            async for out in coalesce(engine.generate(req)):
+                outs.append(out)
+                await asyncio.sleep(delay_s)
+            plain = [o async for o in engine.generate(msgspec.structs.replace(req, request_id="p"))]
+            early = coalesce(engine.generate(msgspec.structs.replace(req, request_id="x")))
+            await anext(early)
+            await early.aclose()
+            await asyncio.sleep(0.01)
+            assert engine.load().running == 0  # the early close aborted it
+        finally:
+            await engine.stop()
+        tokens = [t for o in plain for t in o.token_ids]
+        assert [t for o in outs for t in o.token_ids] == tokens
+        assert merge_outputs(plain).token_ids == tokens
+        usage = outs[-1].usage
+        assert outs[-1].finished and usage is not None and usage.completion_tokens == 40
+        assert sum(o.finished for o in outs) == 1
+        return outs
+
+    slow, fast = asyncio.run(run(0.02)), asyncio.run(run(0.0))
+    assert len(slow) < len(fast) / 2, (len(slow), len(fast))
