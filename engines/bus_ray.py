@@ -25,6 +25,11 @@ from cachemap.bus import BusRead, EventBus, InProcessBus
 DEFAULT_NAMESPACE = "kvroute"
 
 
+# NOTE: every publish and every poll is an actor call; with task events on, each would also be
+# recorded in the GCS (memory and CPU for a task table nobody reads): they are off.
+_quiet = ray.method(enable_task_events=False)
+
+
 class BusHub:
     """The actor's state: a bounded log plus pending resync requests."""
 
@@ -32,18 +37,23 @@ class BusHub:
         self._bus = InProcessBus(maxlen)
         self._resync: set[str] = set()
 
+    @_quiet
     def publish(self, payload: bytes) -> int:
         return self._bus.publish(payload)
 
+    @_quiet
     def read(self, cursor: int, max_items: int) -> tuple[list[bytes], int, int]:
         return tuple(self._bus.read(cursor, max_items))  # type: ignore[return-value]
 
+    @_quiet
     def end(self) -> int:
         return self._bus.end()
 
+    @_quiet
     def request_resync(self, instance: str) -> None:
         self._resync.add(instance)
 
+    @_quiet
     def take_resync(self, instance: str) -> bool:
         if instance in self._resync:
             self._resync.discard(instance)
