@@ -47,7 +47,7 @@ from loadgen.prompts import PromptSynth
 from loadgen.runner import RunConfig, Runner
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule
-from tests.support import free_port
+from tests.support import free_port, sim_app_config
 
 MODEL = "tiny"
 
@@ -80,24 +80,11 @@ class ConstantReply:
 
 
 def kvroute_config(port: int) -> ServeConfig:
-    return ServeConfig.validated(
-        {
-            "port": port,
-            "app_name": "kvroute-bench",
-            "engines": {
-                "instances": 2,
-                "engine": {
-                    "kind": "sim",
-                    "model": MODEL,
-                    "block_size": 32,
-                    "max_model_len": 4096,
-                    "profile": "cpu-tiny-llama",
-                    "sim_options": {"time_scale": 0.0},
-                },
-                "bus": {"backend": "ray", "name": "kvroute-bench"},
-            },
-            "router": {"scorer": "kv_ttft", "max_in_flight": 1024, "max_queue": 1024},
-        }
+    return sim_app_config(
+        port,
+        "kvroute-bench",
+        engine={"sim_options": {"time_scale": 0.0}},
+        router={"max_in_flight": 1024, "max_queue": 1024},
     )
 
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from deploy.config import ServeConfig
     from engines.sim import LatencyProfile
 
-__all__ = ["Server", "free_port", "serve_app", "sim_stack"]
+__all__ = ["Server", "free_port", "serve_app", "sim_app_config", "sim_stack"]
 
 SIM_MODEL = "tiny-sim"
 
@@ -66,6 +66,41 @@ def sim_stack(
         latency=latency or profile,
         tokenizer=tok,
         **stack,
+    )
+
+
+def sim_app_config(
+    port: int,
+    name: str,
+    *,
+    engine: dict[str, Any] | None = None,
+    engines: dict[str, Any] | None = None,
+    router: dict[str, Any] | None = None,
+) -> ServeConfig:
+    """``kvroute serve``'s app named ``name`` on 127.0.0.1:``port``: two sim engines of the tiny
+    model (32-token blocks, 4k context, the ``cpu-tiny-llama`` profile) on the Ray bus ``name``,
+    kv_ttft; ``engine``, ``engines`` and ``router`` update those sections."""
+    from deploy.config import ServeConfig
+
+    return ServeConfig.validated(
+        {
+            "port": port,
+            "app_name": name,
+            "engines": {
+                "instances": 2,
+                "engine": {
+                    "kind": "sim",
+                    "model": "tiny",
+                    "block_size": 32,
+                    "max_model_len": 4096,
+                    "profile": "cpu-tiny-llama",
+                    **(engine or {}),
+                },
+                "bus": {"backend": "ray", "name": name},
+                **(engines or {}),
+            },
+            "router": {"scorer": "kv_ttft", **(router or {})},
+        }
     )
 
 
