@@ -106,6 +106,9 @@ class EngineRequest(msgspec.Struct):
     # The router's cache-map estimate of the prompt's cached prefix. An engine that cannot see
     # its own cache before scheduling (vLLM) counts only the rest as queued prefill work.
     expected_cached_tokens: int = 0
+    # False: nobody reads the output before it ends (a non-streaming client, no stop strings
+    # to apply at the ingress), so the engine replica may deliver it whole, as one output
+    stream: bool = True
 
 
 class Usage(msgspec.Struct):

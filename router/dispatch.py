@@ -126,7 +126,7 @@ class Dispatcher:
                 async for out in outs:
                     if not started:
                         started = True
-                        self.state.first_token(preq.request_id)
+                        self.state.first_token(preq.request_id, current.request.stream)
                         if (
                             placement is not None
                             and out.instance_id is not None

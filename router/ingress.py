@@ -223,6 +223,9 @@ class RequestPreparer:
             sampling,
             kv_transfer_params=hints.merged_into(req.kv_transfer_params),
             cache_salt=req.cache_salt,
+            # whole at the end unless someone reads it first: the client, or the ingress's
+            # stop strings (an engine that detokenizes applies them itself)
+            stream=bool(req.stream) or (bool(sampling.stop) and config.engine_kind == "sim"),
         )
         routed = RoutedRequest(
             engine_req,

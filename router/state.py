@@ -259,9 +259,11 @@ class RouterCore:
         uncached = request.prompt_tokens - self.cached_tokens(request, placement)
         self.load.assigned(request.request_id, placement.instance_id, uncached, now, placement)
 
-    def first_token(self, request_id: str, now: float) -> None:
+    def first_token(self, request_id: str, now: float, observed: bool = True) -> None:
+        """The request's first output arrived; ``observed``: at its first token (a stream), so
+        its TTFT teaches the scorer (an output delivered whole arrives at the end)."""
         a = self.load.prefill_done(request_id)
-        if a is not None and a.placement is not None:
+        if observed and a is not None and a.placement is not None:
             self.scorer.on_first_token(a.placement, now - a.assigned_at)
 
     def finished(self, request: PlacementRequest, instance_id: str) -> None:
@@ -388,10 +390,10 @@ class RouterState:
         with self._lock:
             self.core.assigned(request, placement, now)
 
-    def first_token(self, request_id: str) -> None:
+    def first_token(self, request_id: str, observed: bool = True) -> None:
         now = self.clock()
         with self._lock:
-            self.core.first_token(request_id, now)
+            self.core.first_token(request_id, now, observed)
 
     def finished(self, request: PlacementRequest, instance_id: str) -> None:
         with self._lock:

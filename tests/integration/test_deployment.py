@@ -125,6 +125,19 @@ def _populate(app: Any, watcher: EngineWatcher, ids: set[str], first: int) -> se
     return holders
 
 
+def test_a_request_nobody_streams_is_delivered_whole(app) -> None:
+    """``EngineRequest.stream=False``: one output with every token, the instance and the usage;
+    the same request streamed arrives token by token with the same tokens."""
+    sampling = SamplingParams(max_tokens=6, seed=3, ignore_eos=True)
+    stream = app.options(stream=True).generate
+    streamed = list(stream.remote(EngineRequest("whole-a", _prompt(900), sampling)))
+    whole = list(stream.remote(EngineRequest("whole-b", _prompt(900), sampling, stream=False)))
+    assert len(streamed) > 1 and len(whole) == 1
+    (out,) = whole
+    assert out.finished and out.instance_id is not None and out.usage.completion_tokens == 6
+    assert out.token_ids == [t for o in streamed for t in o.token_ids]
+
+
 def test_events_from_both_replicas_land_in_the_map(app, watcher) -> None:
     ids = set(_replicas(app))
     assert len(ids) == 2
