@@ -13,8 +13,9 @@ Two Serve applications on the same Ray, the same HTTP proxy and the same client,
   once (``time_scale`` 0: no simulated step time), KV events and load samples on the Ray bus.
 
 - ``two_hop_ceiling``: kvroute's shape with nothing of kvroute: an ingress replica that reads
-  the body and streams ``--output-tokens`` + 1 engine outputs from a second replica through a
-  handle, then answers the constant reply (what the proxy -> ingress -> engine design costs).
+  the body and streams one engine output (a request nobody streams is delivered whole) from a
+  second replica through a handle, then answers the constant reply (what the proxy -> ingress
+  -> engine design costs).
 
 The client is kvroute's load generator in a closed loop of ``--concurrency`` workers sending
 non-streaming 1k-token chats (``random`` workload: every prompt new, so every request is
@@ -101,7 +102,7 @@ class ConstantTokens:
 @serve.ingress(relay)
 class Relay:
     """kvroute's shape with no kvroute: the proxy, an ingress replica that reads the body and
-    streams ``output_tokens + 1`` outputs from an engine-shaped replica through a handle (as
+    streams ``outputs`` outputs from an engine-shaped replica through a handle (as
     ``ServeEngineClient`` does), then answers the constant reply. Two Serve hops: the ceiling
     of this architecture on this machine."""
 
@@ -187,7 +188,7 @@ def main() -> None:
             drive(base, warm)
             runs["ceiling"].append(drive(base, args))
             serve.delete("constant")
-            relayed = Relay.bind(ConstantTokens.bind(), args.output_tokens + 1)
+            relayed = Relay.bind(ConstantTokens.bind(), 1)
             serve.run(relayed, name="relay", route_prefix="/")
             drive(base, warm)
             runs["two_hop_ceiling"].append(drive(base, args))
