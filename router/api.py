@@ -628,11 +628,6 @@ class CompletionRequest(_Common):
             ("echo", (None, False), "not supported by this server"),
             ("suffix", (None,), "not supported by this server"),
             ("prompt_embeds", (None,), "only text or token-id prompts are supported"),
-            (
-                "add_special_tokens",
-                (None, False),
-                "the ingress tokenizes completion prompts without special tokens",
-            ),
         ]
 
 

@@ -153,7 +153,10 @@ class RequestPreparer:
             turn = sum(1 for m in req.messages if m.role == "user")
             node, parent = conversation_ids(messages, session)
         elif isinstance(req.prompt, str):
-            ids, text, turn = tokenizer.encode(req.prompt), req.prompt, 1
+            # vLLM's rule: a completions prompt gets the tokenizer's special tokens unless
+            # the request says add_special_tokens: false
+            special = req.add_special_tokens is not False
+            ids, text, turn = tokenizer.encode(req.prompt, special), req.prompt, 1
         else:
             ids = list(req.prompt)  # type: ignore[arg-type]
             if max(ids) >= tokenizer.vocab_size:

@@ -152,7 +152,7 @@ class KvControl:
         if p.messages is not None:
             ids = self.tokenizer.chat([m.for_template() for m in p.messages])
         elif p.text is not None:
-            ids = self.tokenizer.encode(p.text)
+            ids = self.tokenizer.encode(p.text, add_special_tokens=True)  # as completions do
         else:
             ids = list(p.token_ids or ())
             if max(ids) >= self.tokenizer.vocab_size:

@@ -33,8 +33,11 @@ class PromptTokenizer:
         ids = out["input_ids"] if not isinstance(out, list) else out
         return [int(t) for t in ids]
 
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in self._tok.encode(text, add_special_tokens=False)]
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``text`` as token ids; ``add_special_tokens``: with the ones the tokenizer adds to a
+        prompt (a BOS for Llama's), as vLLM does for a completions prompt by default."""
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return [int(t) for t in ids]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         text: str = self._tok.decode(list(token_ids), skip_special_tokens=True)

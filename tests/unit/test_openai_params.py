@@ -397,3 +397,37 @@ def test_check_stop_strings_is_vllms(text: str, new: int, stops: list[str], incl
 
     new = min(new, len(text))
     assert check_stop_strings(text, new, stops, include) == vllm_check(text, new, stops, include)
+
+
+def test_completion_prompts_get_special_tokens_as_vllm_adds_them(tmp_path) -> None:
+    """vLLM's completions add the tokenizer's special tokens (a BOS for Llama's) unless
+    ``add_special_tokens`` is false; chat leaves them to the template. With the tiny model's
+    tokenizer given a BOS post-processor, the ingress's prompt ids follow the same rule."""
+    import shutil
+
+    from starlette.requests import Request
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    from engines.tiny_model import build_tiny_model
+    from router.ingress import IngressConfig, RequestPreparer
+    from router.tokenizer import PromptTokenizer
+
+    src = build_tiny_model()
+    for f in src.iterdir():
+        if f.is_file() and f.suffix in (".json", ".jinja") and f.name != "kvroute-tiny.json":
+            shutil.copy(f, tmp_path / f.name)
+    hf = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    bos = hf.token_to_id("<|bos|>")
+    hf.post_processor = TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", bos)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    prepare = RequestPreparer(IngressConfig("m", 4096, 32), PromptTokenizer(tmp_path))
+    http = Request({"type": "http", "headers": []})
+
+    def ids(body: dict[str, Any]) -> list[int]:
+        routed, _ = prepare(http, CompletionRequest.model_validate({**COMPLETION, **body}))
+        return routed.request.prompt_token_ids
+
+    assert ids({})[0] == bos and ids({"add_special_tokens": True}) == ids({})
+    assert ids({"add_special_tokens": False}) == ids({})[1:]
+    assert ids({"prompt": [5, 6]}) == [5, 6]  # token ids go as they are
