@@ -12,6 +12,7 @@ produce (logprobs, structured outputs, logit_bias ...; see ``SIM_UNSUPPORTED``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -81,6 +82,17 @@ class StrictBody(BaseModel):
     refuses them). ``validation_error`` turns its ``ValidationError`` into the 400."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def checked_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> list[int]:
+    """A token-id prompt, each id inside the served model's vocabulary (else a 400 naming
+    ``param``)."""
+    out = list(ids)
+    if out and max(out) >= vocab_size:
+        raise APIError(
+            400, f"token id {max(out)} is outside the vocabulary (size {vocab_size})", param=param
+        )
+    return out
 
 
 def validation_error(e: ValidationError, model: type[BaseModel]) -> APIError:

@@ -30,6 +30,7 @@ from router.api import (
     ChatCompletionRequest,
     CompletionRequest,
     EngineKind,
+    checked_token_ids,
     json_body_schema,
     openapi_responses,
     validation_error,
@@ -158,13 +159,7 @@ class RequestPreparer:
             special = req.add_special_tokens is not False
             ids, text, turn = tokenizer.encode(req.prompt, special), req.prompt, 1
         else:
-            ids = list(req.prompt)  # type: ignore[arg-type]
-            if max(ids) >= tokenizer.vocab_size:
-                raise APIError(
-                    400,
-                    f"token id {max(ids)} is outside the vocabulary (size {tokenizer.vocab_size})",
-                    param="prompt",
-                )
+            ids = checked_token_ids(req.prompt, tokenizer.vocab_size, "prompt")  # type: ignore[arg-type]
             text, turn = " ".join(map(str, ids[:256])), 1
         keep = req.truncate_prompt_tokens
         if keep is not None:  # vLLM's rule: -1 is the context less one; default side "left"

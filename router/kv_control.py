@@ -36,7 +36,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from cachemap import BlockHasher
 from cachemap.map import Match
 from engines.base import EngineError, EngineRequest, KvCommand, RoutedRequest, SamplingParams
-from router.api import APIError, ChatMessage, StrictBody, validation_error
+from router.api import APIError, ChatMessage, StrictBody, checked_token_ids, validation_error
 from router.api import json_body_schema as _schema
 from router.dispatch import EngineClient
 from router.hints import PolicyHints
@@ -154,14 +154,7 @@ class KvControl:
         elif p.text is not None:
             ids = self.tokenizer.encode(p.text, add_special_tokens=True)  # as completions do
         else:
-            ids = list(p.token_ids or ())
-            if max(ids) >= self.tokenizer.vocab_size:
-                raise APIError(
-                    400,
-                    f"token id {max(ids)} is outside the vocabulary "
-                    f"(size {self.tokenizer.vocab_size})",
-                    param="token_ids",
-                )
+            ids = checked_token_ids(p.token_ids or (), self.tokenizer.vocab_size, "token_ids")
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param="text")
         if len(ids) >= self.max_model_len:
