@@ -6,7 +6,8 @@ JSON. Not part of CI (it runs for half an hour).
 
 The app is ``kvroute serve``'s (one ingress replica, kv_ttft, two sim engines on the Ray bus,
 each with a CPU tier), driven by kvroute's load generator (``mix`` workload: multi-turn chats
-and API programs sharing system prompts, Poisson arrivals at ``--rate`` req/s, streaming).
+and API programs sharing system prompts, Poisson arrivals at ``--rate`` req/s, streamed
+completions with token-id prompts).
 Every ``--churn-s`` seconds one engine replica is killed; Serve starts a new one under a new
 instance id, so the router must forget the dead instance's blocks or its map grows without
 bound. Every ``--sample-s`` seconds: resident memory (RSS) of each process of the Ray session
@@ -59,6 +60,7 @@ def soak_config(port: int) -> ServeConfig:
         "kvroute-soak",
         engine={
             "kv_blocks": GPU_BLOCKS,
+            "max_model_len": 8192,  # the mix workload's longest conversations
             "sim_options": {"time_scale": 0.05},
             "cpu_tier": {"blocks": CPU_BLOCKS, "policy": "wa"},
         },
@@ -132,9 +134,10 @@ def slope_mib_per_hour(ts: list[float], ys: list[float]) -> float:
 def load(base: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
     params = SynthParams(rate=args.rate, duration_s=args.duration, seed=args.seed)
     plan = build_schedule(generate("mix", params), rate=args.rate, arrival="poisson")
-    config = RunConfig(
-        base, MODEL, PromptSynth(SYNTH_BLOCK_SIZE, seed=args.seed), api="chat", timeout_s=120.0
-    )
+    # NOTE: token-id prompts of the trace's exact lengths inside the tiny model's vocabulary
+    # (512): synthetic text would tokenize to ~4x as many tiny tokens and overflow the context
+    synth = PromptSynth(SYNTH_BLOCK_SIZE, seed=args.seed, vocab_size=500, token_offset=10)
+    config = RunConfig(base, MODEL, synth, api="completions", timeout_s=120.0)
     with asyncio.Runner(loop_factory=loop_factory()) as loop:
         run = loop.run(Runner(config, plan).run())
     s = summarize(run.records, duration_s=run.duration_s, requested_span_s=run.requested_span_s)
