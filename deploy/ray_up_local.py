@@ -18,7 +18,8 @@ Then, each step timed: ``ray up -y deploy/cluster-local.yaml`` (the node set-up 
 ``kvroute serve --ray-address auto`` with ``deploy/serve-sim.yaml`` moved onto that Redis; a
 chat completion, the same prompt again (its cached tokens: the KV events went engine -> Redis ->
 router), the bus's streams in Redis (read as the ACL user; the default user is refused); then
-``kvroute serve`` stopped, ``ray down -y``, Redis stopped.
+``kvroute serve`` stopped, ``ray down -y`` (and ``ray stop`` here: ray down's own runs where
+this venv's ``ray`` is not on PATH), Redis stopped.
 """
 
 from __future__ import annotations
@@ -202,6 +203,12 @@ def redis_streams() -> dict[str, Any]:
     }
 
 
+def stop_ray(ray: Path) -> None:
+    sh(ray, "stop", "--force", timeout=120, check=False)
+    if listening(6379):
+        raise RuntimeError("the cluster's GCS still listens on 6379 after ray stop")
+
+
 def stop_redis() -> None:
     pid = SECRETS / "redis.pid"
     if pid.exists():
@@ -266,6 +273,10 @@ def main() -> int:
         if res.returncode != 0:
             raise RuntimeError(f"ray down failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
         out["ray_down_s"] = round(time.monotonic() - t, 1)
+        # NOTE: ray down's own `ray stop` runs in an SSH login shell, where this venv's `ray`
+        # is not on PATH: it stops nothing. The head is this machine: stop it here.
+        out["left_running_after_ray_down"] = listening(6379)
+        stop_ray(ray)
         req, red = out["requests"], out["redis"]
         out["ok"] = (
             req["completion_tokens"] == 8
@@ -280,6 +291,7 @@ def main() -> int:
             serve.kill()
         if up:
             sh(ray, "down", "-y", CLUSTER, timeout=args.timeout_s, check=False)
+            stop_ray(ray)
         stop_redis()
         if sshd is not None:
             sshd.terminate()
