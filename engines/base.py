@@ -159,10 +159,13 @@ def merge_outputs(outputs: Sequence[EngineOutput]) -> EngineOutput:
     )
 
 
-async def coalesce(outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
+async def coalesce(
+    outputs: AsyncIterator[EngineOutput], *, whole: bool = False
+) -> AsyncIterator[EngineOutput]:
     """``outputs``, with those that queued up while the consumer was busy merged into one
     (``merge_outputs``): an output is never held back, but a consumer slower than the engine
-    (a loaded replica sending each output through Serve) gets fewer, larger ones. Closing the
+    (a loaded replica sending each output through Serve) gets fewer, larger ones. ``whole``
+    holds every output back and yields one at the end (a request nobody streams). Closing the
     result closes ``outputs`` (the engine aborts the request)."""
     queue: asyncio.Queue[EngineOutput | BaseException | None] = asyncio.Queue()
 
@@ -177,19 +180,21 @@ async def coalesce(outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[Engine
 
     task = asyncio.create_task(pump())
     try:
+        batch: list[EngineOutput] = []
         while True:
             item = await queue.get()
-            batch: list[EngineOutput] = []
             while isinstance(item, EngineOutput):
                 batch.append(item)
-                if item.finished or queue.empty():
+                if item.finished or (queue.empty() and not whole):
                     break
-                item = queue.get_nowait()
+                item = await queue.get() if whole else queue.get_nowait()
             if batch:
-                yield merge_outputs(batch)
-                if batch[-1].finished:
+                merged, last = merge_outputs(batch), batch[-1]
+                batch = []
+                yield merged
+                if last.finished:
                     return
-                if batch[-1] is item:
+                if last is item:
                     continue
             if isinstance(item, BaseException):
                 raise item

@@ -32,7 +32,6 @@ from engines.base import (
     LoadSnapshot,
     RoutedRequest,
     coalesce,
-    merge_outputs,
     run_kv_command,
 )
 from engines.config import BusConfig, EngineConfig, EngineDeploymentConfig
@@ -204,10 +203,7 @@ class EngineDeployment:
         first = True
         # NOTE: each output is an object of its own through Serve's stream (ingress_bench: 9 per
         # request): what queued up goes as one, and a request nobody streams goes whole.
-        outputs = coalesce(self.engine.generate(request))
-        if not request.stream:
-            outputs = _whole(outputs)
-        async for out in outputs:
+        async for out in coalesce(self.engine.generate(request), whole=not request.stream):
             if first:
                 # NOTE: tells the ingress where Serve delivered it (overrides are counted there).
                 out.instance_id, first = self.instance_id, False
@@ -277,10 +273,3 @@ def build_engine_app(
         health_check_timeout_s=cfg.health_check_timeout_s,
         **extra,
     ).bind(cfg.model_dump())
-
-
-async def _whole(outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
-    """``outputs`` as one output, at the end."""
-    got = [out async for out in outputs]
-    if got:
-        yield merge_outputs(got)
