@@ -337,22 +337,8 @@ class Ingress:
         }
 
     async def completion(self, request: Request, chat: bool) -> Response:
-        """A chat or completions request, with admission's and the rate limit's refusals as
-        429 + Retry-After."""
-        try:
-            return await self._completion(request, chat)
-        except Rejected as e:
-            self.metrics.errors.labels("429").inc()
-            err = APIError(
-                429,
-                e.reason,
-                type_="rate_limit_error",
-                code=e.code,
-                headers={"Retry-After": e.retry_after_header},
-            )
-            return JSONResponse(err.body(), status_code=429, headers=err.headers)
-
-    async def _completion(self, request: Request, chat: bool) -> Response:
+        """A chat or completions request; admission's and the rate limit's refusals raise
+        ``Rejected`` (429 + Retry-After, ``rejected``)."""
         self.check_auth(request)
         self.check_rate(request)
         body = await self.read_body(request)
@@ -458,6 +444,17 @@ class Ingress:
         self.metrics.errors.labels(str(e.status)).inc()
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    def rejected(self, e: Rejected) -> JSONResponse:
+        return self.api_error(
+            APIError(
+                429,
+                e.reason,
+                type_="rate_limit_error",
+                code=e.code,
+                headers={"Retry-After": e.retry_after_header},
+            )
+        )
+
     def engine_error(self, e: Exception) -> JSONResponse:
         # Every attempt failed before a token was sent: the client may retry.
         return self.api_error(
@@ -508,6 +505,9 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
     async def on_api_error(_: Request, e: APIError) -> JSONResponse:
         return ingress.api_error(e)
 
+    async def on_rejected(_: Request, e: Rejected) -> JSONResponse:
+        return ingress.rejected(e)
+
     async def on_engine_error(_: Request, e: Exception) -> JSONResponse:
         return ingress.engine_error(e)
 
@@ -515,6 +515,7 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
         return ingress.internal_error(e)
 
     app.add_exception_handler(APIError, on_api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Rejected, on_rejected)  # type: ignore[arg-type]
     app.add_exception_handler(NoInstanceError, on_engine_error)
     app.add_exception_handler(EngineError, on_engine_error)
     app.add_exception_handler(Exception, on_internal_error)
