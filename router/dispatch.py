@@ -80,16 +80,17 @@ class Dispatcher:
         return request_for_placement(routed)
 
     def place(
-        self, preq: PlacementRequest, exclude: set[str], waited_s: float = 0.0
+        self, preq: PlacementRequest, exclude: set[str], waited_s: float = 0.0, gate: bool = True
     ) -> Placement | None:
-        """Place and apply the SLO gate to the estimate plus ``waited_s`` (time the request
-        already spent in admission's queue; raises ``Rejected``, or ``NoInstanceError`` when no
-        engine is left to try); None without pre-placement."""
+        """Place and, with ``gate``, apply the SLO gate to the estimate plus ``waited_s`` (time
+        the request already spent in admission's queue; raises ``Rejected``); raises
+        ``NoInstanceError`` when no engine is left to try. None without pre-placement."""
         if not self.pre_place:
             return None
         placement = self.state.place(preq, exclude=exclude)
         estimate = placement.estimated_ttft_s
-        self.state.admission.check_slo(estimate + waited_s if estimate is not None else None)
+        if gate:
+            self.state.admission.check_slo(estimate + waited_s if estimate is not None else None)
         return placement
 
     async def stream(
@@ -165,7 +166,7 @@ class Dispatcher:
                     self.failovers += 1
                 # NOTE: no SLO gate: the request was admitted, and an accepted request is
                 # served (only NoInstanceError, with no instance left, ends it here)
-                placement = self.state.place(preq, exclude=tried) if self.pre_place else None
+                placement = self.place(preq, tried, gate=False)
             finally:
                 # closed early (its choice was stopped): close the engine's stream now, not
                 # whenever it is collected, so that the engine aborts the request at once
