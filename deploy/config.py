@@ -17,7 +17,7 @@ from pydantic import (
 
 from engines.config import EngineDeploymentConfig, StrictModel
 from router.placement import create_scorer, scorer_names
-from router.state import JsonlRecorder
+from router.state import BUS_POLL_S, JsonlRecorder
 
 RAY_PREFIX_ROUTER = "ray_prefix"  # Ray Serve's own PrefixCacheAffinityRouter, as a peer
 ADMIN_KEY_ENV = "KVROUTE_ADMIN_KEY"
@@ -57,7 +57,10 @@ class RouterConfig(StrictModel):
         False, description="/metrics answers only the admin keys (401 without, 403 with none set)"
     )
     bus_poll_s: float = Field(
-        0.02, gt=0, le=1, description="the ingress reads KV events and load samples this often"
+        BUS_POLL_S,
+        gt=0,
+        le=1,
+        description="the ingress reads KV events and load samples this often",
     )
     replicas: int = Field(1, ge=1, le=256, description="ingress replicas")
     health_check_period_s: float = Field(
