@@ -42,6 +42,8 @@ from typing import Any
 import httpx
 import yaml
 
+from engines.vllm_engine import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 HOME = Path.home()
@@ -158,12 +160,6 @@ def serve_config(workdir: Path, port: int) -> Path:
     path = workdir / "serve-local.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def requests_through(base: str) -> dict[str, Any]:
