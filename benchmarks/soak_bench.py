@@ -42,13 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ray
 
 from deploy.config import ServeConfig
+from engines.tiny_model import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
 from loadgen.client import loop_factory
 from loadgen.metrics import summarize
 from loadgen.prompts import PromptSynth
 from loadgen.runner import RunConfig, Runner
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule
-from tests.support import free_port, serve_app, sim_app_config
+from tests.support import free_port, named_replicas, serve_app, sim_app_config
 
 MODEL = "tiny"
 GPU_BLOCKS, CPU_BLOCKS = 512, 1024
@@ -79,7 +80,7 @@ def role(proc: psutil.Process) -> str | None:
     m = re.search(r"ray::ServeReplica:[^:\s]+:(\w+)", cmd)
     if m:
         return f"replica:{m.group(1)}"
-    for key in ("ServeController", "ProxyActor", "RayEventHub", "raylet", "gcs_server"):
+    for key in ("ServeController", "ProxyActor", "BusHub", "raylet", "gcs_server"):
         if key in cmd or key in name:
             return key
     if "dashboard" in cmd or "log_monitor" in cmd or "monitor.py" in cmd:
@@ -115,12 +116,7 @@ def map_state(base: str) -> tuple[int, int]:
 
 
 def kill_one_engine(app: str) -> str:
-    engines = [
-        a
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if app in a["name"] and "#engine#" in a["name"]
-    ]
-    victim = engines[0]
+    victim = named_replicas(app, "engine")[0]
     ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
     return str(victim["name"].rsplit("#", 1)[1])
 
@@ -134,9 +130,16 @@ def slope_mib_per_hour(ts: list[float], ys: list[float]) -> float:
 def load(base: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
     params = SynthParams(rate=args.rate, duration_s=args.duration, seed=args.seed)
     plan = build_schedule(generate("mix", params), rate=args.rate, arrival="poisson")
-    # NOTE: token-id prompts of the trace's exact lengths inside the tiny model's vocabulary
-    # (512): synthetic text would tokenize to ~4x as many tiny tokens and overflow the context
-    synth = PromptSynth(SYNTH_BLOCK_SIZE, seed=args.seed, vocab_size=500, token_offset=10)
+    # NOTE: token-id prompts of the trace's exact lengths inside the tiny model's vocabulary,
+    # past its special tokens: synthetic text would tokenize to ~4x as many tiny tokens and
+    # overflow the context
+    offset = len(SPECIAL_TOKENS)
+    synth = PromptSynth(
+        SYNTH_BLOCK_SIZE,
+        seed=args.seed,
+        vocab_size=DEFAULT_VOCAB_SIZE - offset,
+        token_offset=offset,
+    )
     config = RunConfig(base, MODEL, synth, api="completions", timeout_s=120.0)
     with asyncio.Runner(loop_factory=loop_factory()) as loop:
         run = loop.run(Runner(config, plan).run())

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from deploy.config import ServeConfig
     from engines.sim import LatencyProfile
 
-__all__ = ["Server", "free_port", "serve_app", "sim_app_config", "sim_stack"]
+__all__ = ["Server", "free_port", "named_replicas", "serve_app", "sim_app_config", "sim_stack"]
 
 SIM_MODEL = "tiny-sim"
 
@@ -129,6 +129,18 @@ def serve_app(cfg: ServeConfig, timeout_s: float = 60.0) -> Iterator[str]:
         serve.shutdown()
         if started:
             ray.shutdown()
+
+
+def named_replicas(app: str, deployment: str) -> list[dict[str, str]]:
+    """The live Serve replica actors of ``app``'s ``deployment`` (``ray.util`` rows: ``name``
+    ends in ``#<replica id>``, and ``namespace``) in the running Ray."""
+    import ray
+
+    return [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#")
+    ]
 
 
 class Server:

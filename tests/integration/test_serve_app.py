@@ -20,7 +20,7 @@ import ray
 from deploy.config import ServeConfig
 from engines.bus_ray import RayEventBus
 from engines.deployment import open_buses
-from tests.support import free_port, serve_app
+from tests.support import free_port, named_replicas, serve_app
 
 pytestmark = [pytest.mark.slow]
 
@@ -176,21 +176,13 @@ def test_kv_control_reaches_each_replica_through_serve(served: tuple[str, ServeC
     assert {r["cached_tokens"] for r in kv("lookup", prompt)["instances"]} == {0}
 
 
-def named_replicas(deployment: str) -> list[dict[str, str]]:
-    return [
-        a
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if "kvroute-it" in a["name"] and f"#{deployment}#" in a["name"]
-    ]
-
-
 def test_killing_a_router_replica_under_load(served: tuple[str, ServeConfig]) -> None:
     """Serve replaces a killed ingress replica; the new one (told apart by x-kvroute-router)
     learns the engines' caches from the bus and places a warmed prefix on its engine. Requests
     in flight on the killed replica get a clean error; the other replica serves the rest."""
     base = served[0]
     user, admin = {"authorization": f"Bearer {KEY}"}, {"authorization": f"Bearer {ADMIN}"}
-    routers = named_replicas("ingress")
+    routers = named_replicas("kvroute-it", "ingress")
     assert len(routers) == 2
     old = {a["name"].rsplit("#", 1)[1] for a in routers}
     prompt = "Warmed before the router replica died. " * 30
@@ -272,7 +264,7 @@ def test_killing_an_engine_under_load_loses_no_request(client: openai.OpenAI) ->
         except openai.APIConnectionError:
             return "connection"
 
-    replicas = named_replicas("engine")
+    replicas = named_replicas("kvroute-it", "engine")
     assert len(replicas) == 2
     with cf.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(one, i) for i in range(60)]
