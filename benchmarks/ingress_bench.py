@@ -30,7 +30,6 @@ The issue's target is >= 0.5 of ``ceiling``.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import statistics
 import sys
@@ -48,7 +47,6 @@ from ray import serve
 from deploy.app import build_serve_app, delete_app, wait_until_ready
 from deploy.config import ServeConfig
 from engines.base import EngineOutput
-from loadgen.client import loop_factory
 from loadgen.metrics import percentiles_ms, summarize
 from loadgen.prompts import PromptSynth
 from loadgen.runner import RunConfig, Runner
@@ -146,8 +144,7 @@ def drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
         concurrency=args.concurrency,
         timeout_s=60.0,
     )
-    with asyncio.Runner(loop_factory=loop_factory()) as loop:
-        result = loop.run(Runner(config, plan).run())
+    result = Runner(config, plan).run_blocking()
     s = summarize(result.records, duration_s=result.duration_s, requested_span_s=0.0)
     lat = percentiles_ms([r.e2e_s for r in result.records if r.ok])
     prompts = [r.prompt_tokens for r in result.records if r.ok and r.prompt_tokens]

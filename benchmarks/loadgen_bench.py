@@ -13,7 +13,6 @@ Prints one JSON object. Constant arrivals, completions API with token-id prompts
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -31,7 +30,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loadgen.client import loop_factory
 from loadgen.metrics import event_rate, percentiles_ms, summarize
 from loadgen.prompts import PromptSynth
 from loadgen.runner import RunConfig, Runner
@@ -124,8 +122,7 @@ def run_rate(url: str, rate: float, duration_s: float, args: argparse.Namespace)
     busy_before = wait_quiet(args)
     load_before = os.getloadavg()[0]
     other = OtherLoad(args.server_pid)
-    with asyncio.Runner(loop_factory=loop_factory()) as loop:
-        result = loop.run(runner.run())
+    result = runner.run_blocking()
     other_share = other.fraction()
     s = summarize(
         result.records, duration_s=result.duration_s, requested_span_s=result.requested_span_s

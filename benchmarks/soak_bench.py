@@ -24,7 +24,6 @@ to what the live engines can hold (GPU + CPU blocks per engine), and the instanc
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import re
 import sys
@@ -43,7 +42,6 @@ import ray
 
 from deploy.config import ServeConfig
 from engines.tiny_model import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
-from loadgen.client import loop_factory
 from loadgen.metrics import summarize
 from loadgen.prompts import PromptSynth
 from loadgen.runner import RunConfig, Runner
@@ -141,8 +139,7 @@ def load(base: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
         token_offset=offset,
     )
     config = RunConfig(base, MODEL, synth, api="completions", timeout_s=120.0)
-    with asyncio.Runner(loop_factory=loop_factory()) as loop:
-        run = loop.run(Runner(config, plan).run())
+    run = Runner(config, plan).run_blocking()
     s = summarize(run.records, duration_s=run.duration_s, requested_span_s=run.requested_span_s)
     result.update(
         requests=s["requests"], completed=s["completed"], errors=s["errors"], ttft_ms=s["ttft_ms"]

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import aiohttp
 from yarl import URL
 
-from loadgen.client import encode_json, endpoint_url, raise_fd_limit, send
+from loadgen.client import encode_json, endpoint_url, loop_factory, raise_fd_limit, send
 from loadgen.prompts import PromptSynth
 from loadgen.records import RequestRecord
 from loadgen.workloads import Planned
@@ -124,6 +124,12 @@ class Runner:
         self._prepared: dict[int, tuple[bytes, list[dict[str, str]] | None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._url = URL(config.endpoint)  # NOTE: parsed once, not per request
+
+    def run_blocking(self) -> RunResult:
+        """``run`` to the end on an event loop of its own, the one ``kvroute loadgen`` uses
+        (uvloop where installed)."""
+        with asyncio.Runner(loop_factory=loop_factory()) as loop:
+            return loop.run(self.run())
 
     async def run(self) -> RunResult:
         cfg = self.cfg

@@ -78,16 +78,8 @@ def test_no_request_leaves_before_its_time_on_the_clis_event_loop(
     """uvloop (what ``kvroute loadgen`` runs on) wakes a sleep up to ~1 ms early on
     ``perf_counter``: the runner must still not send before the schedule says, or TTFT, measured
     from the intended time, comes out short (negative against a fast server)."""
-    from loadgen.client import loop_factory
-
     _, url = server
-    plan = build_schedule(reqs(200, 0.0037))
-
-    async def go() -> list[RequestRecord]:
-        return (await Runner(cfg(url), plan).run()).records
-
-    with asyncio.Runner(loop_factory=loop_factory()) as loop:
-        records = loop.run(go())
+    records = Runner(cfg(url), build_schedule(reqs(200, 0.0037))).run_blocking().records
     assert all(r.ok for r in records)
     assert min(r.send_lag_s for r in records) >= 0
     assert min(r.ttft_s for r in records) > 0
