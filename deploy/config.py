@@ -23,6 +23,23 @@ RAY_PREFIX_ROUTER = "ray_prefix"  # Ray Serve's own PrefixCacheAffinityRouter, a
 ADMIN_KEY_ENV = "KVROUTE_ADMIN_KEY"
 API_KEYS_ENV = "KVROUTE_API_KEYS"
 
+# Ray Serve's throughput mode (Ray >= 2.55): replica-to-replica calls over gRPC instead of actor
+# tasks, and user code and the handle's router on the replica's own event loop; the ingress hop
+# to the engines is the gain (benchmarks/ingress_bench.py: kvroute 1.3x the req/s of Serve's
+# defaults). Direct ingress (replicas serving HTTP themselves) is meant for HAProxy in front;
+# with Serve's own proxy it gained nothing here and holds a replica open while it drains.
+# Every process of the cluster reads these when it starts, so they go on ``ray start``
+# (deploy/cluster*.yaml) or into the environment of the driver that starts a local Ray.
+RAY_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+
+
+def apply_ray_serve_env() -> dict[str, str]:
+    """Put ``RAY_SERVE_ENV`` into this process's environment where the operator set nothing
+    (call it before ``ray`` is imported and a local Ray started); returns what is in force."""
+    for key, value in RAY_SERVE_ENV.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in RAY_SERVE_ENV}
+
 
 class RouterConfig(StrictModel):
     scorer: str = Field(

@@ -10,7 +10,7 @@ import sys
 import threading
 from typing import Any
 
-from deploy.config import RAY_PREFIX_ROUTER, ServeConfig
+from deploy.config import RAY_PREFIX_ROUTER, ServeConfig, apply_ray_serve_env
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +55,8 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
 
 def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
+    if not args.ray_address:  # a cluster's processes take theirs from its ray start
+        apply_ray_serve_env()
     import ray
     from ray import serve
 

@@ -108,6 +108,9 @@ def sim_app_config(
 def serve_app(cfg: ServeConfig, timeout_s: float = 60.0) -> Iterator[str]:
     """``cfg``'s app under real Ray Serve on 127.0.0.1:``cfg.port`` (starting a local Ray if none
     runs), yielded as its base URL once every engine reported in; torn down afterwards."""
+    from deploy.config import apply_ray_serve_env
+
+    apply_ray_serve_env()  # the mode kvroute serve runs Serve in, for a Ray started here
     import ray
     from ray import serve
 

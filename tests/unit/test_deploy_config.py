@@ -98,3 +98,30 @@ def test_api_keys_come_from_the_config_the_environment_and_a_file(
     keys.write_text("f1\n")
     cfg = RouterConfig(api_keys=["y1"], api_key_file=str(keys), rate_limit_rps=5)
     assert api_keys(cfg) == {"y1", "e1", "e2", "f1"}
+
+
+def test_ray_serve_env_is_set_where_the_operator_set_nothing_and_on_every_ray_start(
+    monkeypatch,
+) -> None:
+    """``kvroute serve`` and the cluster files start Ray in the same Serve mode: the local Ray
+    through ``apply_ray_serve_env`` (an operator's own value wins), every ``ray start`` line of
+    ``deploy/cluster*.yaml`` with ``RAY_SERVE_ENV`` in front."""
+    import yaml
+
+    from deploy.config import RAY_SERVE_ENV, apply_ray_serve_env
+
+    monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")
+    monkeypatch.delenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", raising=False)
+    assert apply_ray_serve_env() == {
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0",
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": RAY_SERVE_ENV["RAY_SERVE_ENABLE_DIRECT_INGRESS"],
+    }
+    prefix = " ".join(f"{k}={v}" for k, v in RAY_SERVE_ENV.items())
+    deploy = Path(__file__).resolve().parents[2] / "deploy"
+    starts = []
+    for path in sorted(deploy.glob("cluster*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+            starts += [(path.name, c) for c in data.get(key) or [] if "ray start" in c]
+    assert {name for name, _ in starts} == {"cluster.yaml", "cluster-local.yaml"}
+    assert all(c.startswith(prefix + " ") for _, c in starts), starts
