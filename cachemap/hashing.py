@@ -56,7 +56,9 @@ def salt_hash(model: str, lora_name: str | None = None, cache_salt: str | None =
     return BlockHash(_xxh3(key, HASH_SEED))
 
 
-def _as_u32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+def as_u32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """``tokens`` as a little-endian uint32 array (the bytes every block hash is taken over);
+    raises ``ValueError`` for ids outside ``[0, MAX_TOKEN_ID]`` or a non-1-D array."""
     if isinstance(tokens, list | tuple) and _U32_FAST:
         # NOTE: array('I') converts a list ~3x faster than numpy and range-checks as it goes.
         try:
@@ -84,7 +86,7 @@ def block_hashes(
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    arr = _as_u32(tokens)
+    arr = as_u32(tokens)
     n_blocks = arr.size // block_size
     if n_blocks == 0:
         return []
@@ -106,7 +108,7 @@ def block_hashes(
 
 def hash_block(parent: int, block_tokens: Sequence[int] | np.ndarray) -> BlockHash:
     """The hash of one block given its parent's hash (the ingestor's per-event path)."""
-    arr = _as_u32(block_tokens)
+    arr = as_u32(block_tokens)
     return BlockHash(_xxh3(struct.pack("<Q", parent) + arr.tobytes(), HASH_SEED))
 
 

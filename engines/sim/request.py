@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from cachemap.hashing import block_hashes, hash_block, mix64, salt_hash
+from cachemap.hashing import as_u32, block_hashes, hash_block, mix64, salt_hash
 from policies.base import RequestInfo
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def engine_salt(model: str, lora_name: str | None, cache_salt: str | None) -> in
 
 def prompt_seed(tokens: Sequence[int]) -> int:
     """Default output seed: a hash of the prompt (same prompt, same output)."""
-    return xxhash.xxh3_64_intdigest(b"".join(t.to_bytes(4, "little") for t in tokens[-4096:]))
+    return xxhash.xxh3_64_intdigest(as_u32(tokens[-4096:]).tobytes())
 
 
 @dataclass(slots=True, eq=False)
