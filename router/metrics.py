@@ -64,6 +64,20 @@ class RouterMetrics:
         self.resync_pending = Gauge(
             "kvroute_resync_pending", "Instances awaiting resync", registry=r
         )
+        # per engine instance, as placement sees it (its load sample plus this router's newer
+        # requests); the labels of an instance that left go with it
+        self.instance_waiting = Gauge(
+            "kvroute_instance_waiting", "Requests waiting on the engine", ["instance"], registry=r
+        )
+        self.instance_running = Gauge(
+            "kvroute_instance_running", "Requests running on the engine", ["instance"], registry=r
+        )
+        self.instance_kv_usage = Gauge(
+            "kvroute_instance_gpu_kv_usage",
+            "Fraction of the engine's GPU KV blocks in use",
+            ["instance"],
+            registry=r,
+        )
 
     def placed(self, p: Placement) -> None:
         self.predicted_cached_blocks.observe(p.cached_blocks)
@@ -85,6 +99,13 @@ class RouterMetrics:
         self.queued.set(state.admission.queued)
         self.bus_errors.set(state.bus_errors)
         self.resync_pending.set(len(state.needs_resync()))
+        per_instance = (self.instance_waiting, self.instance_running, self.instance_kv_usage)
+        for gauge in per_instance:
+            gauge.clear()
+        for v in state.views():
+            self.instance_waiting.labels(v.instance_id).set(v.waiting)
+            self.instance_running.labels(v.instance_id).set(v.running)
+            self.instance_kv_usage.labels(v.instance_id).set(v.gpu_kv_usage)
         cal = getattr(state.scorer, "calibration", None)
         if cal is not None:
             for coef in ("a", "b", "c", "d", "samples"):

@@ -411,6 +411,12 @@ class RouterState:
         with self._lock:
             return set(self.core.ingestor.needs_resync)
 
+    def views(self, now: float | None = None) -> list[InstanceView]:
+        """Every instance's load as placement sees it now (the engine's last sample plus this
+        router's requests since)."""
+        with self._lock:
+            return self.core.load.views(self.clock() if now is None else now)
+
 
 # key -> the RouterState request routers with that ``state_key`` use in this process. It lives
 # here, not in router.serve_router: Serve pickles that module by value (see its docstring).

@@ -161,6 +161,50 @@ def test_metrics_expose_router_state(server: Server, client: openai.OpenAI) -> N
     assert "kvroute_requests_total" in body and "kvroute_cache_map_blocks" in body
 
 
+def instance_gauge(base: str, name: str) -> dict[str, float]:
+    """``name``'s value per instance label on ``base``'s /metrics."""
+    out = {}
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('instance="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
+
+
+def test_a_client_gone_mid_stream_frees_its_engine_as_the_load_gauges_show() -> None:
+    """``kvroute_instance_running`` shows a streamed request running on its engine; when the
+    client closes the connection mid-stream the engine aborts it, and the gauge is back to 0
+    within 1.5 s, where the whole answer (4,000 tokens at the tiny profile's real step time,
+    ``time_scale`` 1) would run for over 4 s more."""
+    stack = sim_stack(time_scale=1.0, max_model_len=4096)
+    with Server(stack, free_port()) as s:
+        base = f"http://127.0.0.1:{s.port}"
+        body = {
+            "model": MODEL,
+            "prompt": "a client that goes away",
+            "max_tokens": 4000,
+            "min_tokens": 4000,
+            "stream": True,
+        }
+        seen = 0.0  # running requests the gauges showed while the client read its stream
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data: {")
+                if chunks % 50 == 1:
+                    seen = sum(instance_gauge(base, "kvroute_instance_running").values())
+                if seen >= 1 or chunks > 2000:
+                    break  # NOTE: leaving iter_lines closes the connection: the client is gone
+        assert seen == 1, f"the running request never showed ({chunks} chunks read)"
+        closed = time.monotonic()
+        while sum(instance_gauge(base, "kvroute_instance_running").values()) > 0:
+            assert time.monotonic() - closed < 1.5, "the engine kept running the request"
+            time.sleep(0.05)
+        waiting = instance_gauge(base, "kvroute_instance_waiting")
+        assert set(waiting) == {"sim-0", "sim-1"} and sum(waiting.values()) == 0
+
+
 def test_spans_join_the_callers_trace(server: Server) -> None:
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
