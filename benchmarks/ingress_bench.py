@@ -23,8 +23,10 @@ non-streaming 1k-token chats (``random`` workload: every prompt new, so every re
 hashed, placed and prefilled in full; the synthetic text of ``--input-tokens`` 260 is ~1,020
 tokens of the tiny model's tokenizer, reported as ``prompt_tokens_mean``). Per app:
 completed requests per second (saturated: the loop keeps every worker busy) and latency
-p50/p99; the apps run alternately ``--repeats`` times and the medians are reported, with
-``kvroute_over_ceiling`` = the ratio of the medians.
+p50/p99, and ``cpu_ms_per_request``: the CPU time each process role (proxy, controller, each
+deployment's replicas, bus hub, ...; ``driver`` is the client) spent per completed request,
+which says where a saturated 2-core box goes; the apps run alternately ``--repeats`` times and
+the medians are reported, with ``kvroute_over_ceiling`` = the ratio of the medians.
 The issue's target is >= 0.5 of ``ceiling``.
 
 Ray Serve runs as ``kvroute serve`` runs it, in its throughput mode (``deploy/config.py``
@@ -61,7 +63,7 @@ from loadgen.prompts import PromptSynth
 from loadgen.runner import RunConfig, Runner
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule
-from tests.support import free_port, sim_app_config
+from tests.support import by_role, free_port, sim_app_config
 
 MODEL = "tiny"
 
@@ -135,7 +137,8 @@ def kvroute_config(port: int) -> ServeConfig:
 
 
 def drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One closed-loop run of ``args.requests`` chats: req/s and latency."""
+    """One closed-loop run of ``args.requests`` chats: req/s, latency, and the CPU time each
+    process role of the Ray session (and this driver, the client) spent per completed request."""
     params = SynthParams(
         rate=1000.0,
         duration_s=args.requests / 1000.0,
@@ -153,7 +156,9 @@ def drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
         concurrency=args.concurrency,
         timeout_s=60.0,
     )
+    before = by_role(cpu_s)
     result = Runner(config, plan).run_blocking()
+    after = by_role(cpu_s)
     s = summarize(result.records, duration_s=result.duration_s, requested_span_s=0.0)
     lat = percentiles_ms([r.e2e_s for r in result.records if r.ok])
     prompts = [r.prompt_tokens for r in result.records if r.ok and r.prompt_tokens]
@@ -164,7 +169,18 @@ def drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
         "errors": s["errors"],
         "req_per_s": round(s["completed"] / result.duration_s, 1),
         "latency_ms": {k: lat[k] for k in ("p50", "p99")},
+        "cpu_ms_per_request": {
+            role: round((after[role] - before.get(role, 0.0)) * 1e3 / max(s["completed"], 1), 2)
+            for role in sorted(after)
+            if after[role] - before.get(role, 0.0) > 0.05
+        },
     }
+
+
+def cpu_s(proc: Any) -> float:
+    """Seconds of CPU (user + system) ``proc`` used so far."""
+    t = proc.cpu_times()
+    return float(t.user + t.system)
 
 
 def main() -> None:
@@ -218,6 +234,10 @@ def main() -> None:
             "errors": sum(sum(r["errors"].values()) for r in rs),
             "prompt_tokens_mean": rs[-1]["prompt_tokens_mean"],
             "runs": [r["req_per_s"] for r in rs],
+            "cpu_ms_per_request": {
+                role: statistics.median(r["cpu_ms_per_request"].get(role, 0.0) for r in rs)
+                for role in sorted({role for r in rs for role in r["cpu_ms_per_request"]})
+            },
         }
     for ceiling in ("ceiling", "two_hop_ceiling"):
         ratio = out["kvroute"]["req_per_s"] / out[ceiling]["req_per_s"]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import threading
 import time
@@ -34,7 +33,6 @@ from typing import Any
 
 import httpx
 import numpy as np
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -47,7 +45,7 @@ from loadgen.prompts import PromptSynth
 from loadgen.runner import RunConfig, Runner
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule
-from tests.support import free_port, named_replicas, serve_app, sim_app_config
+from tests.support import by_role, free_port, named_replicas, serve_app, sim_app_config
 
 MODEL = "tiny"
 GPU_BLOCKS, CPU_BLOCKS = 512, 1024
@@ -68,41 +66,10 @@ def soak_config(port: int) -> ServeConfig:
     )
 
 
-def role(proc: psutil.Process) -> str | None:
-    """The process's role in the Ray session (None: not one of its processes)."""
-    try:
-        cmd = " ".join(proc.cmdline())
-        name = proc.name()
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return None
-    m = re.search(r"ray::ServeReplica:[^:\s]+:(\w+)", cmd)
-    if m:
-        return f"replica:{m.group(1)}"
-    for key in ("ServeController", "ProxyActor", "BusHub", "raylet", "gcs_server"):
-        if key in cmd or key in name:
-            return key
-    if "dashboard" in cmd or "log_monitor" in cmd or "monitor.py" in cmd:
-        return "ray-daemons"
-    if name.startswith("ray::"):
-        return "ray-worker"
-    return None
-
-
 def sample_rss() -> dict[str, float]:
-    """MiB of resident memory per role, summed over its processes, plus this driver's. Only
-    this driver's descendants count: the local Ray it started (another Ray session on the
-    machine is not ours)."""
-    me = psutil.Process()
-    out: dict[str, float] = {"driver": me.memory_info().rss / 2**20}
-    for proc in me.children(recursive=True):
-        r = role(proc)
-        if r is None:
-            continue
-        try:
-            out[r] = out.get(r, 0.0) + proc.memory_info().rss / 2**20
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return out
+    """MiB of resident memory per role (``tests.support.ray_process_role``), summed over its
+    processes, plus this driver's."""
+    return by_role(lambda p: p.memory_info().rss / 2**20)
 
 
 def map_state(base: str) -> tuple[int, int]:

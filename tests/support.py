@@ -19,7 +19,16 @@ if TYPE_CHECKING:
     from deploy.config import ServeConfig
     from engines.sim import LatencyProfile
 
-__all__ = ["Server", "free_port", "named_replicas", "serve_app", "sim_app_config", "sim_stack"]
+__all__ = [
+    "Server",
+    "by_role",
+    "free_port",
+    "named_replicas",
+    "ray_process_role",
+    "serve_app",
+    "sim_app_config",
+    "sim_stack",
+]
 
 SIM_MODEL = "tiny-sim"
 
@@ -144,6 +153,51 @@ def named_replicas(app: str, deployment: str) -> list[dict[str, str]]:
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#")
     ]
+
+
+def ray_process_role(proc: Any) -> str | None:
+    """A ``psutil.Process``'s role in a Ray session: ``replica:<deployment>``, ``ServeController``,
+    ``ProxyActor``, ``BusHub``, ``raylet``, ``gcs_server``, ``ray-daemons`` or ``ray-worker``
+    (None: not one of Ray's processes, or gone)."""
+    import re
+
+    import psutil
+
+    try:
+        cmd = " ".join(proc.cmdline())
+        name = proc.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+    m = re.search(r"ray::ServeReplica:[^:\s]+:(\w+)", cmd)
+    if m:
+        return f"replica:{m.group(1)}"
+    for key in ("ServeController", "ProxyActor", "BusHub", "raylet", "gcs_server"):
+        if key in cmd or key in name:
+            return key
+    if "dashboard" in cmd or "log_monitor" in cmd or "monitor.py" in cmd:
+        return "ray-daemons"
+    if name.startswith("ray::"):
+        return "ray-worker"
+    return None
+
+
+def by_role(measure: Any) -> dict[str, float]:
+    """``measure(process)`` summed per ``ray_process_role`` over this process's descendants (the
+    local Ray it started; another Ray session on the machine is not ours), plus this process's
+    own under ``driver``. A process that is gone meanwhile is left out."""
+    import psutil
+
+    me = psutil.Process()
+    out: dict[str, float] = {"driver": float(measure(me))}
+    for proc in me.children(recursive=True):
+        role = ray_process_role(proc)
+        if role is None:
+            continue
+        try:
+            out[role] = out.get(role, 0.0) + float(measure(proc))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
 
 
 class Server:
