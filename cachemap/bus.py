@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -33,6 +34,14 @@ class EventBus(ABC):
     def publish(self, payload: bytes) -> int:
         """Append ``payload``; returns its offset, or -1 from a fire-and-forget backend that
         does not know it yet (``RayEventBus`` unless ``sync``)."""
+
+    def publish_many(self, payloads: Sequence[bytes]) -> int:
+        """Append ``payloads`` in order (one call to the backend where it can: a forwarder
+        coalescing a busy engine's batches); returns the last one's offset, as ``publish``."""
+        offset = -1
+        for payload in payloads:
+            offset = self.publish(payload)
+        return offset
 
     @abstractmethod
     def read(self, cursor: int, max_items: int = 4096) -> BusRead:
@@ -57,6 +66,12 @@ class InProcessBus(EventBus):
         with self._lock:
             self._log.append(payload)
             self._end += 1
+            return self._end - 1
+
+    def publish_many(self, payloads: Sequence[bytes]) -> int:
+        with self._lock:
+            self._log.extend(payloads)
+            self._end += len(payloads)
             return self._end - 1
 
     def read(self, cursor: int, max_items: int = 4096) -> BusRead:

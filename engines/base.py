@@ -210,6 +210,8 @@ async def coalesce(
 
 # Seconds between two load samples of one engine on the load bus (the production interval).
 LOAD_INTERVAL_S = 0.1
+# Seconds a busy engine's KV-event batches are gathered into one bus call (the forwarder's).
+PUBLISH_INTERVAL_S = 0.01
 
 
 class LoadSnapshot(msgspec.Struct, array_like=True, tag="load"):

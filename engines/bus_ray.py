@@ -16,6 +16,7 @@ and that instance's forwarder, polling ``take_resync``, publishes a ``Snapshot``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -40,6 +41,10 @@ class BusHub:
     @_quiet
     def publish(self, payload: bytes) -> int:
         return self._bus.publish(payload)
+
+    @_quiet
+    def publish_many(self, payloads: list[bytes]) -> int:
+        return self._bus.publish_many(payloads)
 
     @_quiet
     def read(self, cursor: int, max_items: int) -> tuple[list[bytes], int, int]:
@@ -118,6 +123,16 @@ class RayEventBus(EventBus):
 
     def publish_sync(self, payload: bytes) -> int:
         return int(ray.get(self._hub.publish.remote(payload)))
+
+    def publish_many(self, payloads: Sequence[bytes]) -> int:
+        """One actor call for all of ``payloads`` (fire-and-forget unless ``sync``)."""
+        if not payloads:
+            return -1
+        ref = self._hub.publish_many.remote(list(payloads))
+        if self.sync:
+            return int(ray.get(ref))
+        self._last = ref
+        return -1
 
     def flush(self, timeout_s: float | None = 10.0) -> None:
         """Wait until everything this client published is in the log."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from cachemap.bus import BusRead, EventBus
@@ -58,6 +59,16 @@ class RedisStreamBus(EventBus):
         # NOTE: a fresh candidate per message: a publisher that outlives a Redis restart must not
         # give the new log the old epoch, or readers would never see the reset
         return int(self._publish(keys=keys, args=[payload, self.maxlen, uuid.uuid4().hex]))
+
+    def publish_many(self, payloads: Sequence[bytes]) -> int:
+        """One round trip for all of ``payloads`` (a pipeline of the same atomic script)."""
+        if not payloads:
+            return -1
+        keys = [self.stream, self._counter, self._epoch_key]
+        pipe = self._redis.pipeline(transaction=False)
+        for payload in payloads:
+            self._publish(keys=keys, args=[payload, self.maxlen, uuid.uuid4().hex], client=pipe)
+        return int(pipe.execute()[-1])
 
     def read(self, cursor: int, max_items: int = 4096) -> BusRead:
         pipe = self._redis.pipeline(transaction=False)

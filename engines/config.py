@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engines.base import LOAD_INTERVAL_S
+from engines.base import LOAD_INTERVAL_S, PUBLISH_INTERVAL_S
 from engines.tiny_model import TINY_MODEL
 
 EngineKind = Literal["sim", "vllm"]
@@ -245,6 +245,12 @@ class EngineDeploymentConfig(StrictModel):
     resources: ReplicaResources = Field(default_factory=ReplicaResources)
     bus: BusConfig = Field(default_factory=BusConfig)
     load_interval_s: float = Field(LOAD_INTERVAL_S, gt=0, le=10)
+    publish_interval_s: float = Field(
+        PUBLISH_INTERVAL_S,
+        ge=0,
+        le=1,
+        description="KV-event batches within this many seconds go to the bus in one call",
+    )
     max_ongoing_requests: int = Field(256, ge=1)
     health_check_period_s: float = Field(5.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)

@@ -188,6 +188,7 @@ class EngineDeployment:
             load_bus=loads,
             load_fn=self.engine.load,
             load_interval_s=self.config.load_interval_s,
+            publish_interval_s=self.config.publish_interval_s,
             resync_poll=(lambda: take(self.instance_id)) if take is not None else None,
         )
 

@@ -2,7 +2,9 @@
 
 It subscribes to the engine's vLLM-format publisher (frames ``(topic, seq as 8 big-endian bytes,
 msgpack KVEventBatch)``; vLLM and the sim engine alike), feeds every batch to an
-``EngineEventTranslator`` and publishes the stamped ``InstanceEvents`` on the bus. When vLLM's
+``EngineEventTranslator`` and publishes the stamped ``InstanceEvents`` on the bus, a busy
+engine's batches gathered into one bus call per ``publish_interval_s`` (each batch stays its own
+message: order, sequence numbers and gap detection are those of one call per batch). When vLLM's
 sequence skips (a slow-joining subscriber, a full high-water mark), it asks the engine's replay
 ROUTER for the missing batches (vLLM's protocol: send ``(b"", start seq)``, receive
 ``(b"", topic, seq, payload)`` per buffered batch and ``(b"", b"", -1, b"")`` at the end). It
@@ -24,7 +26,7 @@ import zmq
 from cachemap.bus import EventBus
 from cachemap.events import InstanceGone, Snapshot, encode_message
 from cachemap.ingest import EngineEventTranslator
-from engines.base import LOAD_INTERVAL_S, LoadSnapshot
+from engines.base import LOAD_INTERVAL_S, PUBLISH_INTERVAL_S, LoadSnapshot
 
 log = logging.getLogger(__name__)
 END_SEQ = -1
@@ -46,6 +48,11 @@ class KvEventForwarder:
 
     ``resync_poll`` (optional, called about once a second from the thread) returns True when a
     consumer asked for a snapshot of this instance, e.g. ``RayEventBus.take_resync``.
+
+    ``publish_interval_s``: the first batch after a quiet spell is published at once; batches
+    that follow within the interval wait for its end and go in one bus call (0: one call per
+    batch). A busy engine costs the bus one call per interval instead of one per step, and a
+    router learns of a block at most this much later.
     """
 
     def __init__(
@@ -59,11 +66,14 @@ class KvEventForwarder:
         load_bus: EventBus | None = None,
         load_fn: Callable[[], LoadSnapshot] | None = None,
         load_interval_s: float = LOAD_INTERVAL_S,
+        publish_interval_s: float = PUBLISH_INTERVAL_S,
         resync_poll: Callable[[], bool] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if load_interval_s <= 0:
             raise ValueError(f"load_interval_s must be > 0, got {load_interval_s}")
+        if publish_interval_s < 0:
+            raise ValueError(f"publish_interval_s must be >= 0, got {publish_interval_s}")
         if (load_bus is None) != (load_fn is None):
             raise ValueError("load_bus and load_fn go together: give both or neither")
         self.translator = translator
@@ -71,15 +81,19 @@ class KvEventForwarder:
         self.bus, self.load_bus, self.load_fn = bus, load_bus, load_fn
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
         self.load_interval_s = load_interval_s
+        self.publish_interval_s = publish_interval_s
         self.resync_poll = resync_poll
         self.clock = clock
         self.next_engine_seq = 0  # vLLM's next expected frame sequence number
         self.batches = 0  # engine batches received (live or replayed)
         self.replayed = 0  # batches recovered through the replay endpoint
         self.published = 0  # bus messages published (events, snapshots)
+        self.publish_calls = 0  # bus calls that carried them
         self.load_samples = 0
         self.errors = 0
         self._lock = threading.Lock()  # translator + bus publish order
+        self._pending: list[bytes] = []  # encoded batches waiting for the interval's end
+        self._next_flush = 0.0  # monotonic time before which a batch waits
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -104,10 +118,10 @@ class KvEventForwarder:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
-        if gone:
-            with self._lock:
-                self.bus.publish(encode_message(InstanceGone(self.instance)))
-                self.published += 1
+        with self._lock:
+            if gone:
+                self._pending.append(encode_message(InstanceGone(self.instance)))
+            self._flush()
 
     @property
     def alive(self) -> bool:
@@ -122,8 +136,10 @@ class KvEventForwarder:
     def publish_snapshot(self) -> int:
         """Publish a ``Snapshot`` of everything this instance holds now; returns its offset."""
         with self._lock:  # NOTE: one hold: no batch may be published between the two
+            self._flush()  # the batches the snapshot already holds go first
             offset = self.bus.publish(encode_message(self.translator.snapshot()))
             self.published += 1
+            self.publish_calls += 1
             return offset
 
     # -- thread ------------------------------------------------------------------------------
@@ -139,8 +155,10 @@ class KvEventForwarder:
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
-                wait_ms = max(0, int((next_load - now) * 1000)) if self.load_fn else 50
-                if sub.poll(min(wait_ms, 50)):
+                wait_s = next_load - now if self.load_fn else 0.05
+                if self._pending:
+                    wait_s = min(wait_s, self._next_flush - now)
+                if sub.poll(max(0, min(int(wait_s * 1000), 50))):
                     while True:
                         try:
                             frames = sub.recv_multipart(zmq.NOBLOCK)
@@ -148,6 +166,9 @@ class KvEventForwarder:
                             break
                         self._on_frames(frames)
                 now = time.monotonic()
+                if self._pending and now >= self._next_flush:
+                    with self._lock:
+                        self._flush()
                 if self.resync_poll is not None and now >= next_resync_poll:
                     next_resync_poll = now + 1.0
                     if self._guard(self.resync_poll):
@@ -189,11 +210,21 @@ class KvEventForwarder:
             msg = self.translator.feed(payload, seq, self.clock())
             if msg is None:
                 return
-            data = encode_message(msg)
-            # NOTE: a bus that is down (Redis restarting) loses this message, not the thread:
-            # its sequence number is spent, so consumers see the gap and ask for a snapshot.
-            if self._guard(lambda: self.bus.publish(data)) is not None:
-                self.published += 1
+            self._pending.append(encode_message(msg))
+            if time.monotonic() >= self._next_flush:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Publish the pending batches in one bus call (the caller holds ``_lock``)."""
+        if not self._pending:
+            return
+        self._next_flush = time.monotonic() + self.publish_interval_s
+        data, self._pending = self._pending, []
+        self.publish_calls += 1
+        # NOTE: a bus that is down (Redis restarting) loses these messages, not the thread:
+        # their sequence numbers are spent, so consumers see the gap and ask for a snapshot.
+        if self._guard(lambda: self.bus.publish_many(data)) is not None:
+            self.published += len(data)
 
     def _replay(self, start: int, timeout_ms: int = 1000) -> None:
         assert self.replay_endpoint is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -28,9 +28,20 @@ __all__ = [
     "serve_app",
     "sim_app_config",
     "sim_stack",
+    "wait_for",
 ]
 
 SIM_MODEL = "tiny-sim"
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.05) -> bool:
+    """Poll ``cond`` until it holds or ``timeout_s`` passes; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(poll_s)
+    return cond()
 
 
 def sim_stack(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -20,6 +20,7 @@ from engines.base import EngineOutput, EngineRequest, SamplingParams
 from engines.forwarder import KvEventForwarder, decode_load
 from engines.tiny_model import build_tiny_model
 from engines.vllm_engine import VllmEngine
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -58,15 +59,6 @@ def _run(
         return [o async for o in eng.generate(req)]
 
     return loop.run_until_complete(go())
-
-
-def _wait(cond: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -163,13 +155,13 @@ def test_kv_events_land_in_the_cache_map(loop, engine, pipeline) -> None:
         m = ingestor.map.match(hashes)
         return INSTANCE in m and m[INSTANCE].gpu_blocks == len(hashes)
 
-    assert _wait(landed), f"map has {dict(ingestor.map.match(hashes))}"
+    assert wait_for(landed), f"map has {dict(ingestor.map.match(hashes))}"
     assert ingestor.gaps == 0 and consumer.malformed == 0
     # A prompt that shares only its first 3 blocks matches exactly those.
     other = prompt[: 3 * BLOCK] + _prompt(11, 100)
     assert ingestor.map.match(BlockHasher(MODEL, BLOCK)(other))[INSTANCE].gpu_blocks == 3
     # Load samples flow on their own bus, about every 100 ms.
-    assert _wait(lambda: load_bus.end() >= 3, 3.0)
+    assert wait_for(lambda: load_bus.end() >= 3, 3.0)
     sample = decode_load(load_bus.read(load_bus.end() - 1).items[0])
     assert sample.instance_id == INSTANCE
 
@@ -208,7 +200,7 @@ def test_late_forwarder_replays_missed_batches(loop, engine, pipeline) -> None:
             m = ingestor.map.match(hashes)
             return INSTANCE in m and m[INSTANCE].gpu_blocks == len(hashes)
 
-        assert _wait(landed)
+        assert wait_for(landed)
         assert late.replayed > 0
         assert late.translator.engine_gaps == 0
     finally:
@@ -222,7 +214,7 @@ def test_clean_stop_publishes_instance_gone(loop, engine, pipeline) -> None:
     prompt = _prompt(30, 96)
     _run(loop, engine, EngineRequest("gone-1", prompt, _greedy(2)))
     hashes = BlockHasher(MODEL, BLOCK)(prompt)
-    assert _wait(lambda: consumer.pump() >= 0 and INSTANCE in ingestor.map.match(hashes))
+    assert wait_for(lambda: consumer.pump() >= 0 and INSTANCE in ingestor.map.match(hashes))
     fwd.stop(gone=True)
     consumer.pump()
     assert isinstance(decode_message(bus.read(bus.end() - 1).items[0]), InstanceGone)

@@ -53,6 +53,14 @@ def test_offsets_and_cursor_reads(make_bus: BusFactory) -> None:
     assert bus.read(10) == ([], 10, 0)
 
 
+def test_publish_many_appends_in_order_and_returns_the_last_offset(make_bus: BusFactory) -> None:
+    bus = make_bus(1000)
+    assert bus.publish(b"a") == 0
+    assert bus.publish_many([b"b", b"c", b"d"]) == 3
+    assert bus.publish(b"e") == 4
+    assert bus.read(0) == ([b"a", b"b", b"c", b"d", b"e"], 5, 0)
+
+
 def test_trimmed_entries_are_reported_lost(make_bus: BusFactory) -> None:
     bus = make_bus(5)
     for i in range(500):

@@ -53,6 +53,9 @@ def test_publish_read_end_and_trim(bus: RayEventBus) -> None:
     bus.flush()
     got = bus.read(0)  # maxlen 5: offsets 0 and 1 are gone
     assert got.lost == 2 and got.cursor == 7 and got.items[0] == b"c"
+    assert bus.publish_many([b"y0", b"y1"]) == -1  # one fire-and-forget call for both
+    bus.flush()
+    assert bus.read(7) == ([b"y0", b"y1"], 9, 0)
 
 
 def test_remote_publisher_keeps_order_and_the_client_pickles(bus: RayEventBus) -> None:
@@ -93,6 +96,7 @@ def test_a_sync_client_returns_offsets(ray_cluster) -> None:
     try:
         assert [bus.publish(b"%d" % i) for i in range(3)] == [0, 1, 2]
         assert pickle.loads(pickle.dumps(bus)).publish(b"x") == 3
+        assert bus.publish_many([b"y", b"z"]) == 5
     finally:
         bus.kill()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -241,16 +241,19 @@ def test_dropped_events_are_detected_and_repaired(
     cluster.converged()
     gaps = cluster.a.state.core.ingestor.gaps
     fwd = cluster.a.forwarders[0]
-    real = fwd.bus.publish
+    real = fwd.bus.publish_many
     dropped: list[bytes] = []
 
-    def lossy(payload: bytes) -> int:
-        if len(dropped) < 3:
-            dropped.append(payload)  # the forwarder thinks it published these
-            return 0
-        return real(payload)
+    def lossy(payloads: Sequence[bytes]) -> int:
+        kept = []
+        for payload in payloads:
+            if len(dropped) < 3:
+                dropped.append(payload)  # the forwarder thinks it published these
+            else:
+                kept.append(payload)
+        return real(kept)
 
-    monkeypatch.setattr(fwd.bus, "publish", lossy)
+    monkeypatch.setattr(fwd.bus, "publish_many", lossy)
     texts = prompts(12, "gap")
     assert burst(cluster, texts) == [200] * len(texts)
     assert len(dropped) == 3

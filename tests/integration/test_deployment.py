@@ -5,7 +5,7 @@ clean shutdown."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,6 +23,7 @@ from engines.bus_ray import RayEventBus
 from engines.config import EngineDeploymentConfig
 from engines.deployment import build_engine_app, open_buses
 from engines.liveness import EngineWatcher
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -73,15 +74,6 @@ def watcher(app) -> EngineWatcher:
     )
 
 
-def _wait(cond: Callable[[], bool], timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
-
-
 def _replicas(handle: Any, n: int = 2) -> dict[str, str]:
     """instance id -> actor name, asking until ``n`` distinct replicas answered."""
     found: dict[str, str] = {}
@@ -116,7 +108,7 @@ def _populate(app: Any, watcher: EngineWatcher, ids: set[str], first: int) -> se
             watcher.pump(time.monotonic())
             return len(watcher.ingestor.map.match(hashes)) == 1
 
-        assert _wait(matched), f"request {i}: {dict(watcher.ingestor.map.match(hashes))}"
+        assert wait_for(matched, 15.0), f"request {i}: {dict(watcher.ingestor.map.match(hashes))}"
         ((inst, m),) = watcher.ingestor.map.match(hashes).items()
         assert m.gpu_blocks == len(hashes) == 4
         holders.add(inst)
@@ -142,7 +134,7 @@ def test_events_from_both_replicas_land_in_the_map(app, watcher) -> None:
     ids = set(_replicas(app))
     assert len(ids) == 2
     assert _populate(app, watcher, ids, 0) == ids
-    assert _wait(lambda: (watcher.pump(time.monotonic()), set(watcher.live()) == ids)[1])
+    assert wait_for(lambda: (watcher.pump(time.monotonic()), set(watcher.live()) == ids)[1], 15.0)
     assert {s.instance_id for s in watcher.loads.values()} == ids
     assert watcher.ingestor.gaps == 0
 
@@ -155,7 +147,7 @@ def test_resync_request_reaches_the_replica(app, watcher) -> None:
     assert isinstance(bus, RayEventBus)
     start = bus.end()
     bus.request_resync(inst)
-    assert _wait(lambda: bus.end() > start, 5.0)  # the forwarder polls about once a second
+    assert wait_for(lambda: bus.end() > start, 5.0)  # the forwarder polls about once a second
     watcher.pump(time.monotonic())
     assert set(watcher.ingestor.map.resident(inst, Tier.GPU)) == before
 
@@ -167,12 +159,12 @@ def test_killed_replica_is_dropped_from_the_map(app, watcher) -> None:
     assert watcher.ingestor.map.count(victim, Tier.GPU) > 0
     assert watcher.ingestor.map.count(survivor, Tier.GPU) > 0
     ray.kill(ray.get_actor(replicas[victim], namespace="serve"), no_restart=True)
-    assert _wait(lambda: victim in watcher.pump(time.monotonic()), STALE_S + 15.0)
+    assert wait_for(lambda: victim in watcher.pump(time.monotonic()), STALE_S + 15.0)
     assert victim not in watcher.ingestor.map.instances()
     assert victim not in watcher.live()
     assert watcher.ingestor.map.count(survivor, Tier.GPU) > 0
     # Serve replaces the replica; the new one shows up with a new instance id.
-    assert _wait(lambda: (watcher.pump(time.monotonic()), len(watcher.live()) == 2)[1], 60.0)
+    assert wait_for(lambda: (watcher.pump(time.monotonic()), len(watcher.live()) == 2)[1], 60.0)
     assert victim not in watcher.live()
 
 

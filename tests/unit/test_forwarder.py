@@ -1,0 +1,138 @@
+"""The KV-event forwarder gathers a busy engine's batches into one bus call per interval.
+
+A real ZMQ publisher sends vLLM-format batches to a real ``KvEventForwarder``; the bus is an
+``InProcessBus`` that counts the calls made to it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+import zmq
+
+from cachemap.bus import InProcessBus
+from cachemap.events import (
+    BlockStored,
+    InstanceEvents,
+    InstanceGone,
+    KVEventBatch,
+    Snapshot,
+    decode_message,
+    encode_vllm_batch,
+)
+from cachemap.ingest import EngineEventTranslator
+from engines.forwarder import KvEventForwarder
+from tests.support import free_port, wait_for
+
+BLOCK = 16
+
+
+class CountingBus(InProcessBus):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def publish(self, payload: bytes) -> int:
+        self.calls += 1
+        return super().publish(payload)
+
+    def publish_many(self, payloads: Sequence[bytes]) -> int:
+        self.calls += 1
+        return super().publish_many(payloads)
+
+
+class Engine:
+    """A ZMQ publisher of vLLM-format batches, one stored block each."""
+
+    def __init__(self) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.sock = zmq.Context.instance().socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(self.endpoint)
+        self.seq = 0
+
+    def send(self) -> None:
+        block = BlockStored(
+            block_hashes=[self.seq + 1],
+            parent_block_hash=None,
+            token_ids=[self.seq] * BLOCK,
+            block_size=BLOCK,
+            lora_id=None,
+            medium=None,
+            lora_name=None,
+        )
+        payload = encode_vllm_batch(KVEventBatch(ts=time.time(), events=[block]))
+        self.sock.send_multipart((b"", self.seq.to_bytes(8, "big"), payload))
+        self.seq += 1
+
+
+def messages(bus: InProcessBus) -> list[object]:
+    return [decode_message(p) for p in bus.read(0).items]
+
+
+@pytest.fixture
+def rig(request: pytest.FixtureRequest) -> Iterator[tuple[Engine, CountingBus, KvEventForwarder]]:
+    interval: float = request.param
+    engine, bus = Engine(), CountingBus()
+    fwd = KvEventForwarder(
+        EngineEventTranslator("e0", "m", BLOCK), bus, engine.endpoint, publish_interval_s=0
+    )
+    fwd.start()
+    # ZMQ's slow joiner: send until the subscription is through (those batches are published)
+    assert wait_for(lambda: engine.send() or bus.end() > 0)
+    assert wait_for(lambda: fwd.next_engine_seq == engine.seq)  # every probe sent is in
+    fwd.publish_interval_s = interval
+    try:
+        yield engine, bus, fwd
+    finally:
+        fwd.stop(gone=False)
+        engine.sock.close(0)
+
+
+@pytest.mark.parametrize("rig", [1.0], indirect=True)
+def test_a_burst_goes_to_the_bus_in_few_calls_each_batch_its_own_message(rig) -> None:
+    engine, bus, fwd = rig
+    before_msgs, before_calls = bus.end(), bus.calls
+    engine.send()  # after a quiet spell: published at once
+    assert wait_for(lambda: bus.end() == before_msgs + 1, 0.9)
+    for _ in range(19):  # within the interval: gathered until its end
+        engine.send()
+    assert wait_for(lambda: bus.end() == before_msgs + 20)
+    assert bus.calls - before_calls <= 3  # 2 unless the box stalled past the interval
+    events = [m for m in messages(bus) if isinstance(m, InstanceEvents)]
+    seqs = [m.seq for m in events]
+    assert seqs == list(range(len(events)))  # in order, no gap: one sequence number per batch
+    assert fwd.published == bus.end() and fwd.publish_calls == bus.calls
+
+
+@pytest.mark.parametrize("rig", [0.0], indirect=True)
+def test_interval_zero_publishes_every_batch_on_its_own(rig) -> None:
+    engine, bus, _ = rig
+    before_msgs, before_calls = bus.end(), bus.calls
+    for _ in range(10):
+        engine.send()
+    assert wait_for(lambda: bus.end() == before_msgs + 10)
+    assert bus.calls - before_calls == 10
+
+
+@pytest.mark.parametrize("rig", [30.0], indirect=True)
+def test_a_snapshot_and_a_clean_stop_publish_the_gathered_batches_first(rig) -> None:
+    engine, bus, fwd = rig
+    start, received = bus.end(), fwd.batches
+    engine.send()
+    assert wait_for(lambda: bus.end() == start + 1)
+    engine.send()
+    engine.send()  # both wait for the interval's end, 30 s away
+    assert wait_for(lambda: fwd.batches == received + 3)
+    assert bus.end() == start + 1
+    fwd.publish_snapshot()
+    tail = messages(bus)[start:]
+    assert [type(m) for m in tail] == [InstanceEvents, InstanceEvents, InstanceEvents, Snapshot]
+    assert tail[-1].seq == tail[-2].seq  # type: ignore[attr-defined]
+    engine.send()
+    assert wait_for(lambda: fwd.batches == received + 4)
+    fwd.stop(gone=True)
+    tail = messages(bus)[start:]
+    assert [type(m) for m in tail[-2:]] == [InstanceEvents, InstanceGone]
