@@ -260,6 +260,7 @@ class ClusterSimulator:
                 )
             )
         self.by_id = {inst.instance_id: inst for inst in self.instances}
+        self._index = {inst.instance_id: i for i, inst in enumerate(self.instances)}
         self.core.sync_instances(self.by_id)
 
     # -- what the engines emit ---------------------------------------------------------------
@@ -308,6 +309,14 @@ class ClusterSimulator:
         sampled: list[tuple[tuple[int, int], Any]] = [((-1, -1), None)] * len(self.instances)
         total = len(plan)
         budget, aborted = self._budget, False
+        instances = self.instances
+        # NOTE: only the instances with a step to run before t are run up to it, found on a
+        # heap of their wake times (entries whose time is no longer the instance's are stale);
+        # they run in index order, as a loop over all of them would (progress at equal times is
+        # delivered in the order it was produced).
+        wake = [inst.wake_s() for inst in instances]
+        due_heap = [(w, i) for i, w in enumerate(wake)]
+        heapq.heapify(due_heap)
         for n, p in enumerate(plan):
             t, tr = p.offset_s, p.req
             rid = str(p.index)
@@ -330,8 +339,22 @@ class ClusterSimulator:
                     sampled[i] = (state, snap)
                     self.load_bus.publish(encode_load(snap))
                     queue.append((ts, inst.instance_id, snap.waiting, snap.running))
-            for inst in self.instances:
+                    w = inst.wake_s()
+                    if w != wake[i]:
+                        wake[i] = w
+                        heapq.heappush(due_heap, (w, i))
+            due = []
+            while due_heap and due_heap[0][0] < t:
+                w, i = heapq.heappop(due_heap)
+                if w == wake[i]:
+                    wake[i] = -math.inf  # taken: a second entry of the same time is stale
+                    due.append(i)
+            due.sort()
+            for i in due:
+                inst = instances[i]
                 inst.run_until(t)
+                wake[i] = w = inst.wake_s()
+                heapq.heappush(due_heap, (w, i))
             # 2. what the ingress saw of the streams up to t
             self._deliver_progress(t, preqs)
             if budget is not None and budget.exhausted:
@@ -394,6 +417,11 @@ class ClusterSimulator:
                 rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
                 self._refused()
                 continue
+            i = self._index[placement.instance_id]
+            w = inst.wake_s()
+            if w != wake[i]:
+                wake[i] = w
+                heapq.heappush(due_heap, (w, i))
             core.assigned(preq, placement, t)
             rec.instance = placement.instance_id
             preqs[rid] = (preq, p)

@@ -121,6 +121,16 @@ class VirtualInstance:
                 return
             self._step(min(t, pending[0][0]) if pending else t)
 
+    def wake_s(self) -> float:
+        """The earliest ``t`` for which ``run_until(t)`` runs a step: below it, a call only
+        hands requests that reached the scheduler's time to its queue, which the next call
+        that steps does first. So a driver of many instances may skip those calls, but not
+        the one before ``load`` (whose queued prefill counts the scheduler's queue only)."""
+        pending = self._pending
+        if not self.scheduler.idle or (pending and pending[0][0] <= self.clock):
+            return self.clock
+        return pending[0][0] if pending else math.inf
+
     def drain(self) -> None:
         self.run_until(float("inf"))
 
