@@ -64,6 +64,10 @@ class EngineWatcher:
         self.loads: dict[str, LoadSnapshot] = {}  # latest sample per live instance
         self.last_seen: dict[str, float] = {}  # our clock at its latest sample
         self._resync_asked: dict[str, float] = {}
+        # instances sampled since the last ``take_sampled`` (what a load table must update)
+        self._sampled: dict[str, None] = {}
+        # at most the oldest ``last_seen``: while it is recent, no instance can be silent
+        self._oldest_seen = float("inf")
         self.dropped = 0
         self.malformed_loads = 0
         self._blind_since: float | None = None  # when reading the buses started failing
@@ -110,18 +114,32 @@ class EngineWatcher:
                 self.ingestor.needs_resync.add(inst)
             self.loads[inst] = sample
             self.last_seen[inst] = now
-        dropped = [i for i, t in self.last_seen.items() if now - t > self.timeout_s]
+            self._sampled[inst] = None
+            self._oldest_seen = min(self._oldest_seen, now)
+        # NOTE: ``now - t`` only shrinks as t grows, so when the oldest is within the timeout
+        # every instance is: the scan over all of them is only made when one may be silent.
+        scan = now - self._oldest_seen > self.timeout_s
+        dropped = [i for i, t in self.last_seen.items() if now - t > self.timeout_s] if scan else []
         for inst in dropped:
             log.warning("instance %s: no load sample for %.1f s, dropping it", inst, self.timeout_s)
             self.forget(inst)
             self._forgotten.add(inst)
             self.dropped += 1
+        if scan:
+            self._oldest_seen = min(self.last_seen.values(), default=float("inf"))
         if self.request_resync is not None:
             for inst in self.ingestor.needs_resync:
                 if now - self._resync_asked.get(inst, -1e18) >= self.resync_interval_s:
                     self._resync_asked[inst] = now
                     self.request_resync(inst)
         return dropped
+
+    def take_sampled(self) -> list[str]:
+        """The instances with a sample applied since the last call (in the order first
+        sampled); each one's latest sample is in ``loads`` unless it was forgotten since."""
+        out = list(self._sampled)
+        self._sampled.clear()
+        return out
 
     def forget(self, instance: str) -> None:
         """Drop ``instance`` from the cache map and the load table."""

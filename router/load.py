@@ -9,6 +9,7 @@ used. Time is an argument (``now``, seconds on the same clock as ``LoadSnapshot.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engines.base import LoadSnapshot
@@ -74,6 +75,11 @@ class _Local:
 
 
 class LoadTracker:
+    """Every registered instance's ``InstanceView``. ``views`` keeps the view of an instance
+    whose state did not change since the last call (the same object: scorers may cache what
+    they derived from it), so a placement among hundreds of mostly quiet engines rebuilds only
+    the views of those that moved. Callers must not modify the views they get."""
+
     def __init__(self, stale_after_s: float = STALE_AFTER_S) -> None:
         self.stale_after_s = stale_after_s
         self._instances: dict[str, _Instance] = {}
@@ -81,29 +87,66 @@ class LoadTracker:
         # NOTE: keyed by the assignment's instance whether or not it is registered: an instance
         # removed and registered again sees the requests still in flight on it.
         self._local: dict[str, _Local] = {}
+        self._registered: dict[str, None] = {}  # since the last ``take_registered``
+        self._failed: set[str] = set()  # instances with failures since their last snapshot
+        # the views of the last ``views`` call, in registration order (None: rebuild all),
+        # the instances whose view may have changed since, and for each view built from a
+        # fresh snapshot that snapshot's time (it goes stale as ``now`` moves on)
+        self._order: list[InstanceView] | None = None
+        self._pos: dict[str, int] = {}
+        self._dirty: set[str] = set()
+        self._fresh_ts: dict[str, float] = {}
+        self._oldest_fresh = float("inf")  # at most the oldest of ``_fresh_ts``
+        self._last_now = -float("inf")
 
     def register(
         self, instance_id: str, block_size: int, latency: LatencyModel, kv_capacity_blocks: int = 0
     ) -> None:
         self._instances[instance_id] = _Instance(block_size, latency, kv_capacity_blocks)
+        self._registered[instance_id] = None
+        self._failed.discard(instance_id)
+        self._order = None
 
     def remove(self, instance_id: str) -> None:
-        self._instances.pop(instance_id, None)
+        if self._instances.pop(instance_id, None) is not None:
+            self._failed.discard(instance_id)
+            self._order = None
 
     def instance_ids(self) -> list[str]:
         return list(self._instances)
 
+    def knows_all(self, instance_ids: Mapping[str, object]) -> bool:
+        """Whether every key of ``instance_ids`` is a registered instance."""
+        return self._instances.keys() >= instance_ids.keys()
+
+    def take_registered(self) -> list[str]:
+        """The instances registered since the last call (which have no snapshot yet, unless
+        one was given since)."""
+        out = list(self._registered)
+        self._registered.clear()
+        return out
+
+    def failed(self) -> list[str]:
+        """The instances marked failed since their last accepted snapshot."""
+        return list(self._failed)
+
     def on_snapshot(self, snap: LoadSnapshot) -> None:
-        inst = self._instances.get(snap.instance_id)
+        iid = snap.instance_id
+        inst = self._instances.get(iid)
         if inst is not None and (inst.snapshot is None or snap.ts >= inst.snapshot.ts):
             inst.snapshot = snap
-            inst.failures = 0
+            if inst.failures:
+                inst.failures = 0
+                self._failed.discard(iid)
+            self._dirty.add(iid)
 
     def mark_failed(self, instance_id: str) -> None:
         """A call to the instance failed; it is skipped until its next load snapshot."""
         inst = self._instances.get(instance_id)
         if inst is not None:
             inst.failures += 1
+            self._failed.add(instance_id)
+            self._dirty.add(instance_id)
 
     def assigned(
         self,
@@ -120,6 +163,7 @@ class LoadTracker:
         if local is None:
             local = self._local[instance_id] = _Local()
         local.add(request_id, a)
+        self._dirty.add(instance_id)
 
     def prefill_done(self, request_id: str) -> Assignment | None:
         """Mark the request's prefill done; its assignment the first time, else None."""
@@ -130,6 +174,7 @@ class LoadTracker:
         local = self._local[a.instance_id]
         local.discard(request_id)
         local.prefilled += 1
+        self._dirty.add(a.instance_id)
         return a
 
     def finished(self, request_id: str) -> None:
@@ -143,39 +188,76 @@ class LoadTracker:
             local.discard(request_id)
         if not local.prefilled and not local.unprefilled:
             del self._local[a.instance_id]
+        self._dirty.add(a.instance_id)
 
     def in_flight(self) -> int:
         return len(self._requests)
 
     def views(self, now: float) -> list[InstanceView]:
-        out = []
-        local_of = self._local.get
-        for iid, inst in self._instances.items():
-            local = local_of(iid)
-            snap = inst.snapshot
-            if snap is not None and now - snap.ts <= self.stale_after_s:  # fresh
-                n_newer, newer_tokens = (
-                    local.newer(snap.ts) if local is not None and local.unprefilled else (0, 0)
-                )
-                waiting, running = snap.waiting + n_newer, snap.running
-                kv_usage, pending = snap.gpu_kv_usage, snap.queued_prefill_tokens + newer_tokens
-            elif local is not None:
+        order, dirty, fresh_ts = self._order, self._dirty, self._fresh_ts
+        if order is None or now < self._last_now:  # new members, or the clock went back
+            fresh_ts.clear()
+            self._oldest_fresh = float("inf")
+            self._pos = {iid: i for i, iid in enumerate(self._instances)}
+            order = [self._view(iid, inst, now, None) for iid, inst in self._instances.items()]
+            self._order = order
+        else:
+            # NOTE: ``now - ts`` only shrinks as ts grows, so while the oldest fresh snapshot
+            # is within ``stale_after_s`` all are, and no view went stale by time alone.
+            expired = now - self._oldest_fresh > self.stale_after_s
+            if expired:
+                dirty.update(i for i, ts in fresh_ts.items() if now - ts > self.stale_after_s)
+            pos, instances = self._pos, self._instances
+            for iid in dirty:
+                i = pos.get(iid)
+                if i is not None:
+                    order[i] = self._view(iid, instances[iid], now, order[i])
+            if expired:
+                self._oldest_fresh = min(fresh_ts.values(), default=float("inf"))
+        dirty.clear()
+        self._last_now = now
+        return list(order)
+
+    def _view(
+        self, iid: str, inst: _Instance, now: float, old: InstanceView | None
+    ) -> InstanceView:
+        """``iid``'s view now; ``old`` (its previous view) when nothing in it changed."""
+        local = self._local.get(iid)
+        snap = inst.snapshot
+        if snap is not None and now - snap.ts <= self.stale_after_s:  # fresh
+            n_newer, newer_tokens = (
+                local.newer(snap.ts) if local is not None and local.unprefilled else (0, 0)
+            )
+            waiting, running = snap.waiting + n_newer, snap.running
+            kv_usage, pending = snap.gpu_kv_usage, snap.queued_prefill_tokens + newer_tokens
+            self._fresh_ts[iid] = snap.ts
+            self._oldest_fresh = min(self._oldest_fresh, snap.ts)
+        else:
+            self._fresh_ts.pop(iid, None)
+            if local is not None:
                 waiting, running = len(local.unprefilled), local.prefilled
                 kv_usage, pending = 0.0, local.unprefilled_tokens
             else:
                 waiting = running = pending = 0
                 kv_usage = 0.0
-            out.append(
-                InstanceView(
-                    iid,
-                    inst.block_size,
-                    inst.latency,
-                    inst.kv_capacity_blocks,
-                    waiting=waiting,
-                    running=running,
-                    gpu_kv_usage=kv_usage,
-                    pending_prefill_tokens=pending,
-                    healthy=inst.failures == 0,
-                )
-            )
-        return out
+        healthy = inst.failures == 0
+        if (
+            old is not None
+            and old.waiting == waiting
+            and old.running == running
+            and old.gpu_kv_usage == kv_usage
+            and old.pending_prefill_tokens == pending
+            and old.healthy == healthy
+        ):
+            return old
+        return InstanceView(
+            iid,
+            inst.block_size,
+            inst.latency,
+            inst.kv_capacity_blocks,
+            waiting=waiting,
+            running=running,
+            gpu_kv_usage=kv_usage,
+            pending_prefill_tokens=pending,
+            healthy=healthy,
+        )

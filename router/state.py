@@ -207,11 +207,19 @@ class RouterCore:
         dropped = self.watcher.apply(fetched, now)
         for iid in dropped:
             self.load.remove(iid)
-        known = set(self.load.instance_ids())
-        for iid, sample in self.watcher.loads.items():
-            if iid not in known:
-                self.add_instance(iid)
-            self.load.on_snapshot(sample)
+        loads, load = self.watcher.loads, self.load
+        # NOTE: every instance with a sample is known and holds its latest sample afterwards
+        # (a sample clears its failures too). Only the ones sampled, or registered, since the
+        # last call can lack it: the others are not visited (hundreds of engines, each pump).
+        if not load.knows_all(loads):
+            known = set(load.instance_ids())
+            for iid in loads:  # in sample order, the order instances are registered in
+                if iid not in known:
+                    self.add_instance(iid)
+        for iid in (*self.watcher.take_sampled(), *load.take_registered(), *load.failed()):
+            sample = loads.get(iid)
+            if sample is not None:
+                load.on_snapshot(sample)
 
     def pump(self, now: float) -> None:
         self.apply(self.fetch(), now)
@@ -242,11 +250,13 @@ class RouterCore:
         there is a recorder to give it to (the caller records it, e.g. outside a lock)."""
         excluded = set(exclude)
         allowed = set(candidates) if candidates is not None else None
-        views = [
-            v
-            for v in self.load.views(now)
-            if v.instance_id not in excluded and (allowed is None or v.instance_id in allowed)
-        ]
+        views = self.load.views(now)
+        if excluded or allowed is not None:
+            views = [
+                v
+                for v in views
+                if v.instance_id not in excluded and (allowed is None or v.instance_id in allowed)
+            ]
         if not views:
             raise NoInstanceError("no engine instance available")
         match = self.cache_map.match(request.block_hashes)

@@ -441,3 +441,91 @@ def test_a_request_whose_engine_dies_mid_stream_migrates() -> None:
     legs.clear()
     with pytest.raises(StreamBroken):
         asyncio.run(run(max_migrations=0))
+
+
+def test_load_tracker_views_are_kept_while_unchanged_and_equal_a_fresh_build() -> None:
+    """``views`` rebuilds only the views of instances that moved (the same object otherwise),
+    and what it returns is what a tracker building every view afresh returns, through
+    snapshots (some older), assignments, prefills, finishes, failures, views going stale by
+    time alone and the clock stepping back."""
+    import random
+
+    rng = random.Random(7)
+    ops: list[tuple] = []
+
+    def replay() -> LoadTracker:
+        lt = LoadTracker(stale_after_s=1.0)
+        for iid in "abcd":
+            lt.register(iid, BS, Linear())
+        for op, *args in ops:
+            getattr(lt, op)(*args)
+        return lt
+
+    def fields(views: list[InstanceView]) -> list[tuple]:
+        return [
+            (v.instance_id, v.waiting, v.running, v.gpu_kv_usage, v.pending_prefill_tokens,
+             v.healthy)
+            for v in views
+        ]  # fmt: skip
+
+    live = replay()
+    now, rid = 10.0, 0
+    before = live.views(now)
+    for _ in range(400):
+        kind = rng.random()
+        iid = rng.choice("abcd")
+        if kind < 0.3:
+            ts = now - rng.choice([0.0, 0.05, 0.5, 3.0])
+            snap = LoadSnapshot(iid, ts, rng.randrange(3), rng.randrange(3), 0.1, 0.0, 100)
+            ops.append(("on_snapshot", snap))
+        elif kind < 0.55:
+            rid += 1
+            ops.append(("assigned", f"r{rid}", iid, rng.randrange(1, 500), now))
+        elif kind < 0.7:
+            ops.append(("prefill_done", f"r{rng.randrange(1, rid + 2)}"))
+        elif kind < 0.85:
+            ops.append(("finished", f"r{rng.randrange(1, rid + 2)}"))
+        elif kind < 0.9:
+            ops.append(("mark_failed", iid))
+        if ops:
+            getattr(live, ops[-1][0])(*ops[-1][1:])
+        now += rng.choice([0.0, 0.01, 0.3, 1.5]) if rng.random() > 0.03 else -2.0
+        got = live.views(now)
+        assert fields(got) == fields(replay().views(now))
+        if kind >= 0.9 and rng.random() < 0.5:  # nothing happened: the same objects
+            again = live.views(now)
+            assert all(a is b for a, b in zip(again, got, strict=True))
+        before = got
+    assert before
+
+
+def test_router_core_apply_registers_and_refreshes_from_the_load_bus() -> None:
+    """What a pump applies: a sampled instance is registered (in sample order) and holds its
+    latest sample; one registered after its sample arrived gets it at the next pump; a failed
+    instance is back at the next pump that has a sample of it."""
+    from cachemap.bus import InProcessBus
+    from engines.forwarder import encode_load
+    from router.state import RouterCore
+
+    kv, loads = InProcessBus(), InProcessBus()
+    core = RouterCore("least_loaded", Linear(), block_size=BS, kv_bus=kv, load_bus=loads)
+    for iid in ("b", "a"):
+        loads.publish(encode_load(LoadSnapshot(iid, 1.0, 1, 0, 0.0, 0.0, 0)))
+    core.pump(1.0)
+    assert [v.instance_id for v in core.load.views(1.0)] == ["b", "a"]
+    assert [v.waiting for v in core.load.views(1.0)] == [1, 1]
+    core.remove_instance("a")  # forgets its sample too
+    loads.publish(encode_load(LoadSnapshot("b", 1.1, 2, 0, 0.0, 0.0, 0)))
+    core.load.remove("b")  # gone from the table only: the next pump registers it again
+    core.failed("b")
+    core.pump(1.1)
+    ((v),) = core.load.views(1.1)
+    assert (v.instance_id, v.waiting, v.healthy) == ("b", 2, True)
+    core.failed("b")
+    assert not core.load.views(1.1)[0].healthy
+    core.pump(1.15)  # no new sample, but b has one: as at every pump, it counts again
+    assert core.load.views(1.15)[0].healthy
+    core.load.remove("b")
+    core.add_instance("b")  # registered after its sample arrived
+    core.pump(1.2)
+    assert core.load.views(1.2)[0].waiting == 2
