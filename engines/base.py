@@ -159,13 +159,25 @@ def merge_outputs(outputs: Sequence[EngineOutput]) -> EngineOutput:
     )
 
 
-async def coalesce(
-    outputs: AsyncIterator[EngineOutput], *, whole: bool = False
-) -> AsyncIterator[EngineOutput]:
+async def whole(outputs: AsyncIterator[EngineOutput]) -> EngineOutput:
+    """Every output of one request as one (``merge_outputs``): the answer to a request nobody
+    streams. ``outputs`` is closed on the way out, so a caller cancelled while it waits aborts
+    the engine request. Raises ``EngineError`` if the engine ended the request with nothing."""
+    try:
+        got = [out async for out in outputs]
+    finally:
+        close = getattr(outputs, "aclose", None)
+        if close is not None:
+            await close()
+    if not got:
+        raise EngineError("the engine ended the request without an output")
+    return merge_outputs(got)
+
+
+async def coalesce(outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
     """``outputs``, with those that queued up while the consumer was busy merged into one
     (``merge_outputs``): an output is never held back, but a consumer slower than the engine
-    (a loaded replica sending each output through Serve) gets fewer, larger ones. ``whole``
-    holds every output back and yields one at the end (a request nobody streams). Closing the
+    (a loaded replica sending each output through Serve) gets fewer, larger ones. Closing the
     result closes ``outputs`` (the engine aborts the request)."""
     queue: asyncio.Queue[EngineOutput | BaseException | None] = asyncio.Queue()
 
@@ -185,9 +197,9 @@ async def coalesce(
             item = await queue.get()
             while isinstance(item, EngineOutput):
                 batch.append(item)
-                if item.finished or (queue.empty() and not whole):
+                if item.finished or queue.empty():
                     break
-                item = await queue.get() if whole else queue.get_nowait()
+                item = queue.get_nowait()
             if batch:
                 merged, last = merge_outputs(batch), batch[-1]
                 batch = []

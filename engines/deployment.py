@@ -33,6 +33,7 @@ from engines.base import (
     RoutedRequest,
     coalesce,
     run_kv_command,
+    whole,
 )
 from engines.config import BusConfig, EngineConfig, EngineDeploymentConfig
 from engines.forwarder import KvEventForwarder
@@ -139,6 +140,14 @@ def open_buses(cfg: BusConfig, create: bool = True) -> tuple[EventBus, EventBus]
     )
 
 
+def _engine_request(request: EngineRequest | RoutedRequest | dict[str, Any]) -> EngineRequest:
+    if isinstance(request, RoutedRequest):
+        return request.request
+    if isinstance(request, EngineRequest):
+        return request
+    return msgspec.convert(request, EngineRequest)
+
+
 def replica_local_rank() -> int:
     """This Serve replica's rank among its deployment's replicas on this node (0 outside Serve)."""
     try:
@@ -197,18 +206,23 @@ class EngineDeployment:
     ) -> AsyncIterator[EngineOutput]:
         """Stream one request; a ``RoutedRequest`` (what the ingress sends through the request
         router) runs its ``request``."""
-        if isinstance(request, RoutedRequest):
-            request = request.request
-        elif not isinstance(request, EngineRequest):
-            request = msgspec.convert(request, EngineRequest)
         first = True
         # NOTE: each output is an object of its own through Serve's stream (ingress_bench: 9 per
-        # request): what queued up goes as one, and a request nobody streams goes whole.
-        async for out in coalesce(self.engine.generate(request), whole=not request.stream):
+        # request): what queued up goes as one.
+        async for out in coalesce(self.engine.generate(_engine_request(request))):
             if first:
                 # NOTE: tells the ingress where Serve delivered it (overrides are counted there).
                 out.instance_id, first = self.instance_id, False
             yield out
+
+    async def generate_whole(
+        self, request: EngineRequest | RoutedRequest | dict[str, Any]
+    ) -> EngineOutput:
+        """``generate`` for a request nobody streams: its outputs as one, in a unary call
+        (cheaper through Serve than a stream of one). Cancelling the call aborts the request."""
+        out = await whole(self.engine.generate(_engine_request(request)))
+        out.instance_id = self.instance_id
+        return out
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

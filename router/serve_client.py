@@ -19,14 +19,22 @@ class ServeEngineClient:
 
     def __init__(self, handle: Any) -> None:
         self._generate = handle.options(stream=True).generate
+        self._whole = handle.generate_whole
         self._command = handle.kv_command
 
     async def stream(self, routed: RoutedRequest) -> AsyncIterator[EngineOutput]:
         """Outputs of ``routed``; closed early (a stop string, a client gone), it cancels the
-        call, which aborts the request in the replica."""
-        response = self._generate.remote(routed)
+        call, which aborts the request in the replica. A request nobody streams is one unary
+        call answered whole (``generate_whole``): Serve's unary path costs less than a stream
+        of one output (a relay like ingress_bench's two-hop ceiling: 221 against 210 req/s)."""
+        response = (self._generate if routed.request.stream else self._whole).remote(routed)
         finished = False
         try:
+            if not routed.request.stream:
+                out = await response
+                finished = True
+                yield out
+                return
             async for out in response:
                 yield out
             finished = True

@@ -23,6 +23,7 @@ __all__ = [
     "Server",
     "by_role",
     "free_port",
+    "instance_gauge",
     "named_replicas",
     "ray_process_role",
     "serve_app",
@@ -32,6 +33,18 @@ __all__ = [
 ]
 
 SIM_MODEL = "tiny-sim"
+
+
+def instance_gauge(base: str, name: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """``name``'s value per ``instance`` label on the /metrics of the router at ``base``."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{base}/metrics", headers=headers, timeout=30).text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('instance="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
 
 
 def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.05) -> bool:

@@ -118,14 +118,15 @@ def _populate(app: Any, watcher: EngineWatcher, ids: set[str], first: int) -> se
 
 
 def test_a_request_nobody_streams_is_delivered_whole(app) -> None:
-    """``EngineRequest.stream=False``: one output with every token, the instance and the usage;
-    the same request streamed arrives token by token with the same tokens."""
+    """``generate_whole`` (a unary call, what the ingress makes for ``stream=False``): one output
+    with every token, the instance and the usage; the same request streamed arrives token by
+    token with the same tokens."""
     sampling = SamplingParams(max_tokens=6, seed=3, ignore_eos=True)
     stream = app.options(stream=True).generate
     streamed = list(stream.remote(EngineRequest("whole-a", _prompt(900), sampling)))
-    whole = list(stream.remote(EngineRequest("whole-b", _prompt(900), sampling, stream=False)))
-    assert len(streamed) > 1 and len(whole) == 1
-    (out,) = whole
+    req = EngineRequest("whole-b", _prompt(900), sampling, stream=False)
+    out = app.generate_whole.remote(req).result(timeout_s=60)
+    assert len(streamed) > 1
     assert out.finished and out.instance_id is not None and out.usage.completion_tokens == 6
     assert out.token_ids == [t for o in streamed for t in o.token_ids]
 

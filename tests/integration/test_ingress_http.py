@@ -19,7 +19,7 @@ from engines.sim.engine import SimEngine
 from engines.tiny_model import build_tiny_model
 from router.admission import Admission
 from router.tokenizer import PromptTokenizer
-from tests.support import Server, free_port, sim_stack
+from tests.support import Server, free_port, instance_gauge, sim_stack
 
 MODEL = "tiny-sim"
 KEY = "sk-test"
@@ -159,16 +159,6 @@ def test_metrics_expose_router_state(server: Server, client: openai.OpenAI) -> N
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=2)
     body = httpx.get(f"http://127.0.0.1:{server.port}/metrics").text
     assert "kvroute_requests_total" in body and "kvroute_cache_map_blocks" in body
-
-
-def instance_gauge(base: str, name: str) -> dict[str, float]:
-    """``name``'s value per instance label on ``base``'s /metrics."""
-    out = {}
-    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name + "{"):
-            labels, value = line.rsplit(" ", 1)
-            out[labels.split('instance="', 1)[1].split('"', 1)[0]] = float(value)
-    return out
 
 
 def test_a_client_gone_mid_stream_frees_its_engine_as_the_load_gauges_show() -> None:

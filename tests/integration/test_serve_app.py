@@ -20,7 +20,7 @@ import ray
 from deploy.config import ServeConfig
 from engines.bus_ray import RayEventBus
 from engines.deployment import open_buses
-from tests.support import free_port, named_replicas, serve_app
+from tests.support import free_port, instance_gauge, named_replicas, serve_app, wait_for
 
 pytestmark = [pytest.mark.slow]
 
@@ -43,7 +43,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serv
                     "kind": "sim",
                     "served_model_name": "sim-tiny",
                     "block_size": 32,
-                    "sim_options": {"time_scale": 0.2},
+                    # the tiny profile's real step time: a 4,000-token answer runs for seconds
+                    "sim_options": {"time_scale": 1.0},
                     "cpu_tier": {"blocks": 256, "policy": "wa"},
                 },
                 "resources": {"num_cpus": 0.5},
@@ -89,6 +90,36 @@ def test_openai_client_end_to_end(client: openai.OpenAI) -> None:
         )
     )
     assert chunks[-1].usage.completion_tokens == 4
+
+
+def test_a_client_gone_before_a_whole_answer_frees_its_engine(
+    served: tuple[str, ServeConfig],
+) -> None:
+    """A request nobody streams is one unary call to its engine replica (``generate_whole``):
+    when the client gives up, Serve cancels the ingress's request, which cancels that call, and
+    the engine aborts the request: the ingress's gauges show it running, then 0 within 2 s,
+    where the whole answer (4,000 tokens at the tiny profile's step time) needs over 4 s."""
+    base = served[0]
+    body = {"model": "sim-tiny", "prompt": "nobody waits", "max_tokens": 4000, "min_tokens": 4000}
+    admin = {"authorization": f"Bearer {ADMIN}"}
+
+    def running() -> float:
+        return sum(instance_gauge(base, "kvroute_instance_running", admin).values())
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        call = pool.submit(
+            httpx.post,
+            f"{base}/v1/completions",
+            json=body,
+            headers={"authorization": f"Bearer {KEY}"},
+            timeout=1.0,
+        )
+        assert wait_for(lambda: running() == 1, 5.0, 0.02), "the request never showed running"
+        with pytest.raises(httpx.TimeoutException):
+            call.result()
+    gone = time.monotonic()
+    assert wait_for(lambda: running() == 0, 2.0, 0.05), "the engine kept running the request"
+    print(f"\nclient gone: its engine was free {time.monotonic() - gone:.2f} s later")
 
 
 @pytest.mark.parametrize(

@@ -276,8 +276,8 @@ def test_coalesce_merges_what_queued_up_behind_a_slow_consumer():
     """A consumer that takes 20 ms per output behind an engine stepping every ~1 ms gets fewer,
     larger outputs carrying the same tokens in order, one final with the usage; a fast one gets
     them as they come; ``whole`` gets one. Closing the coalesced stream early, or cancelling a
-    whole one while it waits, aborts the engine request."""
-    from engines.base import coalesce, merge_outputs
+    wait for the whole, aborts the engine request."""
+    from engines.base import coalesce, merge_outputs, whole
 
     async def run(delay_s: float) -> list[EngineOutput]:
         engine = SimEngine("e", kv_events_endpoint=None, time_scale=0.05)
@@ -294,16 +294,9 @@ def test_coalesce_merges_what_queued_up_behind_a_slow_consumer():
             await early.aclose()
             await asyncio.sleep(0.01)
             assert engine.load().running == 0  # the early close aborted it
-            one = coalesce(
-                engine.generate(msgspec.structs.replace(req, request_id="w")), whole=True
-            )
-            whole = [o async for o in one]
+            one = await whole(engine.generate(msgspec.structs.replace(req, request_id="w")))
             waiting = asyncio.ensure_future(
-                anext(
-                    coalesce(
-                        engine.generate(msgspec.structs.replace(req, request_id="c")), whole=True
-                    )
-                )
+                whole(engine.generate(msgspec.structs.replace(req, request_id="c")))
             )
             await asyncio.sleep(0.01)
             assert engine.load().running == 1
@@ -315,7 +308,7 @@ def test_coalesce_merges_what_queued_up_behind_a_slow_consumer():
         tokens = [t for o in plain for t in o.token_ids]
         assert [t for o in outs for t in o.token_ids] == tokens
         assert merge_outputs(plain).token_ids == tokens
-        assert len(whole) == 1 and whole[0].finished and whole[0].token_ids == tokens
+        assert one.finished and one.token_ids == tokens
         usage = outs[-1].usage
         assert outs[-1].finished and usage is not None and usage.completion_tokens == 40
         assert sum(o.finished for o in outs) == 1
