@@ -15,6 +15,7 @@ leading run at once.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import compress
 from typing import NamedTuple, TypeVar, overload
 
 import numpy as np
@@ -78,8 +79,8 @@ class MatchResult(Mapping[InstanceId, Match]):
         return isinstance(instance, str) and self.get(instance) is not None
 
     def __iter__(self) -> Iterator[InstanceId]:
-        inst = self._instance_at
-        return (inst[b] for b, n in enumerate(self._n_any) if n and b in inst)
+        inst, n_any = self._instance_at, self._n_any
+        return (inst[b] for b in compress(range(len(n_any)), n_any) if b in inst)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)

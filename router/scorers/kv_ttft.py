@@ -45,7 +45,10 @@ fit rather than preempting for it, and the estimate prices the queue.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
+from itertools import compress
+from operator import is_not
 
 import numpy as np
 
@@ -121,6 +124,7 @@ class KvTtftScorer(Scorer):
         self.kv_veto = kv_veto
         self.tie_s = tie_s
         self.calibration = TtftCalibration(calibration_window) if calibrate else None
+        self._index = _CandidateIndex()
 
     def profile_estimate(
         self, request: PlacementRequest, inst: InstanceView, m: Match | None
@@ -165,15 +169,21 @@ class KvTtftScorer(Scorer):
         instances: Sequence[InstanceView],
         match: Mapping[str, Match],
     ) -> Placement:
-        alive = healthy(instances)
-        pool = [i for i in alive if not self._vetoed(request, i)] or alive
+        pool: list[tuple[InstanceView, Match | None]]
+        if self.kv_veto is None and len(instances) >= _INDEXED_FROM:
+            pool = self._index.candidates(instances, match)
+            if not pool:
+                healthy(instances)  # raises: none is
+        else:
+            alive = healthy(instances)
+            vetted = [i for i in alive if not self._vetoed(request, i)] or alive
+            pool = [(i, match.get(i.instance_id)) for i in vetted]
         cal = self.calibration
         # NOTE: what ``estimate`` does, but instances in the same state for the profile (often:
         # no cached prefix, the same queue) are priced once: the profile's walk is the cost.
         priced: dict[tuple[int, ...], tuple[float, int]] = {}
         scored: list[tuple[float, int, float, InstanceView]] = []
-        for inst in pool:
-            m = match.get(inst.instance_id)
+        for inst, m in pool:
             key = (
                 id(inst.latency),
                 inst.block_size,
@@ -202,3 +212,114 @@ class KvTtftScorer(Scorer):
         cal, d = self.calibration, placement.detail
         if cal is not None and "profile_ttft_s" in d:
             cal.observe(float(d["profile_ttft_s"]), int(d["running"]), int(d["waiting"]), ttft_s)
+
+
+# from this many instances on (and without ``kv_veto``), ``place`` prices only the instances
+# ``_CandidateIndex`` says can win
+_INDEXED_FROM = 32
+
+
+class _CandidateIndex:
+    """The instances that can win a ``KvTtftScorer`` placement, without visiting them all.
+
+    Two healthy instances without a cached prefix and with the same profile key (latency model,
+    block size, queued prefill tokens, waiting requests) have the same profile estimate, and
+    the calibrated estimate only grows with running sequences (its coefficient is >= 0, and
+    float products and sums are monotonic). So among them, the first (in view order) of those
+    with the fewest running sequences has the lowest estimate and the lowest tie-break key
+    (running + waiting, estimate, position): none of the others can be chosen, and none sets the
+    best estimate that decides which are near-ties. The same holds for instances with a cached
+    prefix of the same length (GPU and all tiers) and profile key. The candidates are that one
+    per key, in view order: the choice among them is the choice among all, tie-breaks
+    included.
+
+    The groups are kept across placements: views arrive as the same objects while unchanged
+    (``LoadTracker.views``), so only the positions whose view is a new object are regrouped."""
+
+    def __init__(self) -> None:
+        self._views: list[InstanceView] = []
+        self._pos: dict[str, int] = {}
+        self._keys: list[tuple[int, int, int, int] | None] = []  # None: unhealthy
+        # profile key -> [(running, position)], sorted
+        self._groups: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
+
+    @staticmethod
+    def _key(v: InstanceView) -> tuple[int, int, int, int] | None:
+        if not v.healthy:
+            return None
+        return (id(v.latency), v.block_size, v.pending_prefill_tokens, v.waiting)
+
+    def _rebuild(self, views: Sequence[InstanceView]) -> None:
+        self._views = list(views)
+        self._pos = {v.instance_id: i for i, v in enumerate(views)}
+        self._keys = [self._key(v) for v in views]
+        groups: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
+        for i, (v, key) in enumerate(zip(views, self._keys, strict=True)):
+            if key is not None:
+                groups.setdefault(key, []).append((v.running, i))
+        for members in groups.values():
+            members.sort()
+        self._groups = groups
+
+    def _update(self, views: Sequence[InstanceView]) -> None:
+        old = self._views
+        if len(views) != len(old):
+            self._rebuild(views)
+            return
+        changed = list(compress(range(len(views)), map(is_not, views, old)))
+        if len(changed) * 4 > len(views):
+            self._rebuild(views)
+            return
+        keys, groups = self._keys, self._groups
+        for i in changed:
+            was, v = old[i], views[i]
+            if v.instance_id != was.instance_id:  # another roster: start over
+                self._rebuild(views)
+                return
+            key = keys[i]
+            if key is not None:
+                members = groups[key]
+                del members[bisect.bisect_left(members, (was.running, i))]
+                if not members:
+                    del groups[key]
+            keys[i] = key = self._key(v)
+            if key is not None:
+                bisect.insort(groups.setdefault(key, []), (v.running, i))
+            old[i] = v
+
+    def candidates(
+        self, views: Sequence[InstanceView], match: Mapping[str, Match]
+    ) -> list[tuple[InstanceView, Match | None]]:
+        """The healthy instances of ``views`` that can win, with their cached prefix, in view
+        order (empty: none is healthy)."""
+        self._update(views)
+        pos, keys = self._pos, self._keys
+        # instances with a cached prefix: the first with the fewest running sequences per
+        # profile key, the prefix included
+        best: dict[tuple[int, ...], tuple[int, int]] = {}
+        cached: dict[int, Match] = {}
+        for iid in match:
+            i = pos.get(iid)
+            if i is None:
+                continue
+            key = keys[i]
+            m = match.get(iid)
+            if key is None or m is None:
+                continue
+            cached[i] = m
+            k = (*key, m.gpu_blocks, m.total_blocks)
+            r = (views[i].running, i)
+            if r < best.get(k, (1 << 62, 0)):
+                best[k] = r
+        out: list[tuple[int, Match | None]] = [(i, cached[i]) for _, i in best.values()]
+        for members in self._groups.values():
+            for _, i in members:
+                if i not in cached:
+                    out.append((i, None))
+                    break
+        out.sort(key=_first)
+        return [(views[i], m) for i, m in out]
+
+
+def _first(x: tuple[int, Match | None]) -> int:
+    return x[0]

@@ -529,3 +529,62 @@ def test_router_core_apply_registers_and_refreshes_from_the_load_bus() -> None:
     core.add_instance("b")  # registered after its sample arrived
     core.pump(1.2)
     assert core.load.views(1.2)[0].waiting == 2
+
+
+def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one() -> None:
+    """From ``_INDEXED_FROM`` instances on, kv_ttft prices only those that can win; through
+    views that change a few at a time (others kept, as LoadTracker keeps them), rosters that
+    change, unhealthy instances and calibrations, it chooses what pricing all of them chooses,
+    with the same estimate, tie-breaks included."""
+    import random
+
+    from router.scorers import kv_ttft
+
+    rng = random.Random(3)
+    fast, full = create_scorer("kv_ttft"), create_scorer("kv_ttft")
+    slow, other = Linear(), Linear(tok_s=5_000.0, load_tok_s=100.0)  # CPU hits cost there
+    n = kv_ttft._INDEXED_FROM + 8
+
+    def fresh(iid: str) -> InstanceView:
+        return InstanceView(
+            iid,
+            BS,
+            rng.choice([slow, slow, other]),
+            waiting=rng.choice([0, 0, 0, 1, 2]),
+            running=rng.choice([0, 1, 1, 2, 5]),
+            pending_prefill_tokens=rng.choice([0, 0, 0, 64, 640]),
+            healthy=rng.random() > 0.05,
+        )
+
+    views = [fresh(f"i{k}") for k in range(n)]
+    for step in range(300):
+        for _ in range(rng.choice([0, 1, 3, n])):
+            k = rng.randrange(len(views))
+            views[k] = fresh(views[k].instance_id)
+        if step % 50 == 49:  # an instance leaves, another joins
+            views = [*views[1:], fresh(f"j{step}")]
+        r = req(rng.randrange(1, 40))
+        match = {
+            v.instance_id: Match(g, g + rng.choice([0, 2]))
+            for v in rng.sample(views, rng.choice([0, 1, 3, 12]))
+            for g in [rng.choice([0, 0, 1, 2, rng.randrange(0, 30)])]
+        }
+        for s in (fast, full):
+            assert s.calibration is not None
+            s.calibration.a, s.calibration.b = (1.0, 0.0) if step < 100 else (1.3, 0.01)
+        if not any(v.healthy for v in views):
+            continue
+        got = fast.place(r, list(views), match)
+        kv_ttft._INDEXED_FROM, saved = 10**9, kv_ttft._INDEXED_FROM
+        try:
+            want = full.place(r, list(views), match)
+        finally:
+            kv_ttft._INDEXED_FROM = saved
+        assert got == want
+    # the first of many equal idle instances holds a prefix that costs more to load from its
+    # CPU tier than to compute: the next one wins, though it shares the first one's group
+    same = [InstanceView(f"s{k}", BS, other) for k in range(n)]
+    assert fast.place(req(8), same, {"s0": Match(0, 5)}).instance_id == "s1"
+    # two with the same GPU run, the first with more of it on CPU: the second one wins
+    got = fast.place(req(8), same, {"s0": Match(2, 7), "s1": Match(2, 2)})
+    assert got.instance_id == "s1"
