@@ -92,34 +92,49 @@ def test_openai_client_end_to_end(client: openai.OpenAI) -> None:
     assert chunks[-1].usage.completion_tokens == 4
 
 
-def test_a_client_gone_before_a_whole_answer_frees_its_engine(
-    served: tuple[str, ServeConfig],
-) -> None:
-    """A request nobody streams is one unary call to its engine replica (``generate_whole``):
-    when the client gives up, Serve cancels the ingress's request, which cancels that call, and
-    the engine aborts the request: the ingress's gauges show it running, then 0 within 2 s,
-    where the whole answer (4,000 tokens at the tiny profile's step time) needs over 4 s."""
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_gone_frees_its_engine(served: tuple[str, ServeConfig], stream: bool) -> None:
+    """A client that gives up on a 4,000-token answer (over 4 s at the tiny profile's step
+    time): Serve cancels the ingress's request, which cancels its engine call (the unary
+    ``generate_whole`` of a request nobody streams, or the stream), and the engine aborts the
+    request. The ingress's gauges show it running, then 0 within 2 s."""
     base = served[0]
-    body = {"model": "sim-tiny", "prompt": "nobody waits", "max_tokens": 4000, "min_tokens": 4000}
+    body = {
+        "model": "sim-tiny",
+        "prompt": "nobody waits",
+        "max_tokens": 4000,
+        "min_tokens": 4000,
+        "stream": stream,
+    }
     admin = {"authorization": f"Bearer {ADMIN}"}
 
     def running() -> float:
         return sum(instance_gauge(base, "kvroute_instance_running", admin).values())
 
+    def call() -> None:
+        headers = {"authorization": f"Bearer {KEY}"}
+        url = f"{base}/v1/completions"
+        if not stream:
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(url, json=body, headers=headers, timeout=1.0)
+            return
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=30) as r:
+            assert r.status_code == 200
+            started = time.monotonic()
+            for _ in r.iter_lines():
+                if time.monotonic() - started > 1.0:
+                    break  # NOTE: leaving iter_lines closes the connection: the client is gone
+
     with cf.ThreadPoolExecutor(1) as pool:
-        call = pool.submit(
-            httpx.post,
-            f"{base}/v1/completions",
-            json=body,
-            headers={"authorization": f"Bearer {KEY}"},
-            timeout=1.0,
-        )
+        done = pool.submit(call)
         assert wait_for(lambda: running() == 1, 5.0, 0.02), "the request never showed running"
-        with pytest.raises(httpx.TimeoutException):
-            call.result()
+        done.result()
     gone = time.monotonic()
     assert wait_for(lambda: running() == 0, 2.0, 0.05), "the engine kept running the request"
-    print(f"\nclient gone: its engine was free {time.monotonic() - gone:.2f} s later")
+    print(
+        f"\nclient gone ({'streamed' if stream else 'whole'}): engine free after "
+        f"{time.monotonic() - gone:.2f} s"
+    )
 
 
 @pytest.mark.parametrize(
