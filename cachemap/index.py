@@ -24,21 +24,24 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 @jit
+def _probe(tk, tv, shift, mask, k):  # type: ignore[no-untyped-def]
+    """(value, cell) of key ``k`` in the table; value -1 when absent."""
+    p = np.int64((k * _GOLDEN) >> shift)
+    while True:
+        t = tv[p]
+        if t == EMPTY:
+            return -1, p
+        if t >= 0 and tk[p] == k:
+            return t, p
+        p = (p + 1) & mask
+
+
+@jit
 def _find(tk, tv, shift, mask, keys, out, stop_at_miss):  # type: ignore[no-untyped-def]
     """Fill ``out`` with each key's value (-1: absent); returns how many entries were filled
     (all, or with ``stop_at_miss`` the length of the leading run of present keys)."""
     for i in range(keys.shape[0]):
-        k = keys[i]
-        p = np.int64((k * _GOLDEN) >> shift)
-        v = -1
-        while True:
-            t = tv[p]
-            if t == EMPTY:
-                break
-            if t >= 0 and tk[p] == k:
-                v = t
-                break
-            p = (p + 1) & mask
+        v = _probe(tk, tv, shift, mask, keys[i])[0]
         out[i] = v
         if v < 0 and stop_at_miss:
             return i
@@ -65,17 +68,10 @@ def _insert(tk, tv, shift, mask, keys, vals):  # type: ignore[no-untyped-def]
 def _delete(tk, tv, shift, mask, keys):  # type: ignore[no-untyped-def]
     removed = 0
     for i in range(keys.shape[0]):
-        k = keys[i]
-        p = np.int64((k * _GOLDEN) >> shift)
-        while True:
-            t = tv[p]
-            if t == EMPTY:
-                break
-            if t >= 0 and tk[p] == k:
-                tv[p] = TOMBSTONE
-                removed += 1
-                break
-            p = (p + 1) & mask
+        v, p = _probe(tk, tv, shift, mask, keys[i])
+        if v >= 0:
+            tv[p] = TOMBSTONE
+            removed += 1
     return removed
 
 
@@ -132,6 +128,16 @@ class HashIndex:
         removed = int(_delete(self._keys, self._vals, self._shift, self._mask, keys))
         self._live -= removed
         return removed
+
+    def table(self) -> tuple[U64, npt.NDArray[np.int32], np.uint64, int]:
+        """The probe table (keys, values, shift, mask), for kernels that find keys and act on
+        what they find in one pass (``CacheMap.remove``); such a kernel that tombstones cells
+        says how many through ``deleted``."""
+        return self._keys, self._vals, self._shift, self._mask
+
+    def deleted(self, n: int) -> None:
+        """``n`` live entries were tombstoned in the ``table`` by a kernel."""
+        self._live -= n
 
     def items(self) -> tuple[U64, I64]:
         live = self._vals >= 0

@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cachemap.hashing import BlockHash, InstanceId, Tier, as_tier
-from cachemap.index import HashIndex
+from cachemap.index import TOMBSTONE, HashIndex, _probe
 from cachemap.jit import jit
 
 _TIERS: tuple[Tier, ...] = tuple(Tier)
@@ -179,15 +179,14 @@ class CacheMap:
         tier = as_tier(tier)
         bit = self._bit(instance)
         hs = np.asarray(hashes, np.uint64)
-        idx = self._index.get(hs)
         w, m = divmod(bit, 64)
-        added, missing = _set_bits(self._mask[tier], idx, w, m)
-        if missing:
-            # NOTE: a hash may repeat within one call; its first position defines the node.
-            pos = _first_missing(hs, idx)
+        # NOTE: one kernel finds the hashes, sets the bit on the known ones and lists the new
+        # ones (a hash may repeat within one call: its first position defines the node)
+        added, pos = _store_known(*self._index.table(), hs, self._mask[tier], w, m)
+        if len(pos):
             at = self._alloc(len(pos))
             self._index.insert(hs[pos], at)
-            _init_nodes(
+            added += _store_new(
                 self._hash,
                 self._parent,
                 self._has_parent,
@@ -198,8 +197,10 @@ class CacheMap:
                 np.uint64(parent if parent is not None else 0),
                 parent is not None,
                 depth,
+                self._mask[tier],  # NOTE: after _alloc, which may regrow it
+                w,
+                m,
             )
-            added += _set_bits(self._mask[tier], at, w, m)[0]  # NOTE: _alloc may regrow it
         self._count[tier][instance] += added
         return int(added)
 
@@ -226,15 +227,21 @@ class CacheMap:
         bit = self._bit_of.get(instance)
         if bit is None:
             return 0
-        idx = self._index.get(np.fromiter(hashes, np.uint64))
+        hs = np.fromiter(hashes, np.uint64)
         w, m = divmod(bit, 64)
-        dead = np.empty(len(idx), np.int64)
-        held, n_dead = _clear_bits(
-            self._mask[tier], self._mask[Tier.GPU], self._mask[Tier.CPU], idx, w, m, dead
+        dead = np.empty(len(hs), np.int64)
+        # NOTE: one kernel finds the slots, clears the bits and takes the nodes left with no
+        # holder out of the index (the rest of ``_free_slots`` follows)
+        mask = self._mask
+        held, n_dead = _remove(
+            *self._index.table(), hs, mask[tier], mask[Tier.GPU], mask[Tier.CPU], w, m, dead
         )
         self._count[tier][instance] -= held
         if n_dead:
-            self._free_slots(np.sort(dead[:n_dead]))
+            self._index.deleted(n_dead)
+            dead = np.sort(dead[:n_dead])
+            self._has_parent[dead] = False
+            self._free.extend(dead.tolist())
         return int(held)
 
     def clear(self, instance: str, tier: Tier | None = None) -> int:
@@ -432,63 +439,19 @@ def _leading_runs(gpu, cpu, idx, n_gpu, n_any):  # type: ignore[no-untyped-def]
 
 
 @jit
-def _first_missing(hs, idx):  # type: ignore[no-untyped-def]
-    """Positions of the first occurrence of each key of ``hs`` absent from the index (``idx``
-    < 0), in ascending key order: ``np.unique(hs[idx < 0], return_index=True)``'s indices."""
-    miss = np.flatnonzero(idx < 0)
-    keys = hs[miss]
-    order = np.argsort(keys, kind="mergesort")  # stable: equal keys keep their first position
-    out = np.empty(len(miss), np.int64)
-    n = 0
-    for j in range(len(order)):
-        if j == 0 or keys[order[j]] != keys[order[j - 1]]:
-            out[n] = miss[order[j]]
-            n += 1
-    return out[:n]
-
-
-@jit
-def _init_nodes(hash_, parent, has_parent, depth, at, hs, pos, root, has_root, depth0):  # type: ignore[no-untyped-def]
-    """Fill the columns of new slots ``at``, each the node of chain position ``pos``: the chain
-    ``hs`` starts at ``depth0`` below ``root`` (a parent only when ``has_root``)."""
-    for j in range(at.shape[0]):
-        s, p = at[j], pos[j]
-        hash_[s] = hs[p]
-        if p > 0:
-            parent[s], has_parent[s] = hs[p - 1], True
-        else:
-            parent[s], has_parent[s] = root, has_root
-        depth[s] = depth0 + p
-
-
-@jit
-def _set_bits(mask, idx, w, m):  # type: ignore[no-untyped-def]
-    """Set bit ``m`` of word ``w`` in rows ``idx`` of ``mask`` (a row may repeat; -1: absent,
-    skipped). Returns (rows that did not have it yet, absent entries)."""
-    flag = np.uint64(1) << np.uint64(m)
-    added = 0
-    missing = 0
-    for i in range(idx.shape[0]):
-        s = idx[i]
-        if s < 0:
-            missing += 1
-        elif not mask[s, w] & flag:
-            mask[s, w] |= flag
-            added += 1
-    return added, missing
-
-
-@jit
-def _clear_bits(mask, gpu, cpu, idx, w, m, dead):  # type: ignore[no-untyped-def]
-    """Clear bit ``m`` of word ``w`` in rows ``idx`` of ``mask`` (-1: absent, skipped; a row may
-    repeat). Rows left with no bit on either tier (``gpu``, ``cpu``) go to ``dead``, in order.
-    Returns (rows cleared, rows written to ``dead``)."""
+def _remove(tk, tv, shift, tmask, keys, mask, gpu, cpu, w, m, dead):  # type: ignore[no-untyped-def]
+    """Clear bit ``m`` of word ``w`` in ``mask``'s rows of ``keys`` (found in the index table
+    ``tk``, ``tv``, ``shift``, ``tmask``: ``HashIndex.table``; absent keys and rows without
+    the bit are skipped, a key may repeat). Rows left with no bit on either tier (``gpu``,
+    ``cpu``) go to ``dead``, in order, and their keys are tombstoned in the table afterwards,
+    as ``HashIndex.delete`` would. Returns (rows cleared, dead rows)."""
     flag = np.uint64(1) << np.uint64(m)
     words = mask.shape[1]
+    cells = np.empty(keys.shape[0], np.int64)
     held = 0
     n_dead = 0
-    for i in range(idx.shape[0]):
-        s = idx[i]
+    for i in range(keys.shape[0]):
+        s, p = _probe(tk, tv, shift, tmask, keys[i])
         if s < 0 or not mask[s, w] & flag:
             continue
         mask[s, w] &= ~flag
@@ -500,8 +463,62 @@ def _clear_bits(mask, gpu, cpu, idx, w, m, dead):  # type: ignore[no-untyped-def
                 break
         if not live:
             dead[n_dead] = s
+            cells[n_dead] = p
             n_dead += 1
+    for j in range(n_dead):
+        tv[cells[j]] = TOMBSTONE
     return held, n_dead
+
+
+@jit
+def _store_known(tk, tv, shift, tmask, keys, mask, w, m):  # type: ignore[no-untyped-def]
+    """Set bit ``m`` of word ``w`` in ``mask``'s rows of the ``keys`` the index table holds
+    (``HashIndex.table``; a key may repeat). Returns (rows that did not have it yet, the
+    position of the first occurrence of each absent key, in ascending key order)."""
+    flag = np.uint64(1) << np.uint64(m)
+    n = keys.shape[0]
+    miss = np.empty(n, np.int64)
+    n_miss = 0
+    added = 0
+    for i in range(n):
+        s = _probe(tk, tv, shift, tmask, keys[i])[0]
+        if s < 0:
+            miss[n_miss] = i
+            n_miss += 1
+        elif not mask[s, w] & flag:
+            mask[s, w] |= flag
+            added += 1
+    miss = miss[:n_miss]
+    missing_keys = keys[miss]
+    order = np.argsort(missing_keys, kind="mergesort")  # stable: equal keys keep their first
+    out = np.empty(n_miss, np.int64)
+    n_out = 0
+    for j in range(n_miss):
+        if j == 0 or missing_keys[order[j]] != missing_keys[order[j - 1]]:
+            out[n_out] = miss[order[j]]
+            n_out += 1
+    return added, out[:n_out]
+
+
+@jit
+def _store_new(hash_, parent, has_parent, depth, at, hs, pos, root, has_root, depth0, mask, w, m):  # type: ignore[no-untyped-def]
+    """Fill the columns of new slots ``at``, each the node of chain position ``pos`` (the chain
+    ``hs`` starts at ``depth0`` below ``root``, a parent only when ``has_root``), and set bit
+    ``m`` of word ``w`` in their ``mask`` rows. Returns how many rows got it."""
+    flag = np.uint64(1) << np.uint64(m)
+    added = 0
+    for j in range(at.shape[0]):
+        s, p = at[j], pos[j]
+        hash_[s] = hs[p]
+        if p > 0:
+            parent[s], has_parent[s] = hs[p - 1], True
+        else:
+            parent[s], has_parent[s] = root, has_root
+        depth[s] = depth0 + p
+        if not mask[s, w] & flag:
+            mask[s, w] |= flag
+            added += 1
+    return added
 
 
 def _bit_counts(runs: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
