@@ -88,7 +88,6 @@ class LoadTracker:
         # removed and registered again sees the requests still in flight on it.
         self._local: dict[str, _Local] = {}
         self._registered: dict[str, None] = {}  # since the last ``take_registered``
-        self._failed: set[str] = set()  # instances with failures since their last snapshot
         # the views of the last ``views`` call, in registration order (None: rebuild all),
         # the instances whose view may have changed since, and for each view built from a
         # fresh snapshot that snapshot's time (it goes stale as ``now`` moves on)
@@ -104,12 +103,10 @@ class LoadTracker:
     ) -> None:
         self._instances[instance_id] = _Instance(block_size, latency, kv_capacity_blocks)
         self._registered[instance_id] = None
-        self._failed.discard(instance_id)
         self._order = None
 
     def remove(self, instance_id: str) -> None:
         if self._instances.pop(instance_id, None) is not None:
-            self._failed.discard(instance_id)
             self._order = None
 
     def instance_ids(self) -> list[str]:
@@ -126,18 +123,16 @@ class LoadTracker:
         self._registered.clear()
         return out
 
-    def failed(self) -> list[str]:
-        """The instances marked failed since their last accepted snapshot."""
-        return list(self._failed)
-
     def on_snapshot(self, snap: LoadSnapshot) -> None:
         iid = snap.instance_id
         inst = self._instances.get(iid)
         if inst is not None and (inst.snapshot is None or snap.ts >= inst.snapshot.ts):
+            # NOTE: only a newer sample clears failures: the same one applied again says nothing
+            # of the engine since the failure
+            newer = inst.snapshot is None or snap.ts > inst.snapshot.ts
             inst.snapshot = snap
-            if inst.failures:
+            if inst.failures and newer:
                 inst.failures = 0
-                self._failed.discard(iid)
             self._dirty.add(iid)
 
     def mark_failed(self, instance_id: str) -> None:
@@ -145,7 +140,6 @@ class LoadTracker:
         inst = self._instances.get(instance_id)
         if inst is not None:
             inst.failures += 1
-            self._failed.add(instance_id)
             self._dirty.add(instance_id)
 
     def assigned(

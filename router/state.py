@@ -208,15 +208,15 @@ class RouterCore:
         for iid in dropped:
             self.load.remove(iid)
         loads, load = self.watcher.loads, self.load
-        # NOTE: every instance with a sample is known and holds its latest sample afterwards
-        # (a sample clears its failures too). Only the ones sampled, or registered, since the
+        # NOTE: every instance with a sample is known and holds its latest sample afterwards (a
+        # newer sample clears its failures). Only the ones sampled, or registered, since the
         # last call can lack it: the others are not visited (hundreds of engines, each pump).
         if not load.knows_all(loads):
             known = set(load.instance_ids())
             for iid in loads:  # in sample order, the order instances are registered in
                 if iid not in known:
                     self.add_instance(iid)
-        for iid in (*self.watcher.take_sampled(), *load.take_registered(), *load.failed()):
+        for iid in (*self.watcher.take_sampled(), *load.take_registered()):
             sample = loads.get(iid)
             if sample is not None:
                 load.on_snapshot(sample)

@@ -502,7 +502,7 @@ def test_load_tracker_views_are_kept_while_unchanged_and_equal_a_fresh_build() -
 def test_router_core_apply_registers_and_refreshes_from_the_load_bus() -> None:
     """What a pump applies: a sampled instance is registered (in sample order) and holds its
     latest sample; one registered after its sample arrived gets it at the next pump; a failed
-    instance is back at the next pump that has a sample of it."""
+    instance is back with its next sample, not before."""
     from cachemap.bus import InProcessBus
     from engines.forwarder import encode_load
     from router.state import RouterCore
@@ -523,8 +523,11 @@ def test_router_core_apply_registers_and_refreshes_from_the_load_bus() -> None:
     assert (v.instance_id, v.waiting, v.healthy) == ("b", 2, True)
     core.failed("b")
     assert not core.load.views(1.1)[0].healthy
-    core.pump(1.15)  # no new sample, but b has one: as at every pump, it counts again
-    assert core.load.views(1.15)[0].healthy
+    core.pump(1.15)  # no new sample: skipped until one comes (``mark_failed``'s contract)
+    assert not core.load.views(1.15)[0].healthy
+    loads.publish(encode_load(LoadSnapshot("b", 1.15, 2, 0, 0.0, 0.0, 0)))
+    core.pump(1.16)
+    assert core.load.views(1.16)[0].healthy
     core.load.remove("b")
     core.add_instance("b")  # registered after its sample arrived
     core.pump(1.2)
