@@ -39,10 +39,6 @@ class BusHub:
         self._resync: set[str] = set()
 
     @_quiet
-    def publish(self, payload: bytes) -> int:
-        return self._bus.publish(payload)
-
-    @_quiet
     def publish_many(self, payloads: list[bytes]) -> int:
         return self._bus.publish_many(payloads)
 
@@ -116,13 +112,10 @@ class RayEventBus(EventBus):
     def publish(self, payload: bytes) -> int:
         """Append; fire-and-forget returns -1 (the hub assigns the offset later, see ``flush``),
         a ``sync`` client waits for the offset (the full ``EventBus`` contract)."""
-        if self.sync:
-            return self.publish_sync(payload)
-        self._last = self._hub.publish.remote(payload)
-        return -1
+        return self.publish_many((payload,))
 
     def publish_sync(self, payload: bytes) -> int:
-        return int(ray.get(self._hub.publish.remote(payload)))
+        return int(ray.get(self._hub.publish_many.remote([payload])))
 
     def publish_many(self, payloads: Sequence[bytes]) -> int:
         """One actor call for all of ``payloads`` (fire-and-forget unless ``sync``)."""

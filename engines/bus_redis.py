@@ -55,10 +55,7 @@ class RedisStreamBus(EventBus):
         self._publish = self._redis.register_script(_PUBLISH)
 
     def publish(self, payload: bytes) -> int:
-        keys = [self.stream, self._counter, self._epoch_key]
-        # NOTE: a fresh candidate per message: a publisher that outlives a Redis restart must not
-        # give the new log the old epoch, or readers would never see the reset
-        return int(self._publish(keys=keys, args=[payload, self.maxlen, uuid.uuid4().hex]))
+        return self.publish_many((payload,))
 
     def publish_many(self, payloads: Sequence[bytes]) -> int:
         """One round trip for all of ``payloads`` (a pipeline of the same atomic script)."""
@@ -67,6 +64,8 @@ class RedisStreamBus(EventBus):
         keys = [self.stream, self._counter, self._epoch_key]
         pipe = self._redis.pipeline(transaction=False)
         for payload in payloads:
+            # NOTE: a fresh epoch candidate per message: a publisher that outlives a Redis
+            # restart must not give the new log the old epoch, or readers would never see it
             self._publish(keys=keys, args=[payload, self.maxlen, uuid.uuid4().hex], client=pipe)
         return int(pipe.execute()[-1])
 
