@@ -1,8 +1,9 @@
-"""Composition root: the Serve application of ``kvroute serve`` (ingress + engine pool).
+"""Composition root: the Serve application of ``kvroute serve`` (ingress + engine pools).
 
-The engine deployment carries the request router (kvroute's ``KvRequestRouter``, or Ray's
-``PrefixCacheAffinityRouter`` as a peer); each ingress replica runs the OpenAI API, keeps its own
-cache map fed by the event bus, and shares it with the request router in its process.
+Each engine pool is a Serve deployment carrying the request router (kvroute's
+``KvRequestRouter``, told its pool; or Ray's ``PrefixCacheAffinityRouter`` as a peer, one pool
+only); each ingress replica runs the OpenAI API, keeps its own cache map fed by the
+deployment's event bus, and shares it with the request routers in its process.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from deploy.config import (
     api_keys,
     placement_recorder,
 )
+from engines.config import EngineDeploymentConfig
 from engines.deployment import build_engine_app, open_buses
 from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.tiny_model import resolve_model
@@ -29,6 +31,7 @@ from router.admission import Admission
 from router.dispatch import Dispatcher
 from router.ingress import IngressConfig, build_app
 from router.placement import create_scorer
+from router.pools import Pool
 from router.serve_client import ServeEngineClient
 from router.state import RouterState, register_state, unregister_state
 from router.tokenizer import PromptTokenizer
@@ -38,36 +41,45 @@ log = logging.getLogger(__name__)
 
 
 def _tokenizer_path(cfg: ServeConfig) -> str:
-    return cfg.tokenizer or str(resolve_model(cfg.engines.engine.model))
+    return cfg.tokenizer or str(resolve_model(cfg.engine.model))
 
 
-def latency_profile(cfg: ServeConfig) -> LatencyProfile:
-    """The profile the router prices engines with, under the engines' own scheduler limits
-    (a profile's per-token costs carry over; its batching limits are configuration)."""
-    ecfg = cfg.engines.engine
+def latency_profile(cfg: ServeConfig, pool: EngineDeploymentConfig | None = None) -> LatencyProfile:
+    """The profile the router prices ``pool``'s engines with (default: the first pool's), under
+    the engines' own scheduler limits (a profile's per-token costs carry over; its batching
+    limits are configuration)."""
+    ecfg = (pool or cfg.engine_pools[0]).engine
     name = cfg.router.profile or ecfg.profile or DEFAULT_PROFILE
     return LatencyProfile.load(name).with_limits(
         ecfg.max_num_batched_tokens, ecfg.long_prefill_token_threshold
     )
 
 
+def router_pools(cfg: ServeConfig) -> list[Pool]:
+    """What the router knows of each engine pool: role, block size, cost model, capacity."""
+    out = []
+    for p in cfg.engine_pools:
+        profile = latency_profile(cfg, p)
+        ecfg = p.engine
+        capacity = ecfg.kv_blocks or profile.kv_capacity_tokens // ecfg.block_size
+        out.append(Pool(p.name, p.role, ecfg.block_size, profile, capacity))
+    return out
+
+
 @serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class IngressDeployment:
-    def __init__(self, engine: Any, config: dict[str, Any]) -> None:
+    def __init__(self, engines: dict[str, Any], config: dict[str, Any]) -> None:
+        """``engines``: each pool's deployment handle, by pool name."""
         self.cfg = cfg = ServeConfig.model_validate(config)
         setup_tracing()
-        ecfg = cfg.engines.engine
-        profile = latency_profile(cfg)
-        kv_bus, load_bus = open_buses(cfg.engines.bus)
+        kv_bus, load_bus = open_buses(cfg.deployment_bus)
         pre_place = cfg.router.scorer != RAY_PREFIX_ROUTER
         self.state = RouterState(
             scorer=create_scorer(cfg.router.scorer, **cfg.router.scorer_options)
             if pre_place
             else "least_loaded",
-            latency=profile,
-            block_size=ecfg.block_size,
-            kv_capacity_blocks=(ecfg.kv_blocks or profile.kv_capacity_tokens // ecfg.block_size),
+            pools=router_pools(cfg),
             kv_bus=kv_bus,
             load_bus=load_bus,
             admission=Admission(
@@ -81,10 +93,11 @@ class IngressDeployment:
         register_state(cfg.app_name, self.state)
         self.state.start(cfg.router.bus_poll_s)
         self.tokenizer = PromptTokenizer(_tokenizer_path(cfg))
-        self.dispatcher = Dispatcher(self.state, ServeEngineClient(engine), pre_place=pre_place)
+        client = ServeEngineClient(engines, self.state.pool_name)
+        self.dispatcher = Dispatcher(self.state, client, pre_place=pre_place)
 
     def __serve_build_asgi_app__(self) -> Any:
-        ecfg = self.cfg.engines.engine
+        ecfg = self.cfg.engine
         return build_app(
             IngressConfig(
                 model=ecfg.model_name,
@@ -96,7 +109,7 @@ class IngressDeployment:
                 router_id=serve.get_replica_context().replica_id.unique_id,
                 rate_limit=self.cfg.router.rate_limit_rps,
                 rate_burst=self.cfg.router.rate_limit_burst,
-                pins=ecfg.cpu_tier is not None,
+                pins=any(p.engine.cpu_tier is not None for p in self.cfg.engine_pools),
                 engine_kind=ecfg.kind,
                 max_body_bytes=self.cfg.router.max_body_bytes,
             ),
@@ -110,16 +123,18 @@ class IngressDeployment:
 
 
 def build_serve_app(cfg: ServeConfig) -> Application:
-    if cfg.router.scorer == RAY_PREFIX_ROUTER:
-        rr = RequestRouterConfig(
-            request_router_class="ray.serve.llm.request_router:PrefixCacheAffinityRouter"
-        )
-    else:
-        rr = RequestRouterConfig(
-            request_router_class="router.serve_router:KvRequestRouter",
-            request_router_kwargs={"state_key": cfg.app_name},
-        )
-    engine = build_engine_app(cfg.engines, request_router_config=rr)
+    engines = {}
+    for pool in cfg.engine_pools:
+        if cfg.router.scorer == RAY_PREFIX_ROUTER:
+            rr = RequestRouterConfig(
+                request_router_class="ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+            )
+        else:
+            rr = RequestRouterConfig(
+                request_router_class="router.serve_router:KvRequestRouter",
+                request_router_kwargs={"state_key": cfg.app_name, "pool": pool.name},
+            )
+        engines[pool.name] = build_engine_app(pool, request_router_config=rr)
     router = cfg.router
     return IngressDeployment.options(
         num_replicas=router.replicas,
@@ -129,7 +144,7 @@ def build_serve_app(cfg: ServeConfig) -> Application:
         # The replica takes what admission may hold (running + waiting) and answers the rest
         # with its own 429s.
         max_ongoing_requests=router.max_in_flight + router.max_queue,
-    ).bind(engine, cfg.model_dump())
+    ).bind(engines, cfg.to_dict())
 
 
 def wait_until_ready(base_url: str, instances: int, timeout_s: float = 300.0) -> None:
@@ -152,7 +167,7 @@ def wait_until_ready(base_url: str, instances: int, timeout_s: float = 300.0) ->
 def delete_app(cfg: ServeConfig) -> None:
     """Delete the Serve app and the event-bus hubs its engines published to."""
     serve.delete(cfg.app_name)
-    for bus in open_buses(cfg.engines.bus, create=False):
+    for bus in open_buses(cfg.deployment_bus, create=False):
         kill = getattr(bus, "kill", None)  # Ray-actor hubs; Redis streams outlive the app
         if kill is not None:
             kill()

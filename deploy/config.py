@@ -15,8 +15,9 @@ from pydantic import (
     model_validator,
 )
 
-from engines.config import EngineDeploymentConfig, StrictModel
+from engines.config import BusConfig, EngineConfig, EngineDeploymentConfig, StrictModel
 from router.placement import create_scorer, scorer_names
+from router.pools import Pool, check_pools
 from router.state import BUS_POLL_S, JsonlRecorder
 
 RAY_PREFIX_ROUTER = "ray_prefix"  # Ray Serve's own PrefixCacheAffinityRouter, as a peer
@@ -142,14 +143,101 @@ def placement_recorder(cfg: RouterConfig) -> JsonlRecorder | None:
 
 
 class ServeConfig(StrictModel):
+    """A deployment: engine pools, the event bus they share, and the router (ingress).
+
+    One colocated pool is ``engines``; several (``router.pools``: e.g. a prefill and a decode
+    pool) are ``pools``, which replaces it. The bus belongs to the deployment: ``bus`` (a
+    single ``engines`` pool may still name it as ``engines.bus``)."""
+
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     app_name: str = Field("kvroute", min_length=1)
     engines: EngineDeploymentConfig = Field(
-        default_factory=lambda: EngineDeploymentConfig(instances=2)
+        default_factory=lambda: EngineDeploymentConfig(instances=2),
+        description="the engine pool of a colocated deployment (role 'both')",
+    )
+    pools: list[EngineDeploymentConfig] = Field(
+        default_factory=list,
+        description="the engine pools, each its own Serve deployment with a distinct name and "
+        "a role; replaces 'engines'",
+    )
+    bus: BusConfig | None = Field(
+        None, description="the event bus of every pool; default: engines.bus, or a Ray bus"
     )
     router: RouterConfig = Field(default_factory=RouterConfig)
     tokenizer: str | None = Field(None, description="HF tokenizer dir; default: the model's")
+
+    @model_validator(mode="after")
+    def _pools_fit(self) -> ServeConfig:
+        if self.pools:
+            if "engines" in self.model_fields_set:
+                raise ValueError("engines: give either 'engines' (one pool) or 'pools', not both")
+            bus = self.bus or BusConfig()
+            for i, p in enumerate(self.pools):
+                if "bus" in p.model_fields_set and p.bus != bus:
+                    raise ValueError(
+                        f"pools.{i}.bus: the bus belongs to the deployment; set 'bus' at the top"
+                    )
+        elif self.bus is not None and self.engines.bus not in (self.bus, BusConfig()):
+            raise ValueError("bus: give either 'bus' or 'engines.bus', not both")
+        elif self.engines.role != "both":
+            raise ValueError(
+                f"engines.role: a single pool must be 'both', got {self.engines.role!r}; "
+                "use 'pools' for prefill and decode pools"
+            )
+        first = self.engine_pools[0].engine
+        for i, p in enumerate(self.engine_pools[1:], 1):
+            for key in ("model_name", "block_size", "max_model_len"):
+                if getattr(p.engine, key) != getattr(first, key):
+                    raise ValueError(
+                        f"pools.{i}.engine.{key}: every pool serves the same model with the "
+                        f"same {key} (the router tokenizes and hashes once), got "
+                        f"{getattr(p.engine, key)!r} against {getattr(first, key)!r}"
+                    )
+        try:
+            check_pools(tuple(Pool(p.name, p.role, p.engine.block_size) for p in self.engine_pools))
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        if self.router.scorer == RAY_PREFIX_ROUTER and len(self.engine_pools) > 1:
+            raise ValueError(
+                f"router.scorer: {RAY_PREFIX_ROUTER!r} places within one Serve deployment; "
+                "it cannot serve several pools"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict that validates back to this config (what crosses into replicas): with
+        pools, the unused single-pool default is left out."""
+        if not self.pools:
+            return self.model_dump()
+        data = self.model_dump(exclude={"engines"})
+        data["pools"] = [p.model_dump() for p in self.engine_pools]
+        return data
+
+    @property
+    def deployment_bus(self) -> BusConfig:
+        """The event bus every pool publishes on and every router replica reads."""
+        if self.bus is not None:
+            return self.bus
+        return BusConfig() if self.pools else self.engines.bus
+
+    @property
+    def engine_pools(self) -> tuple[EngineDeploymentConfig, ...]:
+        """Every pool, each carrying the deployment's bus (what its replicas open)."""
+        bus = self.deployment_bus
+        pools = self.pools or [self.engines]
+        return tuple(p if p.bus == bus else p.model_copy(update={"bus": bus}) for p in pools)
+
+    @property
+    def engine(self) -> EngineConfig:
+        """The engine settings the router serves with (model, block size, context): the first
+        pool's, which every pool shares."""
+        return self.engine_pools[0].engine
+
+    @property
+    def instances(self) -> int:
+        """Engine instances over all pools."""
+        return sum(p.instances for p in self.engine_pools)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ServeConfig:
@@ -168,5 +256,7 @@ class ServeConfig(StrictModel):
             return cls.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
-            where = ".".join(str(x) for x in err["loc"]) or "<root>"
-            raise ValueError(f"{source}: {where}: {err['msg']}") from None
+            msg = err["msg"].removeprefix("Value error, ")
+            where = ".".join(str(x) for x in err["loc"])
+            # a check of the whole config names its field in the message itself
+            raise ValueError(f"{source}: {where}: {msg}" if where else f"{source}: {msg}") from None

@@ -34,14 +34,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace) -> ServeConfig:
     base = ServeConfig.from_yaml(args.config) if args.config else ServeConfig()
-    data: dict[str, Any] = base.model_dump()
-    eng = data["engines"]
-    if args.engine:
-        eng["engine"]["kind"] = args.engine
-    if args.model:
-        eng["engine"]["model"] = args.model
+    data: dict[str, Any] = base.to_dict()
+    pools = data.get("pools") or [data["engines"]]
+    for pool in pools:
+        if args.engine:
+            pool.setdefault("engine", {})["kind"] = args.engine
+        if args.model:
+            pool.setdefault("engine", {})["model"] = args.model
     if args.instances is not None:
-        eng["instances"] = args.instances
+        if data.get("pools"):
+            raise ValueError("--instances: the config has pools; set each pool's instances in it")
+        data["engines"]["instances"] = args.instances
     if args.router:
         data["router"]["scorer"] = args.router
     if args.slo_ttft_ms is not None:
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ray_address:
         ray.init(address=args.ray_address)
     else:
-        need = cfg.engines.instances * cfg.engines.resources.num_cpus + 1
+        need = sum(p.instances * p.resources.num_cpus for p in cfg.engine_pools) + 1
         ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -75,12 +78,15 @@ def run(args: argparse.Namespace) -> int:
         serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
         local = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
         try:
-            wait_until_ready(f"http://{local}:{cfg.port}", cfg.engines.instances)
+            wait_until_ready(f"http://{local}:{cfg.port}", cfg.instances)
         except TimeoutError as e:  # serve anyway: the ingress reports 503 until engines join
             print(f"kvroute: warning: {e}", file=sys.stderr, flush=True)
         print(
-            f"kvroute serving {cfg.engines.engine.model_name!r} on "
-            f"{cfg.engines.instances} {cfg.engines.engine.kind} engine(s), "
+            f"kvroute serving {cfg.engine.model_name!r} on "
+            + ", ".join(
+                f"{p.instances} {p.engine.kind} {p.role} engine(s)" for p in cfg.engine_pools
+            )
+            + ", "
             f"router {cfg.router.scorer}: http://{cfg.host}:{cfg.port}/v1",
             flush=True,
         )

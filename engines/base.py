@@ -237,6 +237,9 @@ class LoadSnapshot(msgspec.Struct, array_like=True, tag="load"):
     cpu_kv_usage: float  # fraction of the CPU tier occupied, 0..1 (0 without a CPU tier)
     queued_prefill_tokens: int  # prompt tokens still to prefill (waiting + running)
     running_context_tokens: int = 0  # tokens of context held by running requests
+    # the engine pool the instance serves in (its deployment's name; router.pools): a router
+    # that learns the instance from the bus files it there. "": the router's default pool
+    pool: str = ""
 
 
 class EngineError(RuntimeError):

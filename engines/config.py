@@ -20,6 +20,7 @@ from engines.tiny_model import TINY_MODEL
 
 EngineKind = Literal["sim", "vllm"]
 BusBackend = Literal["ray", "redis"]
+PoolRole = Literal["both", "prefill", "decode"]  # router.pools.Role
 REDIS_PASSWORD_ENV = "KVROUTE_REDIS_PASSWORD"
 
 
@@ -239,7 +240,12 @@ class BusConfig(StrictModel):
 class EngineDeploymentConfig(StrictModel):
     """A pool of identical engine instances behind one Serve deployment."""
 
-    name: str = Field("engine", min_length=1, description="Serve deployment name")
+    name: str = Field("engine", min_length=1, description="Serve deployment name (the pool's)")
+    role: PoolRole = Field(
+        "both",
+        description="what the pool's engines do: 'both' prefill and decode their own requests; "
+        "'prefill' engines compute prompts and hand their KV to a 'decode' pool's engines",
+    )
     engine: EngineConfig = Field(default_factory=EngineConfig)
     instances: int = Field(1, ge=1, le=1024, description="replicas, one engine instance each")
     resources: ReplicaResources = Field(default_factory=ReplicaResources)

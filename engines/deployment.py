@@ -195,7 +195,7 @@ class EngineDeployment:
             endpoint,
             replay_endpoint=self.engine.kv_events_replay_endpoint,
             load_bus=loads,
-            load_fn=self.engine.load,
+            load_fn=self.load,
             load_interval_s=self.config.load_interval_s,
             publish_interval_s=self.config.publish_interval_s,
             resync_poll=(lambda: take(self.instance_id)) if take is not None else None,
@@ -241,7 +241,10 @@ class EngineDeployment:
         return self.instance_id, str(serve.get_replica_context().replica_id.to_full_id_str())
 
     def load(self) -> LoadSnapshot:
-        return self.engine.load()
+        """The engine's load sample, naming this replica's pool (the deployment's name)."""
+        snap = self.engine.load()
+        snap.pool = self.config.name
+        return snap
 
     def resync(self) -> None:
         """Publish a full residency ``Snapshot`` of this instance on the event bus."""

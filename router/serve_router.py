@@ -5,6 +5,8 @@ Configured on the engine deployment with ``request_router_config``
 checks, replica membership and back-pressure (``max_ongoing_requests``) while kvroute picks the
 replica. It runs in the caller's process (the ingress replica) and shares that process's
 ``RouterState`` (registered under ``state_key``): the map the ingress's pump thread keeps.
+Each engine pool is a deployment of its own with its own request router, which reports its
+replica set as that pool's membership (``pool``): pools never drop each other's instances.
 
 NOTE: Serve ships this class to the caller pickled *by value* (``RequestRouterConfig`` registers
 this module with cloudpickle), so a module-level global here would be a fresh copy in the
@@ -47,11 +49,17 @@ def _routed(pending: PendingRequest | None) -> RoutedRequest | KvCommand | None:
 
 class KvRequestRouter(RequestRouter):
     def initialize_state(
-        self, state_key: str = "default", sticky_attempts: int = 3, **_: Any
+        self,
+        state_key: str = "default",
+        sticky_attempts: int = 3,
+        pool: str | None = None,
+        **_: Any,
     ) -> None:
+        """``pool``: the engine pool this deployment is (None: the router's default pool)."""
         if sticky_attempts < 1:
             raise ValueError(f"sticky_attempts must be >= 1, got {sticky_attempts}")
         self._state_key = state_key
+        self._pool = pool
         self._sticky_attempts = sticky_attempts
         # internal request id -> choose_replicas calls so far (bounded: oldest dropped)
         self._attempts: OrderedDict[str, int] = OrderedDict()
@@ -72,16 +80,19 @@ class KvRequestRouter(RequestRouter):
         super().update_replicas(replicas)
         state = self.state
         if state is not None:
-            state.sync_instances(r.replica_id.unique_id for r in replicas)
+            state.sync_instances((r.replica_id.unique_id for r in replicas), self._pool)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         state = self.state
         if state is not None:
             state.sync_instances(
-                r.replica_id.unique_id
-                for r in self._replicas.values()
-                if r.replica_id != replica_id
+                (
+                    r.replica_id.unique_id
+                    for r in self._replicas.values()
+                    if r.replica_id != replica_id
+                ),
+                self._pool,
             )
 
     async def choose_replicas(
@@ -101,7 +112,9 @@ class KvRequestRouter(RequestRouter):
         target = routed.target_instance
         if target not in by_id:
             try:
-                state.sync_instances(r.replica_id.unique_id for r in self._replicas.values())
+                state.sync_instances(
+                    (r.replica_id.unique_id for r in self._replicas.values()), self._pool
+                )
                 preq = request_for_placement(routed)
                 placement = state.place(preq, candidates=list(by_id))
             except NoInstanceError:

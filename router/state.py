@@ -39,6 +39,7 @@ from router.placement import (
     Scorer,
     create_scorer,
 )
+from router.pools import DEFAULT_POOL, Pool, Role, check_pools
 
 log = logging.getLogger(__name__)
 
@@ -141,15 +142,24 @@ class RouterCore:
         admission: Admission | None = None,
         stale_after_s: float = STALE_AFTER_S,
         recorder: PlacementRecorder | None = None,
+        pools: Sequence[Pool] | None = None,
     ) -> None:
         """``kv_bus`` and ``load_bus`` come together (or neither: the caller then drives the
         core by hand); an instance silent on the load bus for ``stale_after_s`` is dropped.
         After a sequence gap the event bus's own ``request_resync`` (where it has one) asks the
-        instance's forwarder for a snapshot."""
+        instance's forwarder for a snapshot.
+
+        ``pools``: the deployment's engine pools (``router.pools``); the first is the default
+        pool, where instances go that name no pool. None: one pool of role ``both`` named
+        ``DEFAULT_POOL`` from ``latency``, ``block_size`` and ``kv_capacity_blocks``."""
         self.scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
-        self.latency = latency
-        self.block_size = block_size
-        self.kv_capacity_blocks = kv_capacity_blocks
+        if pools is None:
+            pools = (Pool(DEFAULT_POOL, "both", block_size, latency, kv_capacity_blocks),)
+        self.pools: dict[str, Pool] = {p.name: p for p in pools}
+        check_pools(tuple(pools))
+        self.default_pool = pools[0]
+        self.block_size = self.default_pool.block_size
+        self._pool_of: dict[str, Pool] = {}  # instance -> its pool
         self.cache_map = CacheMap()
         self.ingestor = CacheMapIngestor(self.cache_map)
         self.load = LoadTracker(stale_after_s)
@@ -171,24 +181,55 @@ class RouterCore:
 
     # -- membership ------------------------------------------------------------------------------
 
-    def sync_instances(self, instance_ids: Iterable[str]) -> None:
-        """Make the known instances exactly ``instance_ids`` (Serve's live replica set); an
-        instance that left is dropped from the cache map too. New instances are registered in
-        sorted order, so scorers that break ties by position see the same order in every
-        process (router replicas, repeated simulations), not a set's hash order."""
+    def sync_instances(self, instance_ids: Iterable[str], pool: str | None = None) -> None:
+        """Make the known instances of ``pool`` (default: the default pool) exactly
+        ``instance_ids`` (Serve's live replica set of that pool's deployment); an instance
+        that left is dropped from the cache map too, and other pools are untouched. New
+        instances are registered in sorted order, so scorers that break ties by position see
+        the same order in every process (router replicas, repeated simulations), not a set's
+        hash order. An instance known in another pool moves to this one."""
+        target = self._pool(pool)
         want = set(instance_ids)
-        have = set(self.load.instance_ids())
+        have = {iid for iid, p in self._pool_of.items() if p is target}
         for iid in sorted(want - have):
-            self.add_instance(iid)
+            self.add_instance(iid, target.name)
         for iid in sorted(have - want):
             self.remove_instance(iid)
 
-    def add_instance(self, iid: str) -> None:
-        if self.latency is None:
+    def _pool(self, name: str | None) -> Pool:
+        if name is None:
+            return self.default_pool
+        pool = self.pools.get(name)
+        if pool is None:
+            raise ValueError(f"unknown pool {name!r}; pools: {', '.join(self.pools)}")
+        return pool
+
+    def add_instance(self, iid: str, pool: str | None = None) -> None:
+        """Register ``iid`` as an instance of ``pool`` (default: the default pool)."""
+        p = self._pool(pool)
+        if p.latency is None:
             raise RuntimeError("the router needs a latency model to add instances")
-        self.load.register(iid, self.block_size, self.latency, self.kv_capacity_blocks)
+        self.load.register(iid, p.block_size, p.latency, p.kv_capacity_blocks)
+        self._pool_of[iid] = p
+
+    def pool_of(self, iid: str) -> Pool | None:
+        """The pool of a known instance (None: not known)."""
+        return self._pool_of.get(iid)
+
+    def members(self, roles: Iterable[Role] | None = None) -> list[str]:
+        """The known instances (of the given roles), in registration order."""
+        if roles is None:
+            return list(self._pool_of)
+        want = set(roles)
+        return [iid for iid, p in self._pool_of.items() if p.role in want]
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether the deployment has prefill or decode pools (requests may go in two legs)."""
+        return any(p.role != "both" for p in self.pools.values())
 
     def remove_instance(self, iid: str) -> None:
+        self._pool_of.pop(iid, None)
         self.load.remove(iid)
         self.cache_map.drop_instance(iid)
         if self.watcher is not None:
@@ -207,15 +248,17 @@ class RouterCore:
         dropped = self.watcher.apply(fetched, now)
         for iid in dropped:
             self.load.remove(iid)
+            self._pool_of.pop(iid, None)
         loads, load = self.watcher.loads, self.load
         # NOTE: every instance with a sample is known and holds its latest sample afterwards (a
         # newer sample clears its failures). Only the ones sampled, or registered, since the
         # last call can lack it: the others are not visited (hundreds of engines, each pump).
         if not load.knows_all(loads):
             known = set(load.instance_ids())
-            for iid in loads:  # in sample order, the order instances are registered in
+            pools = self.pools
+            for iid, sample in loads.items():  # in sample order: the order of registration
                 if iid not in known:
-                    self.add_instance(iid)
+                    self.add_instance(iid, sample.pool if sample.pool in pools else None)
         for iid in (*self.watcher.take_sampled(), *load.take_registered()):
             sample = loads.get(iid)
             if sample is not None:
@@ -329,9 +372,14 @@ class RouterState:
     def block_size(self) -> int:
         return self.core.block_size
 
-    def sync_instances(self, instance_ids: Iterable[str]) -> None:
+    def sync_instances(self, instance_ids: Iterable[str], pool: str | None = None) -> None:
         with self._lock:
-            self.core.sync_instances(instance_ids)
+            self.core.sync_instances(instance_ids, pool)
+
+    def pool_name(self, iid: str | None) -> str:
+        """The pool of instance ``iid``; the default pool's for an unknown one or None."""
+        p = self.core.pool_of(iid) if iid is not None else None
+        return (p or self.core.default_pool).name
 
     def pump(self, now: float | None = None) -> None:
         """Apply what the buses hold now: events, load samples, liveness, resync requests."""

@@ -156,7 +156,7 @@ def serve_app(cfg: ServeConfig, timeout_s: float = 60.0) -> Iterator[str]:
     try:
         serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
         base = f"http://127.0.0.1:{cfg.port}"
-        wait_until_ready(base, cfg.engines.instances, timeout_s)
+        wait_until_ready(base, cfg.instances, timeout_s)
         try:
             yield base
         finally:

@@ -46,6 +46,21 @@ def test_defaults_are_two_sim_engines_on_localhost() -> None:
         ),
         ({"engines": {"engine": {"kind": "vllm", "cpu_tier": {"gib": 4}}}}, "CPU build refuses"),
         ({"router": {"admin_key": "plain"}}, "admin_key"),
+        ({"engines": {"role": "prefill"}}, "engines.role"),
+        ({"pools": [{"name": "p", "role": "prefill"}]}, "needs a decode"),
+        ({"pools": [{"name": "d", "role": "decode"}]}, "needs a prefill"),
+        ({"pools": [{"name": "a"}, {"name": "a"}]}, "'a' is used twice"),
+        ({"pools": [{"name": "a"}], "engines": {"instances": 1}}, "either 'engines'"),
+        ({"pools": [{"name": "a", "bus": {"name": "x"}}]}, r"pools\.0\.bus"),
+        ({"bus": {"name": "x"}, "engines": {"bus": {"name": "y"}}}, "either 'bus'"),
+        (
+            {"pools": [{"name": "a"}, {"name": "b", "engine": {"block_size": 16}}]},
+            r"pools\.1\.engine\.block_size",
+        ),
+        (
+            {"pools": [{"name": "a"}, {"name": "b"}], "router": {"scorer": "ray_prefix"}},
+            "router.scorer",
+        ),
     ],
 )
 def test_bad_settings_name_the_field(data: dict, field: str) -> None:
@@ -125,3 +140,44 @@ def test_ray_serve_env_is_set_where_the_operator_set_nothing_and_on_every_ray_st
             starts += [(path.name, c) for c in data.get(key) or [] if "ray start" in c]
     assert {name for name, _ in starts} == {"cluster.yaml", "cluster-local.yaml"}
     assert all(c.startswith(prefix + " ") for _, c in starts), starts
+
+
+def test_pools_share_the_deployment_bus_and_the_flags_reach_every_pool() -> None:
+    import argparse
+
+    from deploy.serve import add_arguments, build_config
+
+    cfg = ServeConfig.validated(
+        {
+            "pools": [
+                {"name": "prefill", "role": "prefill", "instances": 1},
+                {"name": "decode", "role": "decode", "instances": 2},
+            ],
+            "bus": {"backend": "redis", "name": "pd"},
+        }
+    )
+    assert cfg.instances == 3 and cfg.engine.block_size == 32
+    assert [p.bus.name for p in cfg.engine_pools] == ["pd", "pd"]
+    back = ServeConfig.validated(cfg.to_dict())  # what crosses into the replicas
+    assert back.engine_pools == cfg.engine_pools and back.router == cfg.router
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "small"])
+    args.config = None
+    single = build_config(args)
+    assert single.engines.instances == 2 and single.engine.model == "small"
+
+
+def test_pool_flags_refuse_instances_without_a_single_pool(tmp_path: Path) -> None:
+    import argparse
+
+    from deploy.serve import add_arguments, build_config
+
+    f = tmp_path / "pd.yaml"
+    f.write_text("pools:\n  - {name: p, role: prefill}\n  - {name: d, role: decode}\n")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = build_config(parser.parse_args(["--config", str(f), "--engine", "sim"]))
+    assert [p.role for p in cfg.engine_pools] == ["prefill", "decode"]
+    with pytest.raises(ValueError, match="--instances"):
+        build_config(parser.parse_args(["--config", str(f), "--instances", "3"]))
