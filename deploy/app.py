@@ -30,6 +30,7 @@ from engines.tiny_model import resolve_model
 from router.admission import Admission
 from router.dispatch import Dispatcher
 from router.ingress import IngressConfig, build_app
+from router.pd import PdPlanner, TransferModel
 from router.placement import create_scorer
 from router.pools import Pool
 from router.serve_client import ServeEngineClient
@@ -53,6 +54,22 @@ def latency_profile(cfg: ServeConfig, pool: EngineDeploymentConfig | None = None
     return LatencyProfile.load(name).with_limits(
         ecfg.max_num_batched_tokens, ecfg.long_prefill_token_threshold
     )
+
+
+def pd_planner(cfg: ServeConfig) -> PdPlanner | None:
+    """The planner of a deployment with prefill or decode pools (None: colocated only); the
+    KV it prices per token is the decode pool's model's."""
+    pools = cfg.engine_pools
+    if all(p.role == "both" for p in pools):
+        return None
+    decode = next(p for p in pools if p.role != "prefill")
+    r = cfg.router
+    transfer = TransferModel(
+        latency_profile(cfg, decode).kv_bytes_per_token,
+        r.pd_transfer_gbps,
+        r.pd_transfer_latency_ms / 1e3,
+    )
+    return PdPlanner(transfer, r.pd_max_local_prefill_tokens, r.pd_overload_factor)
 
 
 def router_pools(cfg: ServeConfig) -> list[Pool]:
@@ -80,6 +97,7 @@ class IngressDeployment:
             if pre_place
             else "least_loaded",
             pools=router_pools(cfg),
+            planner=pd_planner(cfg),
             kv_bus=kv_bus,
             load_bus=load_bus,
             admission=Admission(

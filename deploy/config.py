@@ -16,6 +16,12 @@ from pydantic import (
 )
 
 from engines.config import BusConfig, EngineConfig, EngineDeploymentConfig, StrictModel
+from router.pd import (
+    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    DEFAULT_OVERLOAD_FACTOR,
+    DEFAULT_TRANSFER_GBPS,
+    DEFAULT_TRANSFER_LATENCY_S,
+)
 from router.placement import create_scorer, scorer_names
 from router.pools import Pool, check_pools
 from router.state import BUS_POLL_S, JsonlRecorder
@@ -88,6 +94,28 @@ class RouterConfig(StrictModel):
         "replaced after the check that finds it)",
     )
     max_body_bytes: int = Field(4 << 20, ge=1024)
+    pd_transfer_gbps: float = Field(
+        DEFAULT_TRANSFER_GBPS,
+        gt=0,
+        description="prefill/decode pools: KV hand-over bandwidth the router prices, GB/s",
+    )
+    pd_transfer_latency_ms: float = Field(
+        DEFAULT_TRANSFER_LATENCY_S * 1e3,
+        ge=0,
+        description="prefill/decode pools: fixed cost of one KV hand-over, ms",
+    )
+    pd_max_local_prefill_tokens: int = Field(
+        DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+        ge=0,
+        description="prefill/decode pools: a request with at most this many uncached prompt "
+        "tokens runs whole on a decode engine when the TTFT estimate favours it (0: never)",
+    )
+    pd_overload_factor: float | None = Field(
+        DEFAULT_OVERLOAD_FACTOR,
+        ge=1,
+        description="prefill/decode pools: a request whose split is priced above this many "
+        "times its colocated TTFT estimate runs whole on a decode engine (None: never)",
+    )
     placement_log: str | None = Field(
         None,
         description="append every placement (candidates, load, cached blocks, choice) as a JSON "

@@ -4,7 +4,7 @@ directly; used by the router-overhead benchmark and HTTP-layer tests, and fine f
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -12,13 +12,15 @@ from fastapi import FastAPI
 
 from cachemap.bus import EventBus, InProcessBus
 from cachemap.ingest import EngineEventTranslator
-from engines.base import Engine
+from engines.base import Engine, LoadSnapshot
 from engines.forwarder import KvEventForwarder
 from router.admission import Admission
 from router.dispatch import Dispatcher
 from router.ingress import IngressConfig, build_app
 from router.local_client import LocalEngineClient
+from router.pd import PdPlanner
 from router.placement import LatencyModel, Scorer
+from router.pools import Pool
 from router.state import PlacementRecorder, RouterState
 from router.tokenizer import PromptTokenizer
 
@@ -39,13 +41,19 @@ class LocalStack:
         recorder: PlacementRecorder | None = None,
         buses: tuple[EventBus, EventBus] | None = None,
         forward: bool = True,
+        pools: Sequence[Pool] | None = None,
+        pool_of: Mapping[str, str] | None = None,
+        planner: PdPlanner | None = None,
         **ingress: Any,
     ) -> None:
         """``ingress``: ``IngressConfig`` fields past model, context and block size (api_keys,
         admin_keys, pins, session_hints, rate_limit ...). ``buses``: the (KV-event, load) buses
         (default: in-process ones). ``forward=False``: another stack runs these engines and their
-        forwarders on ``buses``, and this one is one more router replica over them."""
+        forwarders on ``buses``, and this one is one more router replica over them.
+        ``pools``/``pool_of``/``planner``: engine pools (``router.pools``), each engine's pool
+        by id (default: the first pool), and the prefill/decode planner they need."""
         self.engines = dict(engines)
+        self.pool_of = dict(pool_of or {})
         self.model, self.block_size = model, block_size
         self.kv_bus, self.load_bus = buses or (InProcessBus(), InProcessBus())
         self.forward = forward
@@ -58,6 +66,8 @@ class LocalStack:
             load_bus=self.load_bus,
             admission=admission,
             recorder=recorder,
+            pools=pools,
+            planner=planner,
         )
         self.client = LocalEngineClient(self.engines)
         self.dispatcher = Dispatcher(self.state, self.client)
@@ -81,12 +91,17 @@ class LocalStack:
                 endpoint,
                 replay_endpoint=engine.kv_events_replay_endpoint,
                 load_bus=self.load_bus,
-                load_fn=engine.load,
+                load_fn=partial(_pooled_load, engine, self.pool_of.get(iid, "")),
                 resync_poll=partial(take, iid) if take is not None else None,
             )
             fwd.start()
             self.forwarders.append(fwd)
-        self.state.sync_instances(self.engines)
+        for pool in self.state.core.pools:
+            default = pool == self.state.core.default_pool.name
+            members = [
+                i for i in self.engines if self.pool_of.get(i, pool if default else "") == pool
+            ]
+            self.state.sync_instances(members, pool)
         self.state.start()
 
     async def stop(self) -> None:
@@ -95,3 +110,10 @@ class LocalStack:
             fwd.stop(gone=True)
         for engine in self.engines.values() if self.forward else ():
             await engine.stop()
+
+
+def _pooled_load(engine: Engine, pool: str) -> LoadSnapshot:
+    """``engine``'s load sample naming its pool (as ``EngineDeployment.load`` does)."""
+    snap = engine.load()
+    snap.pool = pool
+    return snap

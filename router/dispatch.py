@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 from typing import Any, Protocol
 
 import msgspec
+from opentelemetry import trace
 
-from engines.base import EngineError, EngineOutput, KvCommand, RoutedRequest, Usage
-from router.placement import Placement, PlacementRequest
+from engines.base import EngineError, EngineOutput, KvCommand, RoutedRequest, Usage, whole
+from router.hints import HINTS_KEY
+from router.placement import NoInstanceError, Placement, PlacementRequest
 from router.state import RouterState
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer("kvroute.router")
 
 
 class EngineClient(Protocol):
@@ -75,6 +80,14 @@ class Dispatcher:
         self.failovers = 0
         self.migrations = 0  # requests moved to another engine after their first token
         self.overrides = 0  # requests an engine reported running off their placement
+        # prefill/decode: requests handed from a prefill to a decode engine; those that ran
+        # whole on a decode engine (conditional disaggregation); hand-overs that failed and
+        # were recomputed on a decode engine
+        self.pd_split = 0
+        self.pd_colocated = 0
+        self.pd_recomputed = 0
+        self.pd_prefill_s = 0.0  # total seconds of prefill legs that handed KV over
+        self.pd_handed_tokens = 0  # total prompt tokens planned to be handed over
 
     def placement_request(self, routed: RoutedRequest) -> PlacementRequest:
         return request_for_placement(routed)
@@ -88,6 +101,11 @@ class Dispatcher:
         if not self.pre_place:
             return None
         placement = self.state.place(preq, exclude=exclude)
+        if self.state.disaggregated:
+            if placement.prefill is not None:
+                self.pd_split += 1
+            else:
+                self.pd_colocated += 1
         estimate = placement.estimated_ttft_s
         if gate:
             self.state.admission.check_slo(estimate + waited_s if estimate is not None else None)
@@ -117,6 +135,14 @@ class Dispatcher:
             current.request.expected_cached_tokens = (
                 self.state.cached_tokens(preq, placement) if placement is not None else 0
             )
+            if placement is not None and placement.prefill is not None:
+                handed = await self._prefill(current, preq, placement)
+                if handed is None:  # no prefill engine could do it: recompute on the decoder
+                    placement = replace(placement, prefill=None, transfer_tokens=0)
+                    self.pd_recomputed += 1
+                else:
+                    current = handed
+                current.target_instance = placement.instance_id
             if placement is not None:
                 self.state.assigned(preq, placement)
             # NOTE: a failover replaces ``placement`` and ``preq`` before ``finally``
@@ -164,9 +190,15 @@ class Dispatcher:
                 else:
                     log.warning("engine %s failed before the first token, retrying: %s", where, e)
                     self.failovers += 1
+                    if current is not routed and not generated:  # the hand-over or decode failed
+                        current, preq = routed, self.placement_request(routed)
+                        self.pd_recomputed += 1
                 # NOTE: no SLO gate: the request was admitted, and an accepted request is
                 # served (only NoInstanceError, with no instance left, ends it here)
-                placement = self.place(preq, tried, gate=False)
+                if self.state.disaggregated:  # re-run whole on a decode engine
+                    placement = self.state.plan(preq, exclude=tried)
+                else:
+                    placement = self.place(preq, tried, gate=False)
             finally:
                 # closed early (its choice was stopped): close the engine's stream now, not
                 # whenever it is collected, so that the engine aborts the request at once
@@ -175,6 +207,80 @@ class Dispatcher:
                     await close()
                 if running is not None:
                     self.state.finished(running_preq, running.instance_id)
+
+    async def _prefill(
+        self, routed: RoutedRequest, preq: PlacementRequest, placement: Placement
+    ) -> RoutedRequest | None:
+        """The prefill leg of a disaggregated request: the prompt on ``placement.prefill`` with
+        ``max_tokens=1`` and ``do_remote_decode``, retried on another prefill engine when one
+        fails. Returns ``routed`` for the decode engine, carrying what the prefill engine
+        returned in ``kv_transfer_params`` (unchanged, the router's hints merged in); None when
+        no prefill engine could do it or the engine returned no parameters (the decode engine
+        then computes the prompt itself)."""
+        prefill: Placement | None = placement.prefill
+        tried: set[str] = set()
+        leg = _prefill_leg(routed)
+        leg_preq = self.placement_request(leg)
+        started = time.monotonic()
+        while prefill is not None:
+            iid = prefill.instance_id
+            leg.target_instance = iid
+            leg.request.expected_cached_tokens = self.state.cached_tokens(leg_preq, prefill)
+            self.state.assigned(leg_preq, prefill)
+            try:
+                with tracer.start_as_current_span("kvroute.prefill_leg") as span:
+                    span.set_attribute("kvroute.instance", iid)
+                    span.set_attribute("kvroute.transfer_tokens", placement.transfer_tokens)
+                    out = await whole(self.client.stream(leg))
+                self.state.first_token(leg_preq.request_id)  # one token: its TTFT, observed
+            except (EngineError, ConnectionError, OSError) as e:
+                log.warning("prefill engine %s failed, retrying: %s", iid, e)
+                self.state.failed(iid)
+                tried.add(iid)
+                prefill = self._next_prefill(leg_preq, tried)
+                continue
+            finally:
+                self.state.finished(leg_preq, iid)
+            if not out.kv_transfer_params:
+                log.warning(
+                    "prefill engine %s returned no kv_transfer_params: is its KV connector "
+                    "configured? recomputing on the decode engine",
+                    prefill.instance_id,
+                )
+                return None
+            self.pd_prefill_s += time.monotonic() - started
+            self.pd_handed_tokens += placement.transfer_tokens
+            params = {**(routed.request.kv_transfer_params or {}), **out.kv_transfer_params}
+            hints = (routed.request.kv_transfer_params or {}).get(HINTS_KEY)
+            if hints is not None:
+                params[HINTS_KEY] = hints
+            request = msgspec.structs.replace(routed.request, kv_transfer_params=params)
+            return msgspec.structs.replace(routed, request=request)
+        return None
+
+    def _next_prefill(self, preq: PlacementRequest, tried: set[str]) -> Placement | None:
+        """Another prefill engine for a prefill leg whose engine failed (None: none is left)."""
+        try:
+            again = self.state.place(preq, exclude=tried)
+        except NoInstanceError:
+            return None
+        return again.prefill
+
+
+def _prefill_leg(routed: RoutedRequest) -> RoutedRequest:
+    """The prefill leg of ``routed``: request ``<id>-prefill``, one token, answered whole, with
+    ``do_remote_decode`` added to its ``kv_transfer_params`` (vLLM's contract)."""
+    r = routed.request
+    sampling = msgspec.structs.replace(r.sampling, max_tokens=1, min_tokens=0)
+    params = {**(r.kv_transfer_params or {}), "do_remote_decode": True, "do_remote_prefill": False}
+    request = msgspec.structs.replace(
+        r,
+        request_id=f"{r.request_id}-prefill",
+        sampling=sampling,
+        stream=False,
+        kv_transfer_params=params,
+    )
+    return msgspec.structs.replace(routed, request=request, target_instance=None)
 
 
 def _continuation(routed: RoutedRequest, generated: list[int], leg: int) -> RoutedRequest | None:

@@ -54,6 +54,32 @@ class RouterMetrics:
             "Requests Serve delivered to another engine than placement chose",
             registry=r,
         )
+        self.pd_requests = Gauge(
+            "kvroute_pd_requests",
+            "Prefill/decode pools: requests split (prefill engine, then decode engine), run "
+            "whole on a decode engine (colocated: skipped the prefill pool), or recomputed on a "
+            "decode engine after a failed hand-over",
+            ["path"],
+            registry=r,
+        )
+        self.pd_prefill_seconds = Gauge(
+            "kvroute_pd_prefill_seconds",
+            "Total seconds of prefill legs that handed their KV over (per request: divide by "
+            "kvroute_pd_requests{path='split'})",
+            registry=r,
+        )
+        self.pd_handed_tokens = Gauge(
+            "kvroute_pd_handed_tokens",
+            "Total prompt tokens whose KV was handed from a prefill to a decode engine (bytes: "
+            "times the model's KV bytes per token)",
+            registry=r,
+        )
+        self.pool_waiting = Gauge(
+            "kvroute_pool_waiting", "Requests waiting, summed over a pool", ["pool"], registry=r
+        )
+        self.pool_running = Gauge(
+            "kvroute_pool_running", "Requests running, summed over a pool", ["pool"], registry=r
+        )
         self.bus_errors = Gauge("kvroute_bus_errors", "Event bus read errors", registry=r)
         self.ttft_calibration = Gauge(
             "kvroute_ttft_calibration",
@@ -99,13 +125,26 @@ class RouterMetrics:
         self.queued.set(state.admission.queued)
         self.bus_errors.set(state.bus_errors)
         self.resync_pending.set(len(state.needs_resync()))
+        if state.disaggregated:
+            self.pd_requests.labels("split").set(dispatcher.pd_split)
+            self.pd_requests.labels("colocated").set(dispatcher.pd_colocated)
+            self.pd_requests.labels("recomputed").set(dispatcher.pd_recomputed)
+            self.pd_prefill_seconds.set(dispatcher.pd_prefill_s)
+            self.pd_handed_tokens.set(dispatcher.pd_handed_tokens)
         per_instance = (self.instance_waiting, self.instance_running, self.instance_kv_usage)
-        for gauge in per_instance:
+        for gauge in (*per_instance, self.pool_waiting, self.pool_running):
             gauge.clear()
+        pools: dict[str, list[int]] = {name: [0, 0] for name in state.core.pools}
         for v in state.views():
             self.instance_waiting.labels(v.instance_id).set(v.waiting)
             self.instance_running.labels(v.instance_id).set(v.running)
             self.instance_kv_usage.labels(v.instance_id).set(v.gpu_kv_usage)
+            totals = pools[state.pool_name(v.instance_id)]
+            totals[0] += v.waiting
+            totals[1] += v.running
+        for name, (waiting, running) in pools.items():
+            self.pool_waiting.labels(name).set(waiting)
+            self.pool_running.labels(name).set(running)
         cal = getattr(state.scorer, "calibration", None)
         if cal is not None:
             for coef in ("a", "b", "c", "d", "samples"):

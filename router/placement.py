@@ -77,6 +77,10 @@ class Placement:
     estimated_ttft_s: float | None = None  # set by scorers that estimate it
     cached_blocks: int = 0  # leading blocks the chosen instance holds (GPU or CPU)
     detail: Mapping[str, Any] = field(default_factory=dict)
+    # prefill/decode (router.pd): where the prompt is computed first, its KV then handed to
+    # ``instance_id`` (the decode engine); None: the request runs whole on ``instance_id``
+    prefill: Placement | None = None
+    transfer_tokens: int = 0  # prompt tokens whose KV the decode engine loads
 
 
 class NoInstanceError(RuntimeError):

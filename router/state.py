@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol, TextIO
 
 from cachemap import CacheMap, Match
@@ -30,6 +31,7 @@ from cachemap.ingest import CacheMapIngestor
 from engines.liveness import STALE_AFTER_S, EngineWatcher
 from router.admission import Admission
 from router.load import LoadTracker
+from router.pd import PdPlanner
 from router.placement import (
     InstanceView,
     LatencyModel,
@@ -143,6 +145,7 @@ class RouterCore:
         stale_after_s: float = STALE_AFTER_S,
         recorder: PlacementRecorder | None = None,
         pools: Sequence[Pool] | None = None,
+        planner: PdPlanner | None = None,
     ) -> None:
         """``kv_bus`` and ``load_bus`` come together (or neither: the caller then drives the
         core by hand); an instance silent on the load bus for ``stale_after_s`` is dropped.
@@ -151,7 +154,9 @@ class RouterCore:
 
         ``pools``: the deployment's engine pools (``router.pools``); the first is the default
         pool, where instances go that name no pool. None: one pool of role ``both`` named
-        ``DEFAULT_POOL`` from ``latency``, ``block_size`` and ``kv_capacity_blocks``."""
+        ``DEFAULT_POOL`` from ``latency``, ``block_size`` and ``kv_capacity_blocks``.
+        ``planner``: places the two legs of a request when there are prefill or decode pools
+        (``router.pd``; ``place`` then plans both)."""
         self.scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
         if pools is None:
             pools = (Pool(DEFAULT_POOL, "both", block_size, latency, kv_capacity_blocks),)
@@ -160,6 +165,7 @@ class RouterCore:
         self.default_pool = pools[0]
         self.block_size = self.default_pool.block_size
         self._pool_of: dict[str, Pool] = {}  # instance -> its pool
+        self.planner = planner
         self.cache_map = CacheMap()
         self.ingestor = CacheMapIngestor(self.cache_map)
         self.load = LoadTracker(stale_after_s)
@@ -290,7 +296,12 @@ class RouterCore:
         exclude: Iterable[str] = (),
     ) -> tuple[Placement, dict[str, Any] | None]:
         """``place`` without recording: the placement, and its ``placement_record`` entry when
-        there is a recorder to give it to (the caller records it, e.g. outside a lock)."""
+        there is a recorder to give it to (the caller records it, e.g. outside a lock).
+
+        With prefill or decode pools (and no ``candidates``) the planner places both legs: the
+        placement is the decode engine's, with its ``prefill`` leg (None: colocated)."""
+        if self.disaggregated and candidates is None:
+            return self._plan(request, now, exclude, colocate=False)
         excluded = set(exclude)
         allowed = set(candidates) if candidates is not None else None
         views = self.load.views(now)
@@ -307,6 +318,30 @@ class RouterCore:
         if self.recorder is None:
             return placement, None
         return placement, placement_record(now, request, views, match, placement)
+
+    def plan(self, request: PlacementRequest, now: float, exclude: Iterable[str] = ()) -> Placement:
+        """The request re-run whole on a decode-capable engine (a failed hand-over or decode
+        recomputes its prompt there), recorded; see ``router.pd``."""
+        placement, entry = self._plan(request, now, exclude, colocate=True)
+        if entry is not None and self.recorder is not None:
+            self.recorder.record(entry)
+        return placement
+
+    def _plan(
+        self, request: PlacementRequest, now: float, exclude: Iterable[str], colocate: bool
+    ) -> tuple[Placement, dict[str, Any] | None]:
+        if self.planner is None:
+            raise RuntimeError("a deployment with prefill or decode pools needs a PdPlanner")
+        plan = self.planner.plan(self, request, now, exclude, colocate)
+        placement = replace(plan.decode, prefill=plan.prefill, transfer_tokens=plan.transfer_tokens)
+        if self.recorder is None:
+            return placement, None
+        views = self.load.views(now)
+        entry = placement_record(
+            now, request, views, self.cache_map.match(request.block_hashes), placement
+        )
+        entry["pd"] = plan.record()
+        return placement, entry
 
     def cached_tokens(self, request: PlacementRequest, placement: Placement) -> int:
         """Prompt tokens ``placement`` expects its instance to spare ``request``."""
@@ -434,6 +469,21 @@ class RouterState:
         if entry is not None and self.core.recorder is not None:  # outside the lock: a file write
             self.core.recorder.record(entry)
         return placement
+
+    def plan(
+        self, request: PlacementRequest, exclude: Iterable[str] = (), now: float | None = None
+    ) -> Placement:
+        """``RouterCore.plan``: a re-run whole on a decode-capable engine."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            placement, entry = self.core._plan(request, now, exclude, colocate=True)
+        if entry is not None and self.core.recorder is not None:
+            self.core.recorder.record(entry)
+        return placement
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.core.disaggregated
 
     def cached_tokens(self, request: PlacementRequest, placement: Placement) -> int:
         return self.core.cached_tokens(request, placement)
