@@ -40,6 +40,7 @@ from router.placement import (
     Placement,
     PlacementRequest,
     cached_tokens,
+    profile_ttft,
 )
 from router.pools import DECODE_ROLES, PREFILL_ROLES
 
@@ -142,15 +143,7 @@ class PdPlanner:
         d, d_cached = self._decoder(request, decoders, match)
         d_tokens = cached_tokens(request.prompt_tokens, d_cached, d.block_size)
         uncached = request.prompt_tokens - d_tokens
-        gpu = match[d.instance_id].gpu_blocks if d.instance_id in match else 0
-        gpu_tokens = min(gpu * d.block_size, d_tokens)
-        colocated = d.latency.ttft_s(
-            request.prompt_tokens,
-            gpu_tokens,
-            d_tokens - gpu_tokens,
-            queued=d.pending_prefill_tokens,
-            queued_requests=d.waiting,
-        )
+        colocated, _ = profile_ttft(request, d, match.get(d.instance_id))
         decode = Placement(d.instance_id, estimated_ttft_s=colocated, cached_blocks=d_cached)
         prefillers = [
             v
@@ -164,7 +157,7 @@ class PdPlanner:
         p_ttft = prefill.estimated_ttft_s
         if p_ttft is None:  # a scorer without an estimate: price it as kv_ttft would
             p = next(v for v in prefillers if v.instance_id == prefill.instance_id)
-            p_ttft = _ttft(request, p, match)
+            p_ttft, _ = profile_ttft(request, p, match.get(p.instance_id))
         # after the hand-over the decode engine computes the prompt's last token itself
         first_step = d.latency.ttft_s(
             request.prompt_tokens,
@@ -203,11 +196,3 @@ class PdPlanner:
 def _role(core: RouterCore, iid: str) -> str:
     pool = core.pool_of(iid)
     return pool.role if pool is not None else core.default_pool.role
-
-
-def _ttft(request: PlacementRequest, v: InstanceView, match: Mapping[str, Match]) -> float:
-    m = match.get(v.instance_id)
-    done = cached_tokens(request.prompt_tokens, m.total_blocks if m else 0, v.block_size)
-    return v.latency.ttft_s(
-        request.prompt_tokens, done, queued=v.pending_prefill_tokens, queued_requests=v.waiting
-    )

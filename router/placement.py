@@ -83,6 +83,27 @@ class Placement:
     transfer_tokens: int = 0  # prompt tokens whose KV the decode engine loads
 
 
+def profile_ttft(
+    request: PlacementRequest, inst: InstanceView, m: Match | None
+) -> tuple[float, int]:
+    """(``inst``'s latency model's TTFT in seconds, leading cached blocks) of ``request`` there:
+    its prompt beyond the instance's leading cached run (GPU, then CPU-tier blocks loaded),
+    behind the instance's queued prefill."""
+    bs = inst.block_size
+    gpu = m.gpu_blocks if m else 0
+    total = m.total_blocks if m else 0
+    cached = request.cached_tokens(total, bs)
+    gpu_tokens = min(gpu * bs, cached)
+    ttft = inst.latency.ttft_s(
+        request.prompt_tokens,
+        gpu_tokens,
+        cached - gpu_tokens,
+        queued=inst.pending_prefill_tokens,
+        queued_requests=inst.waiting,
+    )
+    return ttft, total
+
+
 class NoInstanceError(RuntimeError):
     """No healthy instance can take the request."""
 

@@ -53,7 +53,14 @@ from operator import is_not
 import numpy as np
 
 from cachemap import Match
-from router.placement import InstanceView, Placement, PlacementRequest, Scorer, healthy
+from router.placement import (
+    InstanceView,
+    Placement,
+    PlacementRequest,
+    Scorer,
+    healthy,
+    profile_ttft,
+)
 
 
 class TtftCalibration:
@@ -130,19 +137,7 @@ class KvTtftScorer(Scorer):
         self, request: PlacementRequest, inst: InstanceView, m: Match | None
     ) -> tuple[float, int]:
         """(the profile's TTFT in seconds, leading cached blocks) of ``request`` on ``inst``."""
-        bs = inst.block_size
-        gpu = m.gpu_blocks if m else 0
-        total = m.total_blocks if m else 0
-        cached_tokens = request.cached_tokens(total, bs)
-        gpu_tokens = min(gpu * bs, cached_tokens)
-        ttft = inst.latency.ttft_s(
-            request.prompt_tokens,
-            gpu_tokens,
-            cached_tokens - gpu_tokens,
-            queued=inst.pending_prefill_tokens,
-            queued_requests=inst.waiting,
-        )
-        return ttft, total
+        return profile_ttft(request, inst, m)
 
     def estimate(
         self, request: PlacementRequest, inst: InstanceView, m: Match | None
