@@ -1,6 +1,10 @@
 """Prefill/decode disaggregation: kvroute's own KV transfer for vLLM 0.32 (DESIGN.md).
 
 ``transfer`` is the data path: it moves a request's KV blocks between two engine workers with
-``torch.distributed`` point-to-point (NCCL on GPUs, Gloo on CPU tensors). It runs inside vLLM's
-worker processes, so nothing in this package imports Ray, vLLM or ``router``.
+``torch.distributed`` point-to-point (NCCL on GPUs, Gloo on CPU tensors). ``protocol`` holds the
+connector's pure parts (settings, ``kv_transfer_params`` parsing, control messages, the lease).
+``connector`` is the vLLM KV connector (``KvrouteConnector``) built on both, loaded by vLLM with
+``kv_connector_module_path="engines.pd.connector"``; ``connector.kv_transfer_config`` builds its
+config. All of it runs inside vLLM's processes: nothing here imports Ray or ``router``, and only
+``connector`` imports vLLM.
 """

@@ -4,11 +4,14 @@ A request carries either real prompt token ids (the real-time engine, tests, KV 
 the chained hashes of its full prompt blocks (trace replay, where no tokens exist). Output tokens
 are a pure function of ``(seed, index)``, so a request's whole output is known up front, is the
 same on every run, and never has to be stored when nobody reads it.
+
+Its vLLM ``kv_transfer_params`` (``parse_kv_transfer_params``) may make it the prefill half of a
+disaggregated request (``remote_decode``) or the decode half (``remote_prefill``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any
@@ -32,6 +35,7 @@ class Status(IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
+    WAITING_FOR_REMOTE_KVS = 4  # PD decode: holds its blocks while the prompt's KV is pulled
 
 
 # the ids a sim engine's output tokens take by default: [TOKEN_OFFSET, VOCAB_SIZE), clear of
@@ -80,16 +84,37 @@ class SimRequest:
     num_preemptions: int = 0
     blocks: list[Block] = field(default_factory=list)
     num_cached_blocks: int = 0
-    cached_tokens: int = -1  # prompt tokens served from cache at first admission (-1: not yet)
+    # prompt tokens served from this engine's cache at first admission (-1: not yet); a PD
+    # decode's pulled tokens are not in it (``remote_tokens``, ``reported_cached_tokens``)
+    cached_tokens: int = -1
     cpu_cached_tokens: int = 0  # of which loaded from the CPU tier
     cpu_reused: list[int] = field(default_factory=list)  # CPU-tier hashes it loaded
     begun: bool = False  # the CPU-tier policy has seen its begin_request
     first_token_s: float = -1.0
     finish_s: float = -1.0
+    # prefill/decode disaggregation (vLLM's kv_transfer_params, NixlConnector semantics)
+    remote_decode: bool = False  # prefill side: hand the KV over at finish
+    remote_prefill: bool = False  # decode side: pull the prompt's KV instead of computing it
+    remote_cached_tokens: int = -1  # the prefill's cached tokens (its remote_prefill_cached_tokens)
+    remote_tokens: int = 0  # decode side: prompt tokens pulled from the prefill engine
+    transfer_s: float = 0.0  # decode side: seconds the pull took (profile time)
+    kv_ready_s: float = -1.0  # decode side: when the pulled KV arrives (-1: no pull started)
+    # prefill side, once finished: the params for the decode engine (``handover_params``)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + self.num_output
+
+    @property
+    def reported_cached_tokens(self) -> int:
+        """Prompt tokens the engine reports as cached (vLLM's ``num_cached_tokens``, the usage's
+        ``cached_tokens``): its GPU or CPU-tier hit, plus the tokens a PD decode pulled (vLLM's
+        ``PrefillStats``: local + external), unless the prefill engine reported its own hit
+        (``remote_prefill_cached_tokens``), which vLLM's output processor then reports."""
+        if self.remote_cached_tokens >= 0:
+            return self.remote_cached_tokens
+        return max(self.cached_tokens, 0) + self.remote_tokens
 
     @property
     def ttft_s(self) -> float:
@@ -144,12 +169,16 @@ def make_request(
     arrival_s: float = 0.0,
     info: RequestInfo | None = None,
     tag: Any = None,
+    kv_transfer_params: Mapping[str, Any] | None = None,
 ) -> SimRequest:
     """Build a request from token ids, or from ``prompt_len`` and full-block hashes (trace replay).
 
-    Raises ``ValueError`` for an empty prompt, a prompt at or over ``max_model_len``, or hashes
-    that do not cover exactly the prompt's full blocks.
+    ``kv_transfer_params`` (vLLM's, see ``parse_kv_transfer_params``) makes it the prefill or the
+    decode half of a disaggregated request. Raises ``ValueError`` for an empty prompt, a prompt
+    at or over ``max_model_len``, hashes that do not cover exactly the prompt's full blocks, or
+    malformed PD params (naming the key).
     """
+    remote_decode, remote_prefill, remote_cached = parse_kv_transfer_params(kv_transfer_params)
     root = engine_salt(model, lora_name, cache_salt)
     hashes: list[int]
     if prompt_token_ids is not None:
@@ -196,4 +225,48 @@ def make_request(
         lora_name=lora_name,
         cache_salt=cache_salt,
         tag=tag,
+        remote_decode=remote_decode,
+        remote_prefill=remote_prefill,
+        remote_cached_tokens=remote_cached,
     )
+
+
+# the keys a decode engine needs besides do_remote_prefill, with their types: NixlConnector's
+# scheduler pulls only when all of them are present (``update_state_after_alloc``); the sim
+# reads none of their values
+_REMOTE_KEYS: tuple[tuple[str, type | tuple[type, ...], str], ...] = (
+    ("remote_engine_id", str, "a string"),
+    ("remote_request_id", str, "a string"),
+    ("remote_block_ids", (list, tuple), "a list"),
+    ("remote_host", str, "a string"),
+    ("remote_port", int, "an int"),
+)
+
+
+def parse_kv_transfer_params(params: Mapping[str, Any] | None) -> tuple[bool, bool, int]:
+    """``(remote_decode, remote_prefill, remote_cached_tokens)`` of vLLM ``kv_transfer_params``.
+
+    ``do_remote_decode``: this engine prefills for another one. ``do_remote_prefill``: another
+    engine prefilled; its ``remote_*`` keys (``_REMOTE_KEYS``) must all be present and typed as
+    vLLM's NixlConnector writes them, else ``ValueError`` naming the key (vLLM would log a
+    warning and recompute; a sim caller wants to know). ``remote_prefill_cached_tokens``, when
+    an int, is what the decode engine reports as the cached tokens (-1: absent). Unknown keys
+    (the router's ``"kvroute"`` hints, NIXL's ``tp_size`` ...) are ignored.
+    """
+    if not params:
+        return False, False, -1
+    remote_decode = bool(params.get("do_remote_decode"))
+    remote_prefill = bool(params.get("do_remote_prefill"))
+    cached = -1
+    if remote_prefill:
+        for key, kind, what in _REMOTE_KEYS:
+            if key not in params:
+                raise ValueError(f"kv_transfer_params: do_remote_prefill without {key!r}")
+            value = params[key]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"kv_transfer_params[{key!r}]: expected {what}, got {value!r}")
+        value = params.get("remote_prefill_cached_tokens")
+        # NOTE: as vLLM's output processor, which ignores a value that is not an int
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            cached = value
+    return remote_decode, remote_prefill, cached

