@@ -196,8 +196,11 @@ class KVBlockManager:
         n_cpu: int,
         max_model_len: int,
         full_sequence_must_fit: bool = True,
+        delay_cache_blocks: bool = False,
     ) -> bool:
-        """Admit a waiting request with its lookup result (``KVCacheManager.allocate_slots``)."""
+        """Admit a waiting request with its lookup result (``KVCacheManager.allocate_slots``).
+        ``delay_cache_blocks``: the new blocks are filled by a KV transfer, so they are cached
+        (``cache_blocks``) when it completes, not now (vLLM's option of that name)."""
         bs, n_hit = self.block_size, len(hit)
         evictable = sum(1 for b in hit if b.ref_cnt == 0)
         free = len(self._free)
@@ -226,8 +229,14 @@ class KVBlockManager:
         req.blocks.extend(self._get_new_blocks(cdiv(need_slot, bs) - n_hit))
         if n_cpu:
             self.cpu.protected = frozenset()  # type: ignore[union-attr]
-        self._cache_blocks(req, min(computed + num_new_tokens, req.num_tokens))
+        if not delay_cache_blocks:
+            self._cache_blocks(req, min(computed + num_new_tokens, req.num_tokens))
         return True
+
+    def cache_blocks(self, req: SimRequest, num_tokens: int) -> None:
+        """Cache (and announce with ``BlockStored``) the full blocks of ``req`` up to
+        ``num_tokens`` that are not yet cached: blocks a KV transfer filled."""
+        self._cache_blocks(req, min(num_tokens, req.num_tokens))
 
     def blocks_needed(self, req: SimRequest, num_new_tokens: int, max_model_len: int) -> int:
         """New blocks a running request needs to compute ``num_new_tokens`` more tokens."""

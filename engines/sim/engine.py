@@ -4,6 +4,12 @@ One background task runs the step loop: schedule, sleep for the step's profiled 
 (times ``time_scale``), sample, stream outputs. KV events go out after every step on a ZMQ PUB
 socket exactly as vLLM's ``ZmqEventPublisher`` sends them: frames ``(topic, sequence number as
 8 big-endian bytes starting at 0, msgpack KVEventBatch)``.
+
+Prefill/decode disaggregation follows vLLM's ``kv_transfer_params`` contract (see
+``engines.sim.scheduler``): a request with ``do_remote_decode`` ends with an output carrying the
+params for the decode engine; one with ``do_remote_prefill`` pulls its prompt's KV (waiting
+``transfer_s`` times ``time_scale``) and reports the cached tokens as vLLM does
+(``SimRequest.reported_cached_tokens``). Malformed PD params are an ``EngineError``.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -20,7 +27,7 @@ from cachemap.events import KVEventBatch, encode_vllm_batch
 from engines.base import Engine, EngineError, EngineOutput, EngineRequest, LoadSnapshot, Usage
 from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.sim.request import TOKEN_OFFSET, VOCAB_SIZE, SimRequest, Status, make_request
-from engines.sim.scheduler import Scheduler
+from engines.sim.scheduler import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, Scheduler
 from policies.base import EvictionPolicy, RequestInfo
 
 log = logging.getLogger(__name__)
@@ -31,7 +38,8 @@ class SimEngine(Engine):
 
     ``kv_events_endpoint``: where to bind the PUB socket (``tcp://127.0.0.1:*`` picks a free
     port; the bound address is the ``kv_events_endpoint`` property after ``start``); None turns
-    events off. ``time_scale`` multiplies every step's duration (0: as fast as possible).
+    events off. ``time_scale`` multiplies every step's duration and KV transfer (0: as fast as
+    possible). ``transfer_gbps``/``transfer_latency_ms`` time PD KV pulls (``SchedulerConfig``).
     """
 
     def __init__(
@@ -53,6 +61,8 @@ class SimEngine(Engine):
         max_model_len: int | None = None,
         vocab_size: int = VOCAB_SIZE,
         token_offset: int = TOKEN_OFFSET,
+        transfer_gbps: float = DEFAULT_TRANSFER_GBPS,
+        transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS,
     ) -> None:
         if time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {time_scale}")
@@ -69,6 +79,10 @@ class SimEngine(Engine):
             cpu_policy=cpu_policy,
             enable_events=kv_events_endpoint is not None,
             max_model_len=max_model_len,
+            engine_id=instance_id,
+            time_scale=time_scale,
+            transfer_gbps=transfer_gbps,
+            transfer_latency_ms=transfer_latency_ms,
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
             max_num_seqs=max_num_seqs,
@@ -130,7 +144,8 @@ class SimEngine(Engine):
 
     def load(self) -> LoadSnapshot:
         s = self.scheduler
-        # waiting: queued, or still in the request overhead
+        # waiting: queued, pulling its KV (as vLLM's num_requests_waiting gauge counts it), or
+        # still in the request overhead
         return s.load_snapshot(self.instance_id, time.time(), len(self._requests) - len(s.running))
 
     async def clear_cache(self) -> bool:
@@ -164,6 +179,7 @@ class SimEngine(Engine):
                 arrival_s=time.monotonic(),
                 info=RequestInfo.from_hints(request.kv_transfer_params),
                 tag=queue,
+                kv_transfer_params=request.kv_transfer_params,
             )
             self.scheduler.check(req)
         except ValueError as e:
@@ -200,11 +216,18 @@ class SimEngine(Engine):
         self._publish()
 
     def _final(self, req: SimRequest, tokens: list[int]) -> EngineOutput:
-        usage = Usage(req.prompt_len, req.num_output, max(req.cached_tokens, 0))
+        usage = Usage(req.prompt_len, req.num_output, req.reported_cached_tokens)
         # a "stop" finish is always a stop token here (the sim has no EOS): vLLM reports its id
         stop_reason = req.token_ids[-1] if req.finish_reason == "stop" and req.token_ids else None
         return EngineOutput(
-            req.request_id, tokens, None, True, req.finish_reason, usage, stop_reason=stop_reason
+            req.request_id,
+            tokens,
+            None,
+            True,
+            req.finish_reason,
+            usage,
+            kv_transfer_params=req.kv_transfer_params,
+            stop_reason=stop_reason,
         )
 
     # -- the step loop ---------------------------------------------------------------------------
@@ -213,13 +236,18 @@ class SimEngine(Engine):
         sched = self.scheduler
         try:
             while True:
-                if sched.idle:
-                    self._wake.clear()
-                    await self._wake.wait()
-                    continue
+                if not sched.running and not sched.waiting:  # idle, or only pulls in flight
+                    ready = sched.next_kv_ready_s()
+                    if ready > time.monotonic():
+                        await self._idle(ready)
+                        continue
                 start = time.monotonic()
                 step = sched.schedule(start)
                 self._publish()
+                if not step.scheduled and not step.preempted:
+                    # the queue's head waits for blocks that pulls in flight hold
+                    await self._idle(sched.next_kv_ready_s())
+                    continue
                 delay = step.duration_s * self.time_scale - (time.monotonic() - start)
                 await asyncio.sleep(max(delay, 0.0))
                 for req, tokens in sched.complete(step, time.monotonic()):
@@ -237,6 +265,19 @@ class SimEngine(Engine):
             for req in list(self._requests.values()):
                 self._requests.pop(req.request_id, None)
                 req.tag.put_nowait(EngineOutput(req.request_id, [], None, True, "error", None))
+
+    async def _idle(self, until: float) -> None:
+        """Sleep until the monotonic time ``until`` (inf: for ever) or a new request."""
+        delay = until - time.monotonic()
+        if delay <= 0:
+            await asyncio.sleep(0)
+            return
+        self._wake.clear()
+        if math.isinf(delay):
+            await self._wake.wait()
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
 
     def _publish(self) -> None:
         events = self.blocks.take_events()

@@ -14,19 +14,50 @@ Each step (``Scheduler.schedule``):
 A request samples a token in the step that computes its last known token; it finishes when it
 reaches its ``target_output``. The step's duration comes from the ``LatencyProfile``.
 ``decode_run`` skips over a run of pure-decode steps in one call (virtual time only).
+
+Prefill/decode disaggregation, as vLLM's scheduler with its ``NixlConnector`` (pull mode):
+
+- Prefill side (``do_remote_decode`` in the request's ``kv_transfer_params``): the request runs
+  as any other (the router sends it with ``max_tokens=1``); when it finishes (length or stop,
+  not abort) it carries ``kv_transfer_params`` for the decode engine (``handover_params``).
+  Its blocks are freed at finish and stay in the prefix cache, where vLLM would keep them
+  referenced until the decode engine has read them or their lease (30 s) expires: the sim
+  does not model that lease, so a prefill engine under KV pressure may evict a handed-over
+  prefix that vLLM would still hold (the sim's decode side never reads the blocks back).
+- Decode side (``do_remote_prefill``): at admission the local prefix cache is matched as
+  usual; the rest of the prompt is pulled (``get_num_new_matched_tokens``): its blocks are
+  allocated, the request leaves the waiting queue without using token budget or a batch slot
+  and waits ``transfer_s`` (``SchedulerConfig.transfer_gbps``, ``transfer_latency_ms``) in
+  ``pulling`` (vLLM's ``WAITING_FOR_REMOTE_KVS``). Once its KV has arrived, it is admitted
+  before the waiting queue, the pulled blocks are cached then (``BlockStored``), and the whole
+  prompt counts as computed except its last token, which is recomputed (vLLM's
+  ``_update_waiting_for_remote_kv``). A pull that is preempted later recomputes locally.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from engines.base import LoadSnapshot
-from engines.sim.blocks import KVBlockManager, cdiv
+from engines.sim.blocks import Block, KVBlockManager, cdiv
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import TOKEN_OFFSET, VOCAB_SIZE, SimRequest, Status
 from policies.base import EvictionPolicy
+
+# KV transfer between a prefill and a decode engine (assumed, not measured here): a 200 Gb/s
+# RDMA NIC (ConnectX-6/7 class, what NIXL's UCX backend reads over) moves 25 GB/s at line rate;
+# 1 ms stands for the per-request fixed cost (the READ's setup, the completion notification and
+# the scheduler noticing it a step later).
+DEFAULT_TRANSFER_GBPS = 25.0
+DEFAULT_TRANSFER_LATENCY_MS = 1.0
+# what a prefill engine writes for the side channel the decode engine would connect to; vLLM's
+# defaults (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT). Placeholders: the sim never reads them back.
+SIDE_CHANNEL_HOST = "localhost"
+SIDE_CHANNEL_PORT = 5600
 
 
 @dataclass(slots=True, frozen=True)
@@ -39,9 +70,21 @@ class SchedulerConfig:
     # vLLM's long_prefill_token_threshold: while more than one request is running or waiting,
     # no request prefills more than this many tokens in a step (0: no cap)
     long_prefill_token_threshold: int = 0
+    # PD decode side: a pull of n tokens takes n * kv_bytes_per_token / (transfer_gbps * 1e9)
+    # + transfer_latency_ms / 1e3 seconds (see DEFAULT_TRANSFER_GBPS)
+    transfer_gbps: float = DEFAULT_TRANSFER_GBPS
+    transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS
+
+    def __post_init__(self) -> None:
+        if not (self.transfer_gbps > 0 and math.isfinite(self.transfer_gbps)):
+            raise ValueError(f"transfer_gbps must be a positive number, got {self.transfer_gbps}")
+        if not (self.transfer_latency_ms >= 0 and math.isfinite(self.transfer_latency_ms)):
+            raise ValueError(
+                f"transfer_latency_ms must be a number >= 0, got {self.transfer_latency_ms}"
+            )
 
     @classmethod
-    def from_profile(cls, profile: LatencyProfile, **overrides: int | None) -> SchedulerConfig:
+    def from_profile(cls, profile: LatencyProfile, **overrides: float | None) -> SchedulerConfig:
         """The profile's limits, with any non-None ``overrides`` (same field names)."""
         values = {
             "long_prefill_token_threshold": profile.long_prefill_token_threshold,
@@ -65,17 +108,35 @@ class Step:
 
 
 class Scheduler:
-    """Owns the waiting queue and running batch of one engine instance."""
+    """Owns the waiting queue, the running batch and the pulls in flight of one engine instance.
 
-    def __init__(self, blocks: KVBlockManager, profile: LatencyProfile, config: SchedulerConfig):
+    ``engine_id`` names it in the ``kv_transfer_params`` it hands over (``remote_engine_id``);
+    ``time_scale`` is the clock's seconds per profile second for KV transfers (the real-time
+    engine's ``time_scale``; 1 in virtual time)."""
+
+    def __init__(
+        self,
+        blocks: KVBlockManager,
+        profile: LatencyProfile,
+        config: SchedulerConfig,
+        *,
+        engine_id: str = "sim",
+        time_scale: float = 1.0,
+    ):
         if config.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {config.max_model_len}")
         self.blocks = blocks
         self.profile = profile
         self.config = config
+        self.engine_id = engine_id
+        self.time_scale = time_scale
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        # PD decode: requests whose KV is being pulled, by kv_ready_s (vLLM's
+        # WAITING_FOR_REMOTE_KVS requests, and those whose KV arrived and wait for a slot)
+        self.pulling: list[SimRequest] = []
         self._admission_blocked = False
+        self._pulls_blocked = False  # a pull whose KV arrived waits for a batch slot
         self.num_preemptions = 0
         # over the requests admitted so far, each counted once (on its first admission, not
         # again after a preemption): prompt tokens, and of those served from cache (GPU or CPU
@@ -84,6 +145,7 @@ class Scheduler:
         self.prompt_tokens_admitted = 0
         self.cached_tokens_admitted = 0
         self.cpu_cached_tokens_admitted = 0
+        self.remote_tokens_admitted = 0  # PD decode: prompt tokens pulled (not in the above)
 
     @classmethod
     def for_profile(
@@ -96,6 +158,10 @@ class Scheduler:
         cpu_policy: str | EvictionPolicy = "lru",
         enable_events: bool = False,
         max_model_len: int | None = None,
+        engine_id: str = "sim",
+        time_scale: float = 1.0,
+        transfer_gbps: float = DEFAULT_TRANSFER_GBPS,
+        transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS,
         **limits: int | None,
     ) -> Scheduler:
         """One instance sized by ``profile``: its KV capacity in ``block_size`` blocks (plus the
@@ -111,9 +177,14 @@ class Scheduler:
             enable_events=enable_events,
         )
         mml = max_model_len or min(profile.max_model_len, (n_blocks - 1) * bs)
-        return cls(
-            blocks, profile, SchedulerConfig.from_profile(profile, max_model_len=mml, **limits)
+        config = SchedulerConfig.from_profile(
+            profile,
+            max_model_len=mml,
+            transfer_gbps=transfer_gbps,
+            transfer_latency_ms=transfer_latency_ms,
+            **limits,
         )
+        return cls(blocks, profile, config, engine_id=engine_id, time_scale=time_scale)
 
     # -- queue -------------------------------------------------------------------------------
 
@@ -144,6 +215,8 @@ class Scheduler:
             return False
         if req in self.running:
             self.running.remove(req)
+        elif req.status == Status.WAITING_FOR_REMOTE_KVS:
+            self.pulling.remove(req)
         else:
             try:
                 self.waiting.remove(req)
@@ -158,14 +231,33 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self.running and not self.waiting
+        return not self.running and not self.waiting and not self.pulling
+
+    def next_kv_ready_s(self, after_s: float = -math.inf) -> float:
+        """When the first pull still in flight after ``after_s`` delivers its KV (inf: none)."""
+        for r in self.pulling:
+            if r.kv_ready_s > after_s:
+                return r.kv_ready_s
+        return math.inf
+
+    def transfer_s(self, tokens: int) -> float:
+        """Seconds (profile time) to pull ``tokens`` of KV from a prefill engine."""
+        cfg = self.config
+        return (
+            tokens * self.profile.kv_bytes_per_token / (cfg.transfer_gbps * 1e9)
+            + cfg.transfer_latency_ms / 1e3
+        )
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens still to compute: a waiting request's beyond its cached prefix as of
-        now (GPU or CPU tier), a running one's beyond what it has computed."""
+        now (GPU or CPU tier), a running one's beyond what it has computed; a PD decode's
+        prompt is pulled but for its last token, recomputed (one token per pull)."""
         bs, lookup = self.blocks.block_size, self.blocks.lookup
-        tokens = 0
+        tokens = len(self.pulling)
         for r in self.waiting:
+            if r.remote_prefill and r.kv_ready_s < 0:
+                tokens += 1
+                continue
             hit, n_cpu = lookup(r)
             tokens += max(r.num_tokens - (len(hit) + n_cpu) * bs, 0)
         return tokens + sum(max(r.prompt_len - r.num_computed, 0) for r in self.running)
@@ -216,6 +308,8 @@ class Scheduler:
             i += 1
         self._admission_blocked = False
         if not step.preempted:
+            if self.pulling:
+                budget = self._admit_pulled(step, budget, now_s)
             budget = self._admit(step, budget, cap or budget)
         step.duration_s = self._duration_s(step)
         return step
@@ -230,6 +324,11 @@ class Scheduler:
             blocks.begin_request(r)  # once per request
             hit, n_cpu = blocks.lookup(r)
             computed = (len(hit) + n_cpu) * bs
+            if r.remote_prefill and r.kv_ready_s < 0:
+                if not self._start_pull(r, hit, n_cpu):
+                    self._admission_blocked = True
+                    break
+                continue
             n = min(r.num_tokens - computed, budget, cap)
             if not blocks.allocate_new(r, n, hit, n_cpu, cfg.max_model_len):
                 self._admission_blocked = True
@@ -249,6 +348,81 @@ class Scheduler:
             r.num_computed = computed + n
             budget -= n
         return budget
+
+    def _start_pull(self, r: SimRequest, hit: list[Block], n_cpu: int) -> bool:
+        """Admit a PD decode request to pull its prompt's KV beyond the local hit: blocks for
+        the whole prompt, cached when the KV arrives. False: not enough free blocks."""
+        blocks, bs = self.blocks, self.blocks.block_size
+        local = (len(hit) + n_cpu) * bs
+        # NOTE: the local hit stops short of the last token, so there is always one to pull.
+        pulled = r.prompt_len - local
+        if not blocks.allocate_new(
+            r, pulled, hit, n_cpu, self.config.max_model_len, delay_cache_blocks=True
+        ):
+            return False
+        self.waiting.popleft()
+        now = blocks.now_s
+        r.status = Status.WAITING_FOR_REMOTE_KVS
+        r.cached_tokens, r.cpu_cached_tokens = local, n_cpu * bs
+        r.remote_tokens, r.transfer_s = pulled, self.transfer_s(pulled)
+        # NOTE: the local hit's CPU-tier part is loaded while the pull runs, not in a step
+        r.kv_ready_s = now + (r.transfer_s + self.profile.load_s(n_cpu * bs)) * self.time_scale
+        r.num_computed = r.prompt_len
+        self.requests_admitted += 1
+        self.prompt_tokens_admitted += r.prompt_len
+        self.cached_tokens_admitted += local
+        self.cpu_cached_tokens_admitted += n_cpu * bs
+        self.remote_tokens_admitted += pulled
+        pulling = self.pulling
+        pulling.insert(bisect.bisect_right(pulling, r.kv_ready_s, key=_ready_s), r)
+        return True
+
+    def _admit_pulled(self, step: Step, budget: int, now_s: float) -> int:
+        """Admit the pulls whose KV has arrived, before the waiting queue (vLLM drains its
+        requests that hold KV blocks first): cache the pulled blocks, recompute the last
+        prompt token (``_update_waiting_for_remote_kv``)."""
+        cfg, blocks, pulling = self.config, self.blocks, self.pulling
+        self._pulls_blocked = False
+        while budget > 0 and pulling and pulling[0].kv_ready_s <= now_s:
+            if len(self.running) >= cfg.max_num_seqs:
+                self._pulls_blocked = True
+                break
+            r = pulling.pop(0)
+            blocks.cache_blocks(r, r.prompt_len)
+            r.num_computed = r.num_tokens - 1
+            if not blocks.allocate_running(r, 1, cfg.max_model_len):
+                raise RuntimeError(f"request {r.request_id}: pulled blocks lack a slot")
+            self.running.append(r)
+            r.status = Status.RUNNING
+            step.admitted.append(r)
+            step.scheduled.append((r, 1, r.num_computed))
+            r.num_computed += 1
+            budget -= 1
+        return budget
+
+    def handover_params(self, r: SimRequest) -> dict[str, Any]:
+        """The ``kv_transfer_params`` a finished prefill hands to the decode engine: the keys
+        and values vLLM 0.32's ``NixlConnector.request_finished`` returns (pull mode, one KV
+        cache group, no TP/PP/DCP), plus ``remote_prefill_cached_tokens`` that its scheduler
+        adds. ``remote_block_ids`` lists the blocks the request held at finish, one list per
+        KV cache group, as vLLM's ``BlockIds``; ``remote_host``/``remote_port`` are vLLM's
+        defaults. The sim never reads block ids, host or port back."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [[b.block_id for b in r.blocks]],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": r.request_id,
+            "remote_host": SIDE_CHANNEL_HOST,
+            "remote_port": SIDE_CHANNEL_PORT,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": r.num_computed,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+            "remote_prefill_cached_tokens": max(r.cached_tokens, 0) + r.remote_tokens,
+        }
 
     def _preempt(self, r: SimRequest) -> None:
         self.blocks.free(r)
@@ -292,6 +466,8 @@ class Scheduler:
                 r.first_token_s = end_s
             if r.num_output >= r.target_output:
                 blocks.now_s = end_s
+                if r.remote_decode:
+                    r.kv_transfer_params = self.handover_params(r)
                 blocks.free(r)
                 blocks.end_request(r)
                 r.status = Status.FINISHED
@@ -300,7 +476,7 @@ class Scheduler:
             out.append((r, toks))
         if finished:
             self.running = [r for r in self.running if r.status == Status.RUNNING]
-            self._admission_blocked = False  # freed blocks and a batch slot
+            self._admission_blocked = self._pulls_blocked = False  # freed blocks and a slot
         return out
 
     # -- virtual time: skip a run of pure-decode steps ---------------------------------------
@@ -312,6 +488,9 @@ class Scheduler:
         running, cfg, blocks, p = self.running, self.config, self.blocks, self.profile
         if not running or (self.waiting and not self._admission_blocked) or now_s >= limit_s:
             return 0, 0.0
+        pulling = self.pulling
+        if pulling and pulling[0].kv_ready_s <= now_s and not self._pulls_blocked:
+            return 0, 0.0  # a pull's KV has arrived: the next step admits it
         batch = len(running)
         if batch > cfg.max_num_batched_tokens:
             return 0, 0.0
@@ -355,6 +534,10 @@ class Scheduler:
                 raise RuntimeError("decode_run: block budget was checked but allocation failed")
             r.num_computed += k
         return k, (k * a + d * k * (k - 1) / 2) / 1e3
+
+
+def _ready_s(r: SimRequest) -> float:
+    return r.kv_ready_s
 
 
 def _steps_starting_before(a: float, d: float, horizon: float) -> int:

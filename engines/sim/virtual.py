@@ -13,6 +13,12 @@ step (a per-engine speed factor, a straggler) and ``jitter`` multiplies each ste
 log-normal draw of that sigma with mean 1 (a run of ``n`` decode steps skipped in closed form
 draws one factor of sigma ``jitter / sqrt(n)``, the spread of the mean of ``n`` draws). The
 profile the router prices with stays the unperturbed one: the truth is not the belief.
+
+Prefill/decode disaggregation comes from the scheduler (see ``engines.sim.scheduler``): a
+finished prefill (``do_remote_decode``) carries ``SimRequest.kv_transfer_params`` for the decode
+engine; a decode request (``do_remote_prefill``) records ``remote_tokens`` and ``transfer_s``,
+and the instance wakes when its KV arrives (``wake_s``). KV transfers are network time: neither
+``slowdown`` nor ``jitter`` stretches them.
 """
 
 from __future__ import annotations
@@ -20,13 +26,14 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from cachemap.events import KVEventBatch, encode_vllm_batch
 from engines.base import LoadSnapshot
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest, Status, make_request
-from engines.sim.scheduler import Scheduler
+from engines.sim.scheduler import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, Scheduler
 from policies.base import EvictionPolicy, RequestInfo
 
 EventCallback = Callable[[str, int, bytes], None]
@@ -36,7 +43,9 @@ ProgressCallback = Callable[[float, SimRequest, bool], None]
 
 class VirtualInstance:
     """One sim engine on a virtual clock. ``block_size`` may differ from the profile's (e.g. a
-    trace's 512-token blocks for speed); the KV capacity in tokens stays the profile's."""
+    trace's 512-token blocks for speed); the KV capacity in tokens stays the profile's.
+    ``transfer_gbps`` and ``transfer_latency_ms`` time the KV pulls of PD decode requests
+    (``SchedulerConfig``)."""
 
     def __init__(
         self,
@@ -56,6 +65,8 @@ class VirtualInstance:
         slowdown: float = 1.0,
         jitter: float = 0.0,
         seed: int = 0,
+        transfer_gbps: float = DEFAULT_TRANSFER_GBPS,
+        transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS,
     ) -> None:
         if not (slowdown > 0 and math.isfinite(slowdown)):
             raise ValueError(f"slowdown must be a positive number, got {slowdown}")
@@ -71,6 +82,9 @@ class VirtualInstance:
             cpu_policy=cpu_policy,
             enable_events=on_events is not None,
             max_model_len=max_model_len,
+            engine_id=instance_id,
+            transfer_gbps=transfer_gbps,
+            transfer_latency_ms=transfer_latency_ms,
             max_num_batched_tokens=max_num_batched_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
             max_num_seqs=max_num_seqs,
@@ -117,6 +131,14 @@ class VirtualInstance:
                     return
                 self.clock = pending[0][0]  # idle until the next request reaches the scheduler
                 continue
+            if not sched.running and not sched.waiting:  # only pulls in flight
+                ready = sched.pulling[0].kv_ready_s
+                if ready > self.clock:  # idle until a KV arrives or a request
+                    wake = min(ready, pending[0][0]) if pending else ready
+                    if wake >= t:
+                        return
+                    self.clock = wake
+                    continue
             if self.clock >= t:
                 return
             self._step(min(t, pending[0][0]) if pending else t)
@@ -126,10 +148,13 @@ class VirtualInstance:
         hands requests that reached the scheduler's time to its queue, which the next call
         that steps does first. So a driver of many instances may skip those calls, but not
         the one before ``load`` (whose queued prefill counts the scheduler's queue only)."""
-        pending = self._pending
-        if not self.scheduler.idle or (pending and pending[0][0] <= self.clock):
+        pending, sched = self._pending, self.scheduler
+        if sched.running or sched.waiting or (pending and pending[0][0] <= self.clock):
             return self.clock
-        return pending[0][0] if pending else math.inf
+        wake = pending[0][0] if pending else math.inf
+        if sched.pulling:  # the first KV to arrive
+            wake = min(wake, max(sched.pulling[0].kv_ready_s, self.clock))
+        return wake
 
     def drain(self) -> None:
         self.run_until(float("inf"))
@@ -145,7 +170,15 @@ class VirtualInstance:
         sched = self.scheduler
         step = sched.schedule(self.clock)
         if not step.scheduled and not step.preempted:
-            raise RuntimeError(f"instance {self.instance_id}: requests queued but none can run")
+            # the queue's head waits for blocks that pulls in flight hold (the step may have
+            # started pulls): idle until a KV arrives
+            ready = sched.next_kv_ready_s()
+            if math.isinf(ready):
+                raise RuntimeError(f"instance {self.instance_id}: requests queued but none can run")
+            self.clock = max(self.clock, min(ready, limit_s))
+            self.steps += 1
+            self._flush_events()
+            return
         end = self.clock + step.duration_s * self._stretch(1)
         progress = self.on_progress
         for r, _ in sched.complete(step, end):
@@ -158,6 +191,8 @@ class VirtualInstance:
         self.clock = end
         self.steps += 1
         self._flush_events()
+        if sched.pulling:  # no skipping past a KV's arrival: the next step admits it
+            limit_s = min(limit_s, sched.next_kv_ready_s(end))
         if end < limit_s:
             # NOTE: the run is sized on the profile's clock, so stretch the horizon to match.
             n, dur = sched.decode_run(end, end + (limit_s - end) / self.slowdown)
@@ -183,7 +218,8 @@ class VirtualInstance:
         return s.load_snapshot(
             self.instance_id,
             self.clock if ts is None else ts,
-            len(s.waiting) + len(self._pending),
+            # NOTE: pulls in flight wait, as vLLM's num_requests_waiting gauge counts them
+            len(s.waiting) + len(self._pending) + len(s.pulling),
         )
 
 
@@ -197,10 +233,13 @@ def trace_arrival(
     block_size: int,
     max_model_len: int | None = None,
     info: RequestInfo | None = None,
+    kv_transfer_params: Mapping[str, Any] | None = None,
 ) -> tuple[float, SimRequest]:
-    """One trace line (Mooncake/Bailian fields, normalised units) as a hash-only arrival.
+    """One trace line (Mooncake/Bailian fields, normalised units) as a hash-only arrival
+    (the prefill or decode half of a PD request with ``kv_transfer_params``).
 
-    Raises ``ValueError`` for a prompt that does not fit ``max_model_len``."""
+    Raises ``ValueError`` for a prompt that does not fit ``max_model_len`` or malformed
+    ``kv_transfer_params``."""
     hashes = expand_trace_hashes(hash_ids, input_length, trace_block_size, block_size)
     req = make_request(
         request_id,
@@ -210,6 +249,7 @@ def trace_arrival(
         prompt_block_hashes=hashes,
         max_model_len=max_model_len,
         info=info,
+        kv_transfer_params=kv_transfer_params,
     )
     return timestamp_s, req
 
