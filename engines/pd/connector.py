@@ -488,18 +488,7 @@ class _SendPair:
                 timeout=_dt.timedelta(seconds=s.connect_timeout_s),
                 wait_for_workers=False,
             )
-            transport = self.transport = KVTransport(
-                rank=0,
-                world_size=2,
-                backend=w.backend,
-                store=store,
-                local_addr=s.host,
-                group_name=f"kvroute-pd/{msg.pair_id}",
-                timeout_s=s.timeout_s,
-                chunk_bytes=s.chunk_bytes,
-                channels=s.channels,
-                device=w.device if w.backend == "nccl" else None,
-            )
+            transport = self.transport = w.new_transport(0, store, msg.pair_id)
         except Exception as e:
             log.warning("KV pair %s: could not join the decode worker: %s", msg.pair_id, e)
             self.closed = True
@@ -570,18 +559,7 @@ class _RecvPair:
             raise KVTransferError(f"prefill worker at {self.endpoint}: unexpected reply {reply}")
         if not reply.ok:
             raise KVTransferError(f"prefill worker at {self.endpoint} refused: {reply.error}")
-        self.transport = KVTransport(
-            rank=1,
-            world_size=2,
-            backend=w.backend,
-            store=store,
-            local_addr=s.host,
-            group_name=f"kvroute-pd/{self.pair_id}",
-            timeout_s=s.timeout_s,
-            chunk_bytes=s.chunk_bytes,
-            channels=s.channels,
-            device=w.device if w.backend == "nccl" else None,
-        )
+        self.transport = w.new_transport(1, store, self.pair_id)
         return self.transport
 
     def pull(self, request_id: str, num_blocks: int) -> None:
@@ -691,6 +669,23 @@ class _WorkerSide:
             f"{self.settings.host}:{self.settings.port + self.tp_rank}"
             if self.settings.port is not None
             else "off (decode only)",
+        )
+
+    def new_transport(self, rank: int, store: TCPStore, pair_id: str) -> KVTransport:
+        """The two-rank group of pair ``pair_id`` (prefill rank 0, decode rank 1); returns once
+        both have joined ``store`` (or raises after ``timeout_s``)."""
+        s = self.settings
+        return KVTransport(
+            rank=rank,
+            world_size=2,
+            backend=self.backend,
+            store=store,
+            local_addr=s.host,
+            group_name=f"kvroute-pd/{pair_id}",
+            timeout_s=s.timeout_s,
+            chunk_bytes=s.chunk_bytes,
+            channels=s.channels,
+            device=self.device if self.backend == "nccl" else None,
         )
 
     # -- prefill side: control channel
