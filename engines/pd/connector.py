@@ -722,10 +722,18 @@ class _WorkerSide:
                 self.engine_id,
                 f"backend {msg.backend} asked, this prefill worker moves KV with {self.backend}",
             )
+        # a decode worker rebuilds its pair after a failure: its older pairs are dead
+        peer = msg.pair_id.rpartition("/")[0]
         with self._pairs_lock:
-            for pid in [p for p, pair in self._send_pairs.items() if pair.closed]:
-                del self._send_pairs[pid]
+            stale = [
+                p
+                for p, pair in self._send_pairs.items()
+                if pair.closed or p.rpartition("/")[0] == peer
+            ]
+            old = [self._send_pairs.pop(p) for p in stale]
             self._send_pairs[msg.pair_id] = _SendPair(self, msg)
+        for pair in old:
+            pair.close()
         return ConnectReply(msg.pair_id, True, self.engine_id)
 
     def _on_pull(self, msg: Pull) -> PullReply:

@@ -160,3 +160,18 @@ def test_nobody_at_the_port_fails_within_the_connect_timeout() -> None:
         assert "no answer" in rec["error"]
     finally:
         decode.shutdown()
+
+
+def test_a_rebuilt_pair_replaces_the_old_one(pair) -> None:
+    prefill, decode, port, dst = pair
+    for i in range(2):
+        prefill.start(KvrouteConnectorMetadata(to_send={f"p{i}": [i + 1]}))
+        task = RecvTask(f"d{i}", _pull(port, f"p{i}", [i + 1]), [i + 10])
+        decode.start(KvrouteConnectorMetadata(to_recv=[task]))
+        _wait(decode, lambda s, d, f, i=i: f"d{i}" in d and not f)
+        # the decode side drops its pair (as after a failure): the next pull builds a new one
+        (recv_pair,) = decode._recv_pairs.values()
+        decode._drop(recv_pair)
+    assert _same_blocks(_caches(True), [1, 2], dst, [10, 11])
+    _wait(prefill, lambda s, d, f: {"p0", "p1"} <= s)
+    assert len(prefill._send_pairs) == 1  # the first pair was closed when the second came
