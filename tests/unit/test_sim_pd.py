@@ -407,3 +407,138 @@ def test_params_without_pd_flags_change_nothing(profile):
         inst.drain()
     assert (a.first_token_s, a.finish_s, a.token_ids) == (b.first_token_s, b.finish_s, b.token_ids)
     assert b.kv_transfer_params is None and b.remote_tokens == 0 and not b.remote_prefill
+
+
+# -- the same semantics as vLLM's own scheduler with its NixlConnector -----------------------
+
+
+@pytest.mark.slow
+def test_pd_matches_vllm_scheduler_with_nixl_connector():
+    """vLLM 0.32's v1 ``Scheduler`` with a ``NixlConnector`` (scheduler role, no transfer:
+    its completion is reported as the worker would) against the sim's, step by step: the
+    prefill's params, then a decode with a partial local hit: nothing scheduled while the KV
+    is pulled (counted as waiting), then one token after the rest of the prompt, and the
+    local/external split of the cached tokens."""
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        VllmConfig,
+    )
+    from vllm.config import SchedulerConfig as VllmSchedulerConfig
+    from vllm.sampling_params import SamplingParams as VllmSamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from engines.tiny_model import build_tiny_model
+
+    bs, n_blocks, mml = 32, 200, 4096
+    model = str(build_tiny_model())
+    init_none_hash(sha256_cbor)
+    hasher = get_request_block_hasher(bs, sha256_cbor)
+
+    def vllm_engine(engine_id: str) -> VllmScheduler:
+        vc = VllmConfig(
+            model_config=ModelConfig(
+                model=model, tokenizer=model, max_model_len=mml, dtype="bfloat16"
+            ),
+            scheduler_config=VllmSchedulerConfig(
+                max_num_seqs=8,
+                max_num_batched_tokens=512,
+                max_model_len=mml,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            ),
+            cache_config=CacheConfig(block_size=bs, enable_prefix_caching=True),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="NixlConnector", kv_role="kv_both", engine_id=engine_id
+            ),
+        )
+        vc.cache_config.num_gpu_blocks = n_blocks
+        spec = FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+        kvc = KVCacheConfig(
+            num_blocks=n_blocks,
+            kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)],
+        )
+        return VllmScheduler(vc, kvc, StructuredOutputManager(vc), block_size=bs)
+
+    def vllm_request(rid: str, toks: list[int], max_tokens: int, params=None) -> Request:
+        sp = VllmSamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        req = Request(rid, toks, sp, None, block_hasher=hasher)
+        req.kv_transfer_params = params
+        return req
+
+    def sampled(rids: list[str]) -> ModelRunnerOutput:
+        return ModelRunnerOutput(
+            req_ids=rids,
+            req_id_to_index={r: i for i, r in enumerate(rids)},
+            sampled_token_ids=[[7] for _ in rids],
+        )
+
+    tiny = LatencyProfile.load("cpu-tiny-llama")
+    prompt = list(range(1000, 1300))
+
+    def sim_engine(engine_id: str) -> Scheduler:
+        return Scheduler.for_profile(tiny, num_gpu_blocks=n_blocks, engine_id=engine_id)
+
+    def sim_request(rid: str, toks: list[int], max_tokens: int, params=None):
+        return make_request(
+            rid, block_size=bs, max_tokens=max_tokens, prompt_token_ids=toks,
+            kv_transfer_params=params,
+        )  # fmt: skip
+
+    # prefill: the params vLLM returns (remote_block_ids a tuple of lists: JSON makes it a list)
+    vp = vllm_engine("P")
+    vp.add_request(vllm_request("x", prompt, 1, {"do_remote_decode": True}))
+    out = vp.schedule()
+    finals = vp.update_from_output(out, sampled(["x"]))
+    (theirs,) = [o.kv_transfer_params for v in finals.values() for o in v.outputs]
+    sp = sim_engine("P")
+    pre = sim_request("x", prompt, 1, {"do_remote_decode": True})
+    sp.add(pre)
+    sp.complete(sp.schedule(0.0), 0.01)
+    assert {**theirs, "remote_block_ids": [list(g) for g in theirs["remote_block_ids"]]} == (
+        pre.kv_transfer_params
+    )
+
+    # decode, after a shorter prompt left 4 blocks of the prefix in its cache
+    vd, sd = vllm_engine("D"), sim_engine("D")
+    vd.add_request(vllm_request("w", prompt[:150], 1))
+    vd.update_from_output(vd.schedule(), sampled(["w"]))
+    sd.add(sim_request("w", prompt[:150], 1))
+    sd.complete(sd.schedule(0.0), 0.01)
+    vreq = vllm_request("y", prompt, 4, dict(theirs))
+    vd.add_request(vreq)
+    sreq = sim_request("y", prompt, 4, pre.kv_transfer_params)
+    sd.add(sreq)
+    out, step = vd.schedule(), sd.schedule(1.0)
+    assert dict(out.num_scheduled_tokens) == {} and step.scheduled == []
+    assert vreq.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert sreq.status == Status.WAITING_FOR_REMOTE_KVS
+    assert vreq.num_computed_tokens == sreq.num_computed == 300
+    assert vd.get_request_counts() == (len(sd.running), len(sd.waiting) + len(sd.pulling))
+    done = KVConnectorOutput(finished_recving={"y"})
+    vd.update_from_output(
+        out, ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=done)
+    )
+    out, step = vd.schedule(), sd.schedule(sreq.kv_ready_s)
+    assert dict(out.num_scheduled_tokens) == {"y": 1} and step.scheduled == [(sreq, 1, 299)]
+    assert [(n.req_id, n.num_computed_tokens) for n in out.scheduled_new_reqs] == [("y", 299)]
+    finals = vd.update_from_output(out, sampled(["y"]))
+    (stats,) = [o.prefill_stats for v in finals.values() for o in v.outputs]
+    assert (
+        (stats.num_local_cached_tokens, stats.num_external_cached_tokens)
+        == (
+            sreq.cached_tokens,
+            sreq.remote_tokens,
+        )
+        == (128, 172)
+    )
