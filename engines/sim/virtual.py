@@ -147,7 +147,8 @@ class VirtualInstance:
         """The earliest ``t`` for which ``run_until(t)`` runs a step: below it, a call only
         hands requests that reached the scheduler's time to its queue, which the next call
         that steps does first. So a driver of many instances may skip those calls, but not
-        the one before ``load`` (whose queued prefill counts the scheduler's queue only)."""
+        the one before ``load`` (whose queued prefill counts the scheduler's queue only).
+        With only KV pulls in flight, it is the first KV's arrival (the step admitting it)."""
         pending, sched = self._pending, self.scheduler
         if sched.running or sched.waiting or (pending and pending[0][0] <= self.clock):
             return self.clock
