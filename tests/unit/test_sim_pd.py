@@ -336,13 +336,13 @@ def test_sim_engine_counts_a_pull_as_waiting():
 
     async def main():
         pre = engine("pre-1", time_scale=0.0)
-        dec = engine("dec-1", time_scale=1.0, transfer_latency_ms=300.0)
+        dec = engine("dec-1", time_scale=1.0, transfer_latency_ms=600.0)
         for e in (pre, dec):
             await e.start()
         (out,) = await collect(pre, request("x", prompt, 1, {"do_remote_decode": True}))
         pull = request("x", prompt, 2, out.kv_transfer_params)
         task = asyncio.create_task(collect(dec, pull))
-        await asyncio.sleep(0.15)  # past the request overhead, inside the 300 ms transfer
+        await asyncio.sleep(0.2)  # past the request overhead, inside the 600 ms transfer
         load = dec.load()
         outs = await task
         for e in (pre, dec):
