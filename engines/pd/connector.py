@@ -696,23 +696,28 @@ class _WorkerSide:
                 if not sock.poll(100):
                     continue
                 frames = sock.recv_multipart()
-                ident, payload = frames[0], frames[-1]
                 try:
-                    msg = decode_message(payload)
-                except ProtocolError as e:
-                    log.warning("control channel: %s", e)
-                    continue
-                reply: ConnectReply | PullReply | None = None
-                if isinstance(msg, Connect):
-                    reply = self._on_connect(msg)
-                elif isinstance(msg, Pull):
-                    reply = self._on_pull(msg)
-                elif isinstance(msg, Release):
-                    self.ledger.release(msg.request_id)
-                if reply is not None:
-                    sock.send_multipart([ident, encode_message(reply)])
+                    reply = self._handle(frames[-1])
+                    if reply is not None:
+                        sock.send_multipart([frames[0], encode_message(reply)])
+                except Exception:  # one bad message must not end the control channel
+                    log.exception("control channel: message not handled")
         finally:
             sock.close(0)
+
+    def _handle(self, payload: bytes) -> ConnectReply | PullReply | None:
+        try:
+            msg = decode_message(payload)
+        except ProtocolError as e:
+            log.warning("control channel: %s", e)
+            return None
+        if isinstance(msg, Connect):
+            return self._on_connect(msg)
+        if isinstance(msg, Pull):
+            return self._on_pull(msg)
+        if isinstance(msg, Release):
+            self.ledger.release(msg.request_id)
+        return None
 
     def _on_connect(self, msg: Connect) -> ConnectReply:
         if msg.backend != self.backend:

@@ -175,3 +175,21 @@ def test_a_rebuilt_pair_replaces_the_old_one(pair) -> None:
     assert _same_blocks(_caches(True), [1, 2], dst, [10, 11])
     _wait(prefill, lambda s, d, f: {"p0", "p1"} <= s)
     assert len(prefill._send_pairs) == 1  # the first pair was closed when the second came
+
+
+def test_foreign_messages_do_not_stop_the_control_channel(pair) -> None:
+    import zmq
+
+    prefill, decode, port, dst = pair
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        for junk in (b"", b"\x00garbage", b"\x81\xa4type\xa4pull"):
+            sock.send(junk)
+    finally:
+        sock.close(linger=1000)
+    prefill.start(KvrouteConnectorMetadata(to_send={"p5": [4]}))
+    decode.start(KvrouteConnectorMetadata(to_recv=[RecvTask("d5", _pull(port, "p5", [4]), [2])]))
+    _wait(decode, lambda s, d, f: "d5" in d and not f)
+    assert _same_blocks(_caches(True), [4], dst, [2])
