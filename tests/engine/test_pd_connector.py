@@ -193,6 +193,39 @@ def test_bad_remote_port_fails_cleanly_with_policy_fail(loop, prefill, decode_fa
     assert _tokens(good) == _tokens(_run(loop, prefill, "c-f2", prompt2, GEN))
 
 
+def test_decode_aborted_while_its_pull_waits(loop, prefill, decode) -> None:
+    # a pull the prefill worker cannot serve at once: it waits claim_wait_s (5 s) for the
+    # request to show up, then aborts; meanwhile the client gives up on the decode request
+    prompt = _prompt(350, 300)
+    params = {**_prefill(loop, prefill, "p-abort", prompt), "remote_request_id": "not-there"}
+    sampling = SamplingParams(max_tokens=GEN, temperature=0.0, ignore_eos=True)
+
+    async def go() -> list[EngineOutput]:
+        req = EngineRequest("d-abort", prompt, sampling, kv_transfer_params=params)
+        outs: list[EngineOutput] = []
+
+        async def consume() -> None:
+            async for o in decode.generate(req):
+                outs.append(o)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(1.0)
+        await decode.abort("d-abort")
+        await asyncio.wait_for(task, 30)
+        return outs
+
+    outs = loop.run_until_complete(go())
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert _tokens(outs) == []
+    # vLLM held the request's blocks until the failed pull reported; the engine carries on
+    time.sleep(5)
+    prompt2 = _prompt(351, 200)
+    params2 = _prefill(loop, prefill, "p-aa", prompt2)
+    good = _run(loop, decode, "d-after-abort", prompt2, GEN, params2)
+    assert _transfer(good)["ok"] is True
+    assert _tokens(good) == _tokens(_run(loop, prefill, "c-aa", prompt2, GEN))
+
+
 def test_lease_frees_unpulled_blocks(loop, prefill, decode) -> None:
     held = _prompt(400, 1500)  # 47 of the prefill engine's 64 blocks, held for a pull
     t0 = time.monotonic()
