@@ -16,6 +16,8 @@ from loadgen.cli import _positive, add_workload_arguments, plan_workload
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from router.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_OVERLOAD_FACTOR
+
     add_workload_arguments(p)
     c = p.add_argument_group("cluster")
     c.add_argument("--instances", type=int, default=16, help="engines [16]")
@@ -25,6 +27,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated scorers, each NAME or NAME@key=value+key=value [kv_ttft,round_robin]",
     )
     add_engine_arguments(c)
+    d = p.add_argument_group("prefill/decode disaggregation")
+    d.add_argument(
+        "--prefill-instances",
+        type=int,
+        default=0,
+        help="the first N engines are a prefill pool, the rest a decode pool [0: colocated]; "
+        "KV pulls take --engine transfer_gbps / transfer_latency_ms",
+    )
+    d.add_argument(
+        "--pd-max-local-prefill-tokens",
+        type=int,
+        default=DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+        help="a request with at most this many uncached tokens may run whole on a decode "
+        f"engine [{DEFAULT_MAX_LOCAL_PREFILL_TOKENS}]",
+    )
+    d.add_argument(
+        "--pd-overload-factor",
+        type=float,
+        default=DEFAULT_OVERLOAD_FACTOR,
+        help="run whole on a decode engine when the split is priced above this many times the "
+        f"colocated TTFT estimate; 0: never [{DEFAULT_OVERLOAD_FACTOR:g}]",
+    )
     add_truth_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--slo-ttft-ms", type=float, help="goodput SLO on TTFT")
@@ -54,7 +78,8 @@ def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
         default=[],
         metavar="KEY=VALUE",
         help="engine option for every instance (num_gpu_blocks, cpu_capacity_blocks, cpu_policy, "
-        "max_num_batched_tokens, long_prefill_token_threshold, max_num_seqs, max_model_len)",
+        "max_num_batched_tokens, long_prefill_token_threshold, max_num_seqs, max_model_len, "
+        "transfer_gbps, transfer_latency_ms)",
     )
     c.add_argument("--block-size", type=int, help="engine block size [the workload's]")
 
@@ -85,7 +110,17 @@ def sim_settings(args: argparse.Namespace, instances: int, slo_ttft_s: float | N
         event_lag_s=args.lag_ms / 1e3,
         load_lag_s=args.lag_ms / 1e3,
         slo_ttft_s=slo_ttft_s,
+        prefill_instances=getattr(args, "prefill_instances", 0),
     )
+    if settings.prefill_instances:
+        local = args.pd_max_local_prefill_tokens
+        if local < 0:
+            raise ValueError(f"--pd-max-local-prefill-tokens must be >= 0, got {local}")
+        factor = args.pd_overload_factor
+        if factor and factor < 1:
+            raise ValueError(f"--pd-overload-factor must be 0 or >= 1, got {factor}")
+        settings.pd_max_local_prefill_tokens = local
+        settings.pd_overload_factor = factor or None
     settings.validate()
     return settings
 
@@ -209,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
         "perturbation": perturbation_meta(args),
         "lag_ms": args.lag_ms,
         "engine": settings.engine,
+        "prefill_instances": settings.prefill_instances,
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tpot_ms": args.slo_tpot_ms,
         "admission": bool(args.admit),

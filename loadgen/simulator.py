@@ -15,6 +15,14 @@ Nothing of the router is written twice. Every request is placed by a ``router.st
   the core's in-flight accounting and kv_ttft's online calibration learn as in production;
 - SLO admission is the core's ``Admission.check_slo``: a rejected request is a 429.
 
+Prefill/decode disaggregation (``SimSettings.prefill_instances``): the first instances form a
+``prefill`` pool and the rest a ``decode`` pool; the core's ``router.pd.PdPlanner`` places both
+legs of every request as the ingress's dispatcher does. A split request's prefill leg (one
+token, ``do_remote_decode``) runs on its prefill instance; when it finishes, its
+``kv_transfer_params`` go with the request to the decode instance at that moment, which pulls
+the KV (``transfer_gbps``, ``transfer_latency_ms``) and decodes; the client's TTFT is the
+decode's first token. A request the planner keeps whole runs on its decode instance.
+
 Truth and belief are different objects: engines run on the workload's *truth* profile stretched
 per engine (a seeded speed factor, per-step jitter, optional stragglers: ``Perturbation``); the
 router prices with its own profile, loaded separately (by default the same shipped profile,
@@ -32,7 +40,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -44,12 +52,20 @@ from engines.base import LOAD_INTERVAL_S
 from engines.forwarder import encode_load
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest
+from engines.sim.scheduler import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS
 from engines.sim.virtual import VirtualInstance, trace_arrival
 from loadgen.cachesim import request_info
 from loadgen.records import RequestRecord
 from loadgen.workloads import Planned
 from router.admission import Admission, Rejected
-from router.placement import PlacementRequest, Scorer, create_scorer
+from router.pd import (
+    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    DEFAULT_OVERLOAD_FACTOR,
+    PdPlanner,
+    TransferModel,
+)
+from router.placement import Placement, PlacementRequest, Scorer, create_scorer
+from router.pools import Pool
 from router.state import PlacementRecorder, RouterCore
 
 # VirtualInstance options an ``--engine key=value`` may set
@@ -61,6 +77,8 @@ ENGINE_OPTIONS: tuple[str, ...] = (
     "long_prefill_token_threshold",
     "max_num_seqs",
     "max_model_len",
+    "transfer_gbps",
+    "transfer_latency_ms",
 )
 
 
@@ -114,6 +132,11 @@ class SimSettings:
     load_lag_s: float = 0.01
     load_interval_s: float = LOAD_INTERVAL_S
     slo_ttft_s: float | None = None  # admission: reject when the best estimate breaks it
+    # prefill/decode: the first ``prefill_instances`` engines are a prefill pool, the rest a
+    # decode pool (0: every engine colocated)
+    prefill_instances: int = 0
+    pd_max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS
+    pd_overload_factor: float | None = DEFAULT_OVERLOAD_FACTOR
 
     def gpu_blocks(self, truth: LatencyProfile, block_size: int) -> int:
         """Each engine's GPU KV blocks: ``num_gpu_blocks`` when set, else the profile's
@@ -130,6 +153,10 @@ class SimSettings:
                 raise ValueError(f"--lag-ms must be in [0, 60000), got {lag * 1e3:g}")
         if not self.load_interval_s > 0:
             raise ValueError(f"load_interval_s must be > 0, got {self.load_interval_s}")
+        if self.prefill_instances and not 0 < self.prefill_instances < self.instances:
+            raise ValueError(
+                f"--prefill-instances must be in [1, --instances), got {self.prefill_instances}"
+            )
         unknown = sorted(set(self.engine) - set(ENGINE_OPTIONS))
         if unknown:
             raise ValueError(
@@ -192,6 +219,9 @@ class SimRun:
 
 ProgressFn = Callable[[int, int], None]  # (requests placed, total)
 
+PREFILL_SUFFIX = "-prefill"  # a split request's prefill leg is request ``<id>-prefill``
+_REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
+
 # the young generation's collection threshold during a replay (CPython's default: 700)
 _REPLAY_GC_THRESHOLD = 20_000
 
@@ -226,6 +256,19 @@ class ClusterSimulator:
         self.slowdowns = p.slowdowns(s.instances)
         self.kv_bus, self.load_bus = InProcessBus(1 << 16), InProcessBus(1 << 16)
         gpu_blocks = s.gpu_blocks(truth, bs)
+        n_prefill = s.prefill_instances
+        pools, planner = None, None
+        if n_prefill:
+            pools = [
+                Pool("prefill", "prefill", bs, belief, gpu_blocks),
+                Pool("decode", "decode", bs, belief, gpu_blocks),
+            ]
+            transfer = TransferModel(
+                belief.kv_bytes_per_token,
+                float(eng.get("transfer_gbps", DEFAULT_TRANSFER_GBPS)),
+                float(eng.get("transfer_latency_ms", DEFAULT_TRANSFER_LATENCY_MS)) / 1e3,
+            )
+            planner = PdPlanner(transfer, s.pd_max_local_prefill_tokens, s.pd_overload_factor)
         self.core = RouterCore(
             scorer,
             belief,
@@ -235,7 +278,16 @@ class ClusterSimulator:
             load_bus=self.load_bus,
             admission=Admission(slo_ttft_s=s.slo_ttft_s),
             recorder=recorder,
+            pools=pools,
+            planner=planner,
         )
+        # PD: per decode instance (by index), the hand-overs waiting to reach it, as
+        # (time, seq, request) heaps; the instances that got one since the last look; and per
+        # split request its decode placement and the client's arrival time
+        self._handovers: dict[int, list[tuple[float, int, SimRequest]]] = {}
+        self._handed: set[int] = set()
+        self._split: dict[str, tuple[Placement, PlacementRequest]] = {}
+        self._output: dict[str, int] = {}  # split request -> its output length
         self._events: dict[str, deque[tuple[float, bytes]]] = {}
         self._progress: list[tuple[float, int, str, SimRequest, bool]] = []
         self._progress_seq = 0
@@ -261,7 +313,12 @@ class ClusterSimulator:
             )
         self.by_id = {inst.instance_id: inst for inst in self.instances}
         self._index = {inst.instance_id: i for i, inst in enumerate(self.instances)}
-        self.core.sync_instances(self.by_id)
+        if n_prefill:
+            ids = list(self.by_id)
+            self.core.sync_instances(ids[:n_prefill], "prefill")
+            self.core.sync_instances(ids[n_prefill:], "decode")
+        else:
+            self.core.sync_instances(self.by_id)
 
     # -- what the engines emit ---------------------------------------------------------------
 
@@ -277,8 +334,45 @@ class ClusterSimulator:
         def on_progress(t: float, req: SimRequest, finished: bool) -> None:
             self._progress_seq += 1
             heapq.heappush(self._progress, (t, self._progress_seq, iid, req, finished))
+            if finished and req.remote_decode:
+                self._hand_over(t, req)
 
         return on_progress
+
+    def _hand_over(self, t: float, prefill: SimRequest) -> None:
+        """A prefill leg finished at ``t``: its request goes to its decode instance with the
+        prefill's ``kv_transfer_params`` (queued there until that instance runs up to ``t``).
+        A prefill aborted without them (none here) would leave its request unserved."""
+        rid = prefill.request_id.removesuffix(PREFILL_SUFFIX)
+        decode, _ = self._split[rid]
+        inst = self.by_id[decode.instance_id]
+        _, req = trace_arrival(
+            rid,
+            t,
+            prefill.prompt_len,
+            self._output[rid],
+            prefill.block_hashes[: prefill.prompt_len // inst.block_size],
+            inst.block_size,
+            inst.block_size,
+            inst.max_model_len,
+            prefill.info,
+            kv_transfer_params=prefill.kv_transfer_params,
+        )
+        i = self._index[decode.instance_id]
+        self._progress_seq += 1
+        heapq.heappush(self._handovers.setdefault(i, []), (t, self._progress_seq, req))
+        self._handed.add(i)
+
+    def _run(self, i: int, t: float) -> None:
+        """Run instance ``i`` up to ``t``, handing it first every request handed over before."""
+        inst, q = self.instances[i], self._handovers.get(i)
+        while q and q[0][0] < t:
+            at, _, req = heapq.heappop(q)
+            inst.run_until(at)
+            inst.submit(req, at)
+            decode, preq = self._split[req.request_id]
+            self.core.assigned(preq, decode, at)
+        inst.run_until(t)
 
     # -- the replay --------------------------------------------------------------------------
 
@@ -330,7 +424,7 @@ class ClusterSimulator:
                 last_tick = tick
                 ts = tick * interval
                 for i, inst in enumerate(self.instances):
-                    inst.run_until(ts)
+                    self._run(i, ts)
                     state = (inst.steps, inst.submitted)
                     if state == sampled[i][0]:  # nothing changed: the same sample, restamped
                         snap = msgspec.structs.replace(sampled[i][1], ts=ts)
@@ -351,10 +445,19 @@ class ClusterSimulator:
                     due.append(i)
             due.sort()
             for i in due:
-                inst = instances[i]
-                inst.run_until(t)
-                wake[i] = w = inst.wake_s()
+                self._run(i, t)
+                wake[i] = w = instances[i].wake_s()
                 heapq.heappush(due_heap, (w, i))
+            if self._handed:  # PD: decode instances handed requests while prefills ran
+                for i in sorted(self._handed):
+                    q = self._handovers[i]
+                    if q and q[0][0] < t:
+                        self._run(i, t)
+                    w = min(instances[i].wake_s(), q[0][0] if q else math.inf)
+                    if w != wake[i]:
+                        wake[i] = w
+                        heapq.heappush(due_heap, (w, i))
+                self._handed.clear()
             # 2. what the ingress saw of the streams up to t
             self._deliver_progress(t, preqs)
             if budget is not None and budget.exhausted:
@@ -410,36 +513,62 @@ class ClusterSimulator:
                 rec.error, rec.status, rec.error_detail, rec.done_s = "http_429", 429, e.reason, t
                 self._refused()
                 continue
-            inst = by_id[placement.instance_id]
+            leg, leg_place = req, placement
+            if placement.prefill is not None:  # PD: the prefill leg now, the decode on handover
+                leg_place = placement.prefill
+                _, leg = trace_arrival(
+                    rid + PREFILL_SUFFIX,
+                    t,
+                    tr.input_length,
+                    1,
+                    tr.hash_ids,
+                    self.trace_block_size,
+                    bs,
+                    mml,
+                    req.info,
+                    kv_transfer_params=_REMOTE_DECODE,
+                )
+            inst = by_id[leg_place.instance_id]
             try:
-                inst.submit(req, t)
+                inst.submit(leg, t)
             except ValueError as e:
                 rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
                 self._refused()
                 continue
-            i = self._index[placement.instance_id]
+            i = self._index[leg_place.instance_id]
             w = inst.wake_s()
             if w != wake[i]:
                 wake[i] = w
                 heapq.heappush(due_heap, (w, i))
-            core.assigned(preq, placement, t)
             rec.instance = placement.instance_id
             preqs[rid] = (preq, p)
+            if leg is req:
+                core.assigned(preq, placement, t)
+            else:
+                leg_preq = replace(preq, request_id=leg.request_id)
+                core.assigned(leg_preq, leg_place, t)
+                preqs[leg.request_id] = (leg_preq, p)
+                self._split[rid] = (placement, preq)
+                self._output[rid] = max(tr.output_length, 1)
             if progress is not None and n % 1000 == 999:
                 progress(n + 1, total)
         if not aborted:
-            for inst in self.instances:
-                inst.drain()
+            for i in range(len(self.instances)):  # prefill instances first: their hand-overs
+                self._run(i, math.inf)
             self._deliver_progress(math.inf, preqs)
         wall = time.perf_counter() - wall0
         if progress is not None:
             progress(total, total)
         for inst in self.instances:
             for r in inst.finished:
+                if r.remote_decode:  # a prefill leg: its request's record is its decode's
+                    continue
                 rec = records[r.request_id]
                 rec.first_token_s, rec.done_s = r.first_token_s, r.finish_s
                 rec.output_tokens = r.num_output
-                rec.cached_tokens, rec.cpu_cached_tokens = r.cached_tokens, r.cpu_cached_tokens
+                # NOTE: a decode leg reports the prefill's cache hit (vLLM's usage does too)
+                rec.cached_tokens = r.reported_cached_tokens
+                rec.cpu_cached_tokens = r.cpu_cached_tokens
                 rec.preemptions, rec.status = r.num_preemptions, 200
         out = sorted(records.values(), key=lambda r: r.index)
         done = [r.done_s for r in out if not math.isnan(r.done_s)]
@@ -478,8 +607,10 @@ class ClusterSimulator:
                     budget.finished(req)
             else:
                 core.first_token(req.request_id, at)
-                if budget is not None:
-                    budget.first_token(req.ttft_s)
+                if budget is not None and not req.remote_decode:
+                    # NOTE: a decode leg arrived at its hand-over; the client at the plan's time
+                    entry = preqs.get(req.request_id)
+                    budget.first_token(at - (entry[1].offset_s if entry else req.arrival_s))
 
     def _pump(self, now: float) -> None:
         core = self.core

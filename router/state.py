@@ -348,7 +348,12 @@ class RouterCore:
         return request.cached_tokens(placement.cached_blocks, self.block_size)
 
     def assigned(self, request: PlacementRequest, placement: Placement, now: float) -> None:
-        uncached = request.prompt_tokens - self.cached_tokens(request, placement)
+        """``request`` was sent where ``placement`` says; the decode leg of a split request
+        (``placement.prefill``) computes only the prompt's last token once its KV arrives."""
+        if placement.prefill is not None:
+            uncached = 1
+        else:
+            uncached = request.prompt_tokens - self.cached_tokens(request, placement)
         self.load.assigned(request.request_id, placement.instance_id, uncached, now, placement)
 
     def first_token(self, request_id: str, now: float, observed: bool = True) -> None:

@@ -10,9 +10,10 @@ import pytest
 from deploy.cli import main as kvroute
 from engines.sim.profile import LatencyProfile
 from loadgen.metrics import summarize
-from loadgen.simulator import EXACT, Perturbation, SimSettings, simulate
+from loadgen.simulator import EXACT, ClusterSimulator, Perturbation, SimSettings, simulate
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule
+from router.placement import create_scorer
 from router.state import MemoryRecorder
 
 
@@ -198,3 +199,45 @@ def test_requests_sharing_a_timestamp_are_seen_by_the_next_placement_at_any_lag(
         for t in (1.0, 1.2):
             at_t = {r.instance for r in sim.records if r.intended_s == t}
             assert len(at_t) == 4, (lag, t, at_t)  # one per engine, as least_loaded should
+
+
+def test_prefill_decode_pools_split_long_prompts_and_hand_the_kv_over(profile):
+    """1 prefill + 3 decode engines: long prompts are prefilled on the prefill engine and
+    decoded elsewhere after the KV pull; short ones run whole on a decode engine; every request
+    finishes once, the client's TTFT counting both legs and the hand-over."""
+    work = plan(rate=20.0, duration=20.0)
+    rec = MemoryRecorder()
+    settings = SimSettings(instances=4, perturbation=EXACT, prefill_instances=1)
+    cluster = ClusterSimulator(
+        profile, create_scorer("kv_ttft"), settings, SYNTH_BLOCK_SIZE, recorder=rec
+    )
+    sim = cluster.run(work)
+    assert [r.index for r in sim.records] == [p.index for p in work]
+    assert all(r.ok and r.instance in ("sim-1", "sim-2", "sim-3") for r in sim.records)
+    plans = [r["pd"] for r in rec.records]
+    split = [p for p in plans if p["prefill"] is not None]
+    whole = [p for p in plans if p["prefill"] is None]
+    assert split and whole and all(p["prefill"] == "sim-0" for p in split)
+    # split: over the local-prefill threshold, or sooner split by the estimate
+    assert all(
+        p["transfer_tokens"] > 1000 or p["estimated_ttft_s"] < p["colocated_ttft_s"] for p in split
+    )
+    # a decode leg arrives when its prefill finished, and its first token comes after the pull
+    prefilled = {r.request_id: r.finish_s for r in cluster.instances[0].finished}
+    assert len(prefilled) == len(split) and all(k.endswith("-prefill") for k in prefilled)
+    decodes = [r for inst in cluster.instances[1:] for r in inst.finished if r.remote_prefill]
+    assert len(decodes) == len(split)
+    for r in decodes:
+        assert r.arrival_s == prefilled[r.request_id + "-prefill"]
+        assert r.remote_tokens > 0 and r.transfer_s > 0
+        assert r.first_token_s >= r.arrival_s + r.transfer_s
+    by_index = {r.index: r for r in sim.records}
+    assert all(by_index[int(r.request_id)].ttft_s > r.transfer_s for r in decodes)
+    # colocated on the same engines (4 colocated), the same requests all finish too
+    colo = run(profile, "kv_ttft", SimSettings(instances=4, perturbation=EXACT), workload=work)
+    assert all(r.ok for r in colo.records)
+
+
+def test_pd_settings_are_checked(profile):
+    with pytest.raises(ValueError, match="--prefill-instances"):
+        run(profile, "kv_ttft", SimSettings(instances=2, prefill_instances=2))
