@@ -1,0 +1,112 @@
+"""Prefill/decode pools over real HTTP (uvicorn) in one process, with the official ``openai``
+client: a prefill sim engine and two decode sim engines, their KV events and load samples through
+real forwarders into the router, the PD planner and the dispatcher's two legs. The sim engines
+speak vLLM's ``kv_transfer_params`` contract (``engines.sim.scheduler``); the vLLM engines' own
+connector is tested in the engine tier."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from engines.sim import LatencyProfile
+from router.pd import PdPlanner, TransferModel
+from router.pools import Pool
+from tests.support import SIM_MODEL, Server, free_port, sim_stack, wait_for
+
+PROFILE = LatencyProfile.load("cpu-tiny-llama")
+BS = 32
+# every engine: 1 prefill (sim-0), 2 decode (sim-1, sim-2)
+POOLS = (Pool("prefill", "prefill", BS, PROFILE, 4096), Pool("decode", "decode", BS, PROFILE, 4096))
+POOL_OF = {"sim-0": "prefill", "sim-1": "decode", "sim-2": "decode"}
+LONG = "You are a careful assistant who answers in full sentences. " * 30
+CHAT = [{"role": "system", "content": LONG}, {"role": "user", "content": "Tell me a story."}]
+
+
+@pytest.fixture(scope="module")
+def pd() -> Iterator[Server]:
+    planner = PdPlanner(
+        TransferModel(PROFILE.kv_bytes_per_token), max_local_prefill_tokens=64, overload_factor=None
+    )
+    stack = sim_stack(3, pools=POOLS, pool_of=POOL_OF, planner=planner)
+    with Server(stack, free_port()) as s:
+        wait_for(lambda: len(stack.state.core.members()) == 3, 10, "engines registered")
+        yield s
+
+
+@pytest.fixture(scope="module")
+def colocated() -> Iterator[Server]:
+    with Server(sim_stack(1), free_port()) as s:
+        yield s
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+
+
+def scheduler(server: Server, iid: str):
+    return server.stack.engines[iid].scheduler  # type: ignore[attr-defined]
+
+
+def test_a_long_prompt_is_prefilled_then_decoded_elsewhere_with_the_same_tokens(
+    pd: Server, colocated: Server
+) -> None:
+    d = pd.stack.dispatcher
+    before = d.pd_split
+    got = client(pd).chat.completions.create(model=SIM_MODEL, messages=CHAT, max_tokens=12)
+    want = client(colocated).chat.completions.create(model=SIM_MODEL, messages=CHAT, max_tokens=12)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens > 300
+    assert d.pd_split == before + 1 and d.pd_handed_tokens >= got.usage.prompt_tokens - BS
+    # the prefill engine computed the prompt; a decode engine pulled it and computed only the
+    # last token (its scheduler's counters: pulled = prompt - local hit)
+    assert scheduler(pd, "sim-0").prompt_tokens_admitted >= got.usage.prompt_tokens
+    pulled = sum(scheduler(pd, i).remote_tokens_admitted for i in ("sim-1", "sim-2"))
+    assert pulled == got.usage.prompt_tokens
+
+
+def test_the_next_turn_finds_its_prefix_on_the_decode_engine_and_stays_there(pd: Server) -> None:
+    """The decode engine's KV events (BlockStored for the pulled blocks) reach the router's map,
+    so the conversation's next turn, mostly cached there, runs whole on that engine."""
+    messages = [
+        *CHAT,
+        {"role": "assistant", "content": "Once."},
+        {"role": "user", "content": "More"},
+    ]
+    first = client(pd).chat.completions.create(model=SIM_MODEL, messages=CHAT, max_tokens=4)
+    time.sleep(0.3)  # KV events reach the map
+    d = pd.stack.dispatcher
+    colocated_before, split_before = d.pd_colocated, d.pd_split
+    nxt = client(pd).chat.completions.create(model=SIM_MODEL, messages=messages, max_tokens=4)
+    assert d.pd_colocated == colocated_before + 1 and d.pd_split == split_before
+    assert nxt.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - BS
+
+
+def test_a_decode_engine_that_fails_before_its_first_token_is_recomputed_elsewhere(
+    pd: Server,
+) -> None:
+    d = pd.stack.dispatcher
+    stack = pd.stack
+    asyncio.run_coroutine_threadsafe(stack.engines["sim-1"].stop(), pd.loop).result(10)
+    try:
+        recomputed = d.pd_recomputed
+        other = [{"role": "system", "content": "Another system prompt, " * 60}, CHAT[1]]
+        r = client(pd).chat.completions.create(model=SIM_MODEL, messages=other, max_tokens=6)
+        assert r.usage.completion_tokens == 6
+        # sim-1 was chosen (first among idle decoders) and failed; the re-run went to sim-2
+        assert d.pd_recomputed == recomputed + 1 and d.failovers >= 1
+    finally:
+        asyncio.run_coroutine_threadsafe(stack.engines["sim-1"].start(), pd.loop).result(10)
+
+
+def test_without_its_prefill_engine_a_long_prompt_is_served_whole_by_a_decoder(pd: Server) -> None:
+    d = pd.stack.dispatcher
+    asyncio.run_coroutine_threadsafe(pd.stack.engines["sim-0"].stop(), pd.loop).result(10)
+    recomputed = d.pd_recomputed
+    other = [{"role": "system", "content": "Yet another prompt, " * 60}, CHAT[1]]
+    r = client(pd).chat.completions.create(model=SIM_MODEL, messages=other, max_tokens=6)
+    assert r.usage.completion_tokens == 6 and d.pd_recomputed == recomputed + 1
