@@ -72,6 +72,36 @@ class CpuTierConfig(StrictModel):
         return max(1, int(self.gib * (1 << 30) // (kv_bytes_per_token * block_size)))
 
 
+class PdConnectorConfig(StrictModel):
+    """How a vLLM engine of a prefill or decode pool hands KV over (DESIGN.md "Prefill/decode
+    disaggregation"). ``kvroute``: kvroute's own connector (``engines.pd.connector``:
+    ``torch.distributed`` point-to-point, NCCL on GPUs, Gloo on CPU); ``nixl``: vLLM's
+    ``NixlConnector`` (UCX; ``nixl`` and ``nixl-cu12`` wheels, ``make`` installs them)."""
+
+    transport: Literal["kvroute", "nixl"] = "kvroute"
+    port: int | None = Field(
+        None,
+        ge=1024,
+        le=65000,
+        description="base port of the engine's KV side channel (prefill engines: required for "
+        "kvroute, decode engines pull and need none); replica r on a node uses port + r * "
+        "tensor_parallel_size (+ its TP rank)",
+    )
+    host: str | None = Field(
+        None, description="the address other engines reach this one at; default: the node's IP"
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="kvroute: the process-group backend (auto: NCCL for GPU caches)"
+    )
+    lease_s: float = Field(
+        120.0, gt=0, description="a prefill's blocks are freed after this if no decode pulls"
+    )
+    timeout_s: float = Field(30.0, gt=0, description="kvroute: one pull's time limit")
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="a failed pull: recompute the prompt locally, or fail the request"
+    )
+
+
 class EngineConfig(StrictModel):
     """One engine instance. Fields a kind does not use are ignored by it."""
 
@@ -114,6 +144,9 @@ class EngineConfig(StrictModel):
     cpu_tier: CpuTierConfig | None = Field(
         None, description="a CPU KV tier with a kvroute eviction policy; None: no CPU tier"
     )
+    pd: PdConnectorConfig | None = Field(
+        None, description="vllm: the KV connector of a prefill or decode pool's engines"
+    )
     cpu_bind: list[str] | None = Field(
         None,
         min_length=1,
@@ -139,6 +172,8 @@ class EngineConfig(StrictModel):
             )
         if self.kind == "vllm" and self.sim_options:
             raise ValueError("sim_options: only for kind 'sim'")
+        if self.kind == "sim" and self.pd is not None:
+            raise ValueError("pd: only for kind 'vllm' (sim engines hand KV over by themselves)")
         for i, cores in enumerate(self.cpu_bind or ()):
             if not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", cores):
                 raise ValueError(
@@ -263,6 +298,19 @@ class EngineDeploymentConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> EngineDeploymentConfig:
+        ecfg = self.engine
+        if ecfg.kind == "vllm" and self.role != "both" and ecfg.pd is None:
+            raise ValueError(
+                f"engine.pd: a {self.role} pool of vLLM engines needs a KV connector "
+                "(engine.pd: {transport: kvroute, port: ...})"
+            )
+        if (
+            self.role == "prefill"
+            and ecfg.pd is not None
+            and ecfg.pd.transport == "kvroute"
+            and ecfg.pd.port is None
+        ):
+            raise ValueError("engine.pd.port: a prefill pool's engines serve pulls on it")
         tp = self.engine.tensor_parallel_size
         if self.engine.on_gpu and self.resources.num_gpus < tp:
             raise ValueError(

@@ -68,7 +68,45 @@ def _vllm_engine(cfg: EngineConfig, instance_id: str) -> Engine:
         served_model_name=cfg.model_name,
         cpu_threads_bind=bind,
         cpu_tier=cfg.cpu_tier,
+        kv_transfer_config=pd_transfer_config(cfg, replica_local_rank()),
     )
+
+
+def pd_transfer_config(cfg: EngineConfig, local_rank: int = 0) -> dict[str, Any] | None:
+    """The vLLM ``kv_transfer_config`` of ``cfg.pd`` (None: no PD connector) for the replica of
+    rank ``local_rank`` on its node: its side channel on ``port + local_rank * TP size``."""
+    pd = cfg.pd
+    if pd is None:
+        return None
+    port = None if pd.port is None else pd.port + local_rank * cfg.tensor_parallel_size
+    if pd.transport == "nixl":
+        from engines.pd.nixl import nixl_transfer_config
+
+        return nixl_transfer_config(
+            on_gpu=cfg.on_gpu,
+            side_channel_port=port,
+            kv_load_failure_policy=pd.kv_load_failure_policy,
+        )
+    from engines.pd.protocol import kv_transfer_config
+
+    return kv_transfer_config(
+        port=port,
+        host=pd.host or _node_ip(),
+        backend=pd.backend,
+        lease_s=pd.lease_s,
+        timeout_s=pd.timeout_s,
+        kv_load_failure_policy=pd.kv_load_failure_policy,
+    )
+
+
+def _node_ip() -> str:
+    """This node's address as Ray knows it (loopback outside Ray)."""
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address()) if ray.is_initialized() else "127.0.0.1"
+    except Exception:
+        return "127.0.0.1"
 
 
 def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:

@@ -88,6 +88,14 @@ class Dispatcher:
         self.pd_recomputed = 0
         self.pd_prefill_s = 0.0  # total seconds of prefill legs that handed KV over
         self.pd_handed_tokens = 0  # total prompt tokens planned to be handed over
+        # what decode engines measured of their pulls (kvroute's connector reports each in its
+        # final output's kv_transfer_params["kvroute"]["transfer"]): count, failures, bytes,
+        # seconds, and prompt tokens the decode engines computed themselves
+        self.pd_pulls = 0
+        self.pd_pull_failures = 0
+        self.pd_pull_bytes = 0
+        self.pd_pull_s = 0.0
+        self.pd_decode_prompt_tokens = 0
 
     def placement_request(self, routed: RoutedRequest) -> PlacementRequest:
         return request_for_placement(routed)
@@ -161,6 +169,8 @@ class Dispatcher:
                         ):
                             # Serve's request router delivered it elsewhere than placed.
                             self.overrides += 1
+                    if out.finished and out.kv_transfer_params:
+                        self._pulled(out.kv_transfer_params)
                     if current is not routed and out.usage is not None:
                         out = _leg_usage(out, routed, len(generated) + len(out.token_ids))
                     generated.extend(out.token_ids)
@@ -257,6 +267,19 @@ class Dispatcher:
             request = msgspec.structs.replace(routed.request, kv_transfer_params=params)
             return msgspec.structs.replace(routed, request=request)
         return None
+
+    def _pulled(self, params: dict[str, Any]) -> None:
+        """Count a decode engine's pull record (``transfer`` under the router's hints key), if
+        its output carries one."""
+        own = params.get(HINTS_KEY)
+        record = own.get("transfer") if isinstance(own, dict) else None
+        if not isinstance(record, dict):
+            return
+        self.pd_pulls += 1
+        self.pd_pull_failures += not record.get("ok", False)
+        self.pd_pull_bytes += int(record.get("bytes") or 0)
+        self.pd_pull_s += float(record.get("seconds") or 0.0)
+        self.pd_decode_prompt_tokens += int(record.get("prompt_tokens_computed") or 0)
 
     def _next_prefill(self, preq: PlacementRequest, tried: set[str]) -> Placement | None:
         """Another prefill engine for a prefill leg whose engine failed (None: none is left)."""

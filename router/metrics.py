@@ -74,6 +74,24 @@ class RouterMetrics:
             "times the model's KV bytes per token)",
             registry=r,
         )
+        self.pd_pulls = Gauge(
+            "kvroute_pd_pulls",
+            "KV pulls decode engines reported (kvroute's connector), by outcome",
+            ["ok"],
+            registry=r,
+        )
+        self.pd_pull_bytes = Gauge(
+            "kvroute_pd_pull_bytes", "Total KV bytes decode engines pulled", registry=r
+        )
+        self.pd_pull_seconds = Gauge(
+            "kvroute_pd_pull_seconds", "Total seconds decode engines spent pulling KV", registry=r
+        )
+        self.pd_decode_prompt_tokens = Gauge(
+            "kvroute_pd_decode_prompt_tokens",
+            "Total prompt tokens decode engines computed after their pulls (1 per pull when the "
+            "hand-over worked: the last token, which vLLM recomputes)",
+            registry=r,
+        )
         self.pool_waiting = Gauge(
             "kvroute_pool_waiting", "Requests waiting, summed over a pool", ["pool"], registry=r
         )
@@ -131,6 +149,11 @@ class RouterMetrics:
             self.pd_requests.labels("recomputed").set(dispatcher.pd_recomputed)
             self.pd_prefill_seconds.set(dispatcher.pd_prefill_s)
             self.pd_handed_tokens.set(dispatcher.pd_handed_tokens)
+            self.pd_pulls.labels("true").set(dispatcher.pd_pulls - dispatcher.pd_pull_failures)
+            self.pd_pulls.labels("false").set(dispatcher.pd_pull_failures)
+            self.pd_pull_bytes.set(dispatcher.pd_pull_bytes)
+            self.pd_pull_seconds.set(dispatcher.pd_pull_s)
+            self.pd_decode_prompt_tokens.set(dispatcher.pd_decode_prompt_tokens)
         per_instance = (self.instance_waiting, self.instance_running, self.instance_kv_usage)
         for gauge in (*per_instance, self.pool_waiting, self.pool_running):
             gauge.clear()

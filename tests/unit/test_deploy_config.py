@@ -47,6 +47,25 @@ def test_defaults_are_two_sim_engines_on_localhost() -> None:
         ({"engines": {"engine": {"kind": "vllm", "cpu_tier": {"gib": 4}}}}, "CPU build refuses"),
         ({"router": {"admin_key": "plain"}}, "admin_key"),
         ({"engines": {"role": "prefill"}}, "engines.role"),
+        (
+            {
+                "pools": [
+                    {"name": "p", "role": "prefill", "engine": {"kind": "vllm"}},
+                    {"name": "d", "role": "decode", "engine": {"kind": "vllm"}},
+                ]
+            },
+            "engine.pd: a prefill pool of vLLM engines needs a KV connector",
+        ),
+        (
+            {
+                "pools": [
+                    {"name": "p", "role": "prefill", "engine": {"kind": "vllm", "pd": {}}},
+                    {"name": "d", "role": "decode", "engine": {"kind": "vllm", "pd": {}}},
+                ]
+            },
+            "engine.pd.port",
+        ),
+        ({"engines": {"engine": {"pd": {"port": 15600}}}}, "pd: only for kind 'vllm'"),
         ({"pools": [{"name": "p", "role": "prefill"}]}, "needs a decode"),
         ({"pools": [{"name": "d", "role": "decode"}]}, "needs a prefill"),
         ({"pools": [{"name": "a"}, {"name": "a"}]}, "'a' is used twice"),
