@@ -47,6 +47,20 @@ def instance_gauge(base: str, name: str, headers: dict[str, str] | None = None) 
     return out
 
 
+def metric(base: str, name: str, headers: dict[str, str] | None = None) -> dict[str, float]:
+    """``name``'s samples on the /metrics of the router at ``base``, by their label text ('' for
+    one without labels), e.g. ``{'{path="split"}': 1.0}``."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{base}/metrics", headers=headers, timeout=30).text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            if key[len(name) :][:1] in ("", "{"):
+                out[key[len(name) :]] = float(value)
+    return out
+
+
 def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.05) -> bool:
     """Poll ``cond`` until it holds or ``timeout_s`` passes; its last value."""
     deadline = time.monotonic() + timeout_s

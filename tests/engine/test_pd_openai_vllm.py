@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 
-import httpx
 import openai
 import pytest
 
@@ -27,7 +26,7 @@ from engines.vllm_engine import VllmEngine
 from router.pd import PdPlanner, TransferModel
 from router.pools import Pool
 from router.tokenizer import PromptTokenizer
-from tests.support import Server, free_port, wait_for
+from tests.support import Server, free_port, metric, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -90,13 +89,8 @@ def client(server: Server) -> openai.OpenAI:
     )
 
 
-def metric(server: Server, name: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key[len(name) :]] = float(value)
-    return out
+def url(server: Server) -> str:
+    return f"http://127.0.0.1:{server.port}"
 
 
 def colocated(server: Server, prompt_ids: list[int], n: int) -> list[int]:
@@ -119,10 +113,10 @@ def test_a_split_request_decodes_the_colocated_tokens_computing_one_prompt_token
     ids = TOKENIZER.encode(prompt, True)
     want = pd.stack.engines["prefill-0"].tokenizer.decode(colocated(pd, ids, 12))
     assert got.choices[0].text == want
-    assert metric(pd, "kvroute_pd_requests")['{path="split"}'] == 1
-    assert metric(pd, "kvroute_pd_pulls")['{ok="true"}'] == 1
-    assert metric(pd, "kvroute_pd_decode_prompt_tokens")[""] == 1  # the last prompt token
-    assert metric(pd, "kvroute_pd_pull_bytes")[""] > 0
+    assert metric(url(pd), "kvroute_pd_requests")['{path="split"}'] == 1
+    assert metric(url(pd), "kvroute_pd_pulls")['{ok="true"}'] == 1
+    assert metric(url(pd), "kvroute_pd_decode_prompt_tokens")[""] == 1  # the last prompt token
+    assert metric(url(pd), "kvroute_pd_pull_bytes")[""] > 0
 
 
 def test_the_next_turn_runs_whole_on_the_decode_engine_holding_its_prefix(pd: Server) -> None:
@@ -136,10 +130,10 @@ def test_the_next_turn_runs_whole_on_the_decode_engine_holding_its_prefix(pd: Se
         return m.total_blocks if m is not None else 0
 
     assert wait_for(lambda: held() == len(hashes), 10), "no KV events from the decode engine"
-    colocated_before = metric(pd, "kvroute_pd_requests")['{path="colocated"}']
+    colocated_before = metric(url(pd), "kvroute_pd_requests")['{path="colocated"}']
     chat += [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "More."}]
     nxt = client(pd).chat.completions.create(model=MODEL, messages=chat, max_tokens=4)
-    assert metric(pd, "kvroute_pd_requests")['{path="colocated"}'] == colocated_before + 1
+    assert metric(url(pd), "kvroute_pd_requests")['{path="colocated"}'] == colocated_before + 1
     assert nxt.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - BS
 
 
@@ -147,9 +141,9 @@ def test_without_the_prefill_engine_a_long_prompt_is_recomputed_on_the_decode_en
     pd: Server,
 ) -> None:
     asyncio.run_coroutine_threadsafe(pd.stack.engines["prefill-0"].stop(), pd.loop).result(120)
-    before = metric(pd, "kvroute_pd_requests")['{path="recomputed"}']
+    before = metric(url(pd), "kvroute_pd_requests")['{path="recomputed"}']
     r = client(pd).completions.create(
         model=MODEL, prompt="A different long prompt. " * 40, max_tokens=6, temperature=0.0
     )
     assert r.usage.completion_tokens == 6
-    assert metric(pd, "kvroute_pd_requests")['{path="recomputed"}'] == before + 1
+    assert metric(url(pd), "kvroute_pd_requests")['{path="recomputed"}'] == before + 1

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from deploy.config import ServeConfig
-from tests.support import free_port, serve_app
+from tests.support import free_port, metric, serve_app
 
 pytestmark = [pytest.mark.slow]
 
@@ -34,16 +34,6 @@ def served() -> Iterator[str]:
     cfg = ServeConfig.validated(data, source=str(CONFIG))
     with serve_app(cfg) as base:
         yield base
-
-
-def metric(base: str, name: str) -> dict[str, float]:
-    """``name``'s samples on /metrics, by their label text ('' without labels)."""
-    out = {}
-    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            key, value = line.rsplit(" ", 1)
-            out[key[len(name) :]] = float(value)
-    return out
 
 
 def test_a_long_prompt_is_split_and_its_next_turn_stays_on_the_decode_engine(served: str) -> None:
