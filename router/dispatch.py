@@ -156,6 +156,14 @@ class Dispatcher:
             # NOTE: a failover replaces ``placement`` and ``preq`` before ``finally``
             running, running_preq = placement, preq
             started = False
+            # a disaggregated request's decode leg gets a span of its own beside the prefill's
+            leg_span = (
+                tracer.start_span(
+                    "kvroute.decode_leg", attributes={"kvroute.instance": placement.instance_id}
+                )
+                if placement is not None and self.state.disaggregated
+                else None
+            )
             outs = self.client.stream(current)
             try:
                 async for out in outs:
@@ -217,6 +225,8 @@ class Dispatcher:
                     await close()
                 if running is not None:
                     self.state.finished(running_preq, running.instance_id)
+                if leg_span is not None:
+                    leg_span.end()
 
     async def _prefill(
         self, routed: RoutedRequest, preq: PlacementRequest, placement: Placement

@@ -86,6 +86,32 @@ def test_the_next_turn_finds_its_prefix_on_the_decode_engine_and_stays_there(pd:
     assert nxt.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - BS
 
 
+def test_both_legs_are_spans_of_the_requests_trace(pd: Server) -> None:
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):  # none yet in this process: install one
+        trace.set_tracer_provider(TracerProvider())
+        provider = trace.get_tracer_provider()
+    assert isinstance(provider, TracerProvider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    trace_id = "5bf92f3577b34da6a3ce929d0e0e4737"
+    other = [{"role": "system", "content": "A traced system prompt, " * 60}, CHAT[1]]
+    client(pd).with_options(
+        default_headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+    ).chat.completions.create(model=SIM_MODEL, messages=other, max_tokens=3)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert {"kvroute.ingress", "kvroute.prefill_leg", "kvroute.decode_leg"} <= set(spans)
+    for name in ("kvroute.prefill_leg", "kvroute.decode_leg"):
+        assert format(spans[name].context.trace_id, "032x") == trace_id
+    assert spans["kvroute.prefill_leg"].attributes["kvroute.instance"] == "sim-0"
+    assert spans["kvroute.decode_leg"].attributes["kvroute.instance"] in ("sim-1", "sim-2")
+
+
 def test_a_decode_engine_that_fails_before_its_first_token_is_recomputed_elsewhere(
     pd: Server,
 ) -> None:
