@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"kvroute serving {cfg.engine.model_name!r} on "
             + ", ".join(
-                f"{p.instances} {p.engine.kind} {p.role} engine(s)" for p in cfg.engine_pools
+                f"{p.instances} {p.engine.kind} {'' if p.role == 'both' else p.role + ' '}engine(s)"
+                for p in cfg.engine_pools
             )
             + ", "
             f"router {cfg.router.scorer}: http://{cfg.host}:{cfg.port}/v1",
