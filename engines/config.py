@@ -304,6 +304,11 @@ class EngineDeploymentConfig(StrictModel):
                 f"engine.pd: a {self.role} pool of vLLM engines needs a KV connector "
                 "(engine.pd: {transport: kvroute, port: ...})"
             )
+        if ecfg.pd is not None and ecfg.pd.transport == "nixl" and ecfg.pd.port is None:
+            raise ValueError(
+                "engine.pd.port: every NIXL engine binds a side channel (vLLM's "
+                "VLLM_NIXL_SIDE_CHANNEL_PORT); give each pool its own port"
+            )
         if (
             self.role == "prefill"
             and ecfg.pd is not None

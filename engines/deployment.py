@@ -85,7 +85,9 @@ def pd_transfer_config(cfg: EngineConfig, local_rank: int = 0) -> dict[str, Any]
         return nixl_transfer_config(
             on_gpu=cfg.on_gpu,
             side_channel_port=port,
+            side_channel_host=pd.host or _node_ip(),
             kv_load_failure_policy=pd.kv_load_failure_policy,
+            kv_lease_duration=int(pd.lease_s),
         )
     from engines.pd.protocol import kv_transfer_config
 

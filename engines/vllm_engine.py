@@ -191,8 +191,15 @@ class VllmEngine(Engine):
             kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
             **self._args,
         )
+        from engines.pd.nixl import side_channel_environ
+
         try:
-            self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._stat_logger_factory])
+            # NOTE: vLLM's NixlConnector reads its side channel from the environment only; the
+            # engine core process inherits it (nothing is set for other connectors)
+            with side_channel_environ(self._other_connector or {}):
+                self._llm = AsyncLLM.from_engine_args(
+                    args, stat_loggers=[self._stat_logger_factory]
+                )
         except Exception as e:
             raise EngineError(f"vLLM engine {self.instance_id} failed to start: {e}") from e
         self.num_gpu_blocks = self._llm.vllm_config.cache_config.num_gpu_blocks

@@ -200,3 +200,41 @@ def test_pool_flags_refuse_instances_without_a_single_pool(tmp_path: Path) -> No
     assert [p.role for p in cfg.engine_pools] == ["prefill", "decode"]
     with pytest.raises(ValueError, match="--instances"):
         build_config(parser.parse_args(["--config", str(f), "--instances", "3"]))
+
+
+def test_a_pools_pd_settings_become_the_engines_kv_transfer_config() -> None:
+    from engines.config import EngineConfig
+    from engines.deployment import pd_transfer_config
+    from engines.pd.nixl import side_channel_env
+
+    kvroute = EngineConfig(kind="vllm", pd={"port": 15600, "host": "10.0.0.5", "backend": "gloo"})
+    cfg = pd_transfer_config(kvroute, local_rank=2)
+    assert cfg is not None and cfg["kv_connector"] == "KvrouteConnector"
+    assert cfg["kv_connector_extra_config"]["port"] == 15602  # replica 2 on its node
+    assert cfg["kv_connector_extra_config"]["host"] == "10.0.0.5"
+    nixl = EngineConfig(kind="vllm", pd={"transport": "nixl", "port": 15700, "host": "10.0.0.5"})
+    cfg = pd_transfer_config(nixl, local_rank=1)
+    assert cfg is not None and cfg["kv_connector"] == "NixlConnector"
+    assert cfg["kv_buffer_device"] == "cpu"
+    assert side_channel_env(cfg) == {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.5",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": "15701",
+    }
+    assert pd_transfer_config(EngineConfig(kind="vllm")) is None
+    with pytest.raises(ValueError, match=r"engine\.pd\.port: every NIXL engine"):
+        ServeConfig.validated(
+            {
+                "pools": [
+                    {
+                        "name": "p",
+                        "role": "prefill",
+                        "engine": {"kind": "vllm", "pd": {"transport": "nixl", "port": 15700}},
+                    },
+                    {
+                        "name": "d",
+                        "role": "decode",
+                        "engine": {"kind": "vllm", "pd": {"transport": "nixl"}},
+                    },
+                ]
+            }
+        )
