@@ -27,7 +27,7 @@ from loadgen.simulate_cmd import (
 
 NOT_MODELLED = (
     "network and ingress time; admission's concurrency gate; engine failures and restarts; "
-    "request cancellation; prefill/decode disaggregation. Caches start cold."
+    "request cancellation. Caches start cold."
 )
 
 
@@ -62,6 +62,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="wa",
         metavar="NAME[,NAME...]",
         help="CPU-tier eviction policies to try with each non-zero size [wa]",
+    )
+    c.add_argument(
+        "--prefill-fractions",
+        default="0",
+        metavar="F[,F...]",
+        help="prefill/decode splits to try at every count: the fraction of the engines in a "
+        "prefill pool (rounded, one engine per pool at least), the rest decode; 0: colocated. "
+        "E.g. 0,0.25,0.375 [0]",
     )
     r = p.add_argument_group("break rate")
     r.add_argument(
@@ -111,6 +119,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _fractions(raw: str) -> list[float]:
+    out = []
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"--prefill-fractions: {item!r} is not a number") from None
+        if not 0 <= value < 1:
+            raise ValueError(f"--prefill-fractions: {value:g} is not in [0, 1)")
+        out.append(value)
+    if not out:
+        raise ValueError("--prefill-fractions: give at least one fraction")
+    return sorted(set(out))
+
+
 def _scales(args: argparse.Namespace) -> list[float]:
     """``--rate-scale``'s list (cleared from ``args`` so the schedule is built at scale 1)."""
     raw, args.rate_scale = args.rate_scale, None
@@ -132,11 +155,20 @@ def _scales(args: argparse.Namespace) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadgen.planner import Candidate, Planner, PlanSetup, Slo, parse_tiers, rescaled
+    from loadgen.planner import (
+        Candidate,
+        Planner,
+        PlanSetup,
+        Slo,
+        parse_tiers,
+        prefill_count,
+        rescaled,
+    )
 
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment)
     scales = _scales(args)
     tiers = parse_tiers(args.cpu_tier_gib, args.policy)
+    splits = _fractions(args.prefill_fractions)
     for value, flag in (
         (args.min_instances, "--min-instances"),
         (args.max_instances, "--max-instances"),
@@ -154,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--find-max-rate takes one --cpu-tier-gib size and one --policy")
         if len(scales) != 1:
             raise ValueError("--find-max-rate takes at most one --rate-scale (its starting rate)")
+        if len(splits) != 1:
+            raise ValueError("--find-max-rate takes one --prefill-fractions value")
     elif args.instances is not None:
         raise ValueError("--instances is for --find-max-rate; size with --min/--max-instances")
     if args.min_instances > args.max_instances:
@@ -209,11 +243,20 @@ def run(args: argparse.Namespace) -> int:
         with planner:
             if args.find_max_rate:
                 tier_gib, policy = tiers[0]
-                rate = planner.max_rate(Candidate(args.instances, tier_gib, policy))
+                rate = planner.max_rate(
+                    Candidate(
+                        args.instances,
+                        tier_gib,
+                        policy,
+                        prefill_instances=prefill_count(args.instances, splits[0]),
+                    )
+                )
                 sizes = []
             else:
                 sizes = [
-                    planner.size(args.min_instances, args.max_instances, tiers, scale, args.curve)
+                    planner.size(
+                        args.min_instances, args.max_instances, tiers, scale, args.curve, splits
+                    )
                     for scale in scales
                 ]
     elapsed = time.perf_counter() - t0
@@ -369,6 +412,8 @@ def _print(doc: dict[str, Any], slo: Any) -> None:
     cols = [first_col, "CPU tier", "attainment", f"TTFT {slo.percentile}"]
     cols += [f"TPOT {slo.percentile}"] if slo.tpot_ms is not None else []
     cols += ["hit rate", "verdict"]
+    if any(o.get("prefill_instances") for o in rows):
+        cols.insert(cols.index("CPU tier"), "prefill+decode")
     if len({o["rate_scale"] for o in rows}) > 1 and first_col == "instances":
         cols.insert(0, "req/s")
     for col in cols:
@@ -381,6 +426,11 @@ def _print(doc: dict[str, Any], slo: Any) -> None:
         cells = {
             "req/s": f"{o['rate_rps']:.2f}",
             "instances": str(o["instances"]),
+            "prefill+decode": (
+                f"{o['prefill_instances']}+{o['instances'] - o['prefill_instances']}"
+                if o.get("prefill_instances")
+                else "colocated"
+            ),
             "CPU tier": f"{o['cpu_tier_gib']:g} GiB {o['policy']}" if o["cpu_tier_gib"] else "-",
             "attainment": att,
             f"TTFT {slo.percentile}": _ms(o["ttft_ms_at_percentile"]),
@@ -418,7 +468,9 @@ def _print(doc: dict[str, Any], slo: Any) -> None:
 
 def _label(c: dict[str, Any]) -> str:
     tier = f" with a {c['cpu_tier_gib']:g} GiB {c['policy']} CPU tier" if c["cpu_tier_gib"] else ""
-    return f"{c['instances']} instances{tier}"
+    p = c.get("prefill_instances") or 0
+    split = f" ({p} prefill + {c['instances'] - p} decode)" if p else ""
+    return f"{c['instances']} instances{split}{tier}"
 
 
 def write_report(out: Path, doc: dict[str, Any]) -> list[Path]:
@@ -437,7 +489,8 @@ def write_report(out: Path, doc: dict[str, Any]) -> list[Path]:
         rows = [o for o in doc["max_rate"]["curve"] if o is not None]
     else:
         rows = [{**o, "rate_rps": s["rate_rps"]} for s in doc["sizes"] for o in s["curve"]]
-    fields = ["rate_rps", "instances", "cpu_tier_gib", "policy", "rate_scale", "attainment",
+    fields = ["rate_rps", "instances", "prefill_instances", "cpu_tier_gib", "policy",
+              "rate_scale", "attainment",
               "attainment_is_upper_bound", "passes", "ttft_ms_at_percentile",
               "tpot_ms_at_percentile", "hit_rate", "refused", "why", "wall_s"]  # fmt: skip
     with written[1].open("w", newline="") as f:
@@ -449,8 +502,10 @@ def write_report(out: Path, doc: dict[str, Any]) -> list[Path]:
     series: dict[str, list[dict[str, Any]]] = {}
     for o in rows:
         key = (
-            f"{o['cpu_tier_gib']:g} GiB {o['policy']}" if o["cpu_tier_gib"] else "no CPU tier"
-        ) + ("" if rate else f", {o['rate_rps']:.1f} req/s")
+            (f"{o['cpu_tier_gib']:g} GiB {o['policy']}" if o["cpu_tier_gib"] else "no CPU tier")
+            + (f", {o['prefill_instances']} prefill" if o.get("prefill_instances") else "")
+            + ("" if rate else f", {o['rate_rps']:.1f} req/s")
+        )
         series.setdefault(key, []).append(o)
     xkey = "rate_rps" if rate else "instances"
     for key, pts in series.items():

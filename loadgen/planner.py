@@ -10,10 +10,10 @@ bisection (``jobs`` probes per round, run in parallel processes), not by a sweep
 configuration that has already missed more requests than the target allows is not simulated to
 the end (``SloBudget``).
 
-A *candidate* is one configuration: instances, CPU-tier size and eviction policy, and the rate
-scale it serves. Cost orders candidates by instances, then CPU-tier GiB; the eviction policy
-costs nothing. (A prefill/decode pool split becomes one more field of ``Candidate`` and one
-more key of ``Candidate.cost``.)
+A *candidate* is one configuration: instances, CPU-tier size and eviction policy, how many of
+the instances form a prefill pool (0: colocated; the rest decode, placed by the router's PD
+planner), and the rate scale it serves. Cost orders candidates by instances, then CPU-tier GiB;
+the eviction policy and the prefill/decode split cost nothing (the same GPUs either way).
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ class Candidate:
     cpu_tier_gib: float = 0.0
     policy: str = NO_TIER
     rate_scale: float = 1.0
+    prefill_instances: int = 0  # of ``instances``, the prefill pool's (0: colocated)
 
     @property
     def cost(self) -> tuple[float, ...]:
@@ -98,15 +99,30 @@ class Candidate:
     @property
     def label(self) -> str:
         tier = f", CPU tier {self.cpu_tier_gib:g} GiB {self.policy}" if self.cpu_tier_gib else ""
-        return f"{self.instances} instances{tier}"
+        split = (
+            f" ({self.prefill_instances} prefill + {self.instances - self.prefill_instances} "
+            "decode)"
+            if self.prefill_instances
+            else ""
+        )
+        return f"{self.instances} instances{split}{tier}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "instances": self.instances,
+            "prefill_instances": self.prefill_instances,
             "cpu_tier_gib": self.cpu_tier_gib,
             "policy": self.policy if self.cpu_tier_gib else None,
             "rate_scale": self.rate_scale,
         }
+
+
+def prefill_count(instances: int, fraction: float) -> int:
+    """The prefill pool's size for a ``fraction`` of ``instances`` (0: colocated): at least one
+    engine in each pool, so 0 when ``instances`` < 2."""
+    if fraction <= 0 or instances < 2:
+        return 0
+    return min(max(1, round(fraction * instances)), instances - 1)
 
 
 @dataclass(slots=True)
@@ -313,6 +329,7 @@ class PlanSetup:
             settings = replace(
                 self.settings,
                 instances=cand.instances,
+                prefill_instances=cand.prefill_instances,
                 engine=engine,
                 perturbation=replace(base, seed=base.seed + k),
             )
@@ -489,6 +506,7 @@ class Planner:
         tiers: Sequence[tuple[float, str]] = ((0.0, NO_TIER),),
         rate_scale: float = 1.0,
         curve: int = 0,
+        splits: Sequence[float] = (0.0,),
     ) -> SizeResult:
         """The fewest instances in ``[min_instances, max_instances]`` at which some tier
         ``(GiB, policy)`` meets the SLO, the cheapest such tier there, and the next cheaper
@@ -496,7 +514,9 @@ class Planner:
         it probes (a larger tier of the same policy is taken to be never worse, as more
         instances are); every tier is priced at the answer, to pick the cheapest. ``curve``
         more counts, evenly spread over the range, are priced with every tier for the
-        attainment curve."""
+        attainment curve. ``splits``: prefill pool fractions to price at every count probed
+        (0: colocated; ``prefill_count``), none taken to dominate another; among the candidates
+        that meet the SLO at the answer, the cheapest, then the best attainment, is chosen."""
         if not 1 <= min_instances <= max_instances:
             raise ValueError(
                 f"--min-instances ({min_instances}) must be >= 1 and <= --max-instances "
@@ -504,8 +524,11 @@ class Planner:
             )
         lo, hi = min_instances, max_instances
 
+        def split(n: int) -> list[int]:
+            return sorted({prefill_count(n, f) for f in splits})
+
         def at(n: int) -> list[Candidate]:
-            return [Candidate(n, gib, pol, rate_scale) for gib, pol in tiers]
+            return [Candidate(n, gib, pol, rate_scale, p) for gib, pol in tiers for p in split(n)]
 
         largest: dict[str, float] = {}
         for gib, pol in tiers:
@@ -514,7 +537,11 @@ class Planner:
             largest.pop(NO_TIER, None)
 
         def strongest(n: int) -> list[Candidate]:
-            return [Candidate(n, gib, pol, rate_scale) for pol, gib in largest.items()]
+            return [
+                Candidate(n, gib, pol, rate_scale, p)
+                for pol, gib in largest.items()
+                for p in split(n)
+            ]
 
         def search(fidelity: str, first: list[int], step: int) -> int | None:
             done = self.priced[fidelity]
@@ -537,7 +564,7 @@ class Planner:
             self.price(c for n in sorted(spread) for c in at(n))
         mine = sorted(
             (o for o in self.outcomes.values() if o.candidate.rate_scale == rate_scale),
-            key=lambda o: (o.candidate.cost, o.candidate.policy),
+            key=lambda o: (o.candidate.cost, o.candidate.policy, o.candidate.prefill_instances),
         )
         chosen = None
         if best is not None:

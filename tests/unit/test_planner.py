@@ -21,6 +21,7 @@ from loadgen.planner import (
     find_boundary,
     judge,
     parse_tiers,
+    prefill_count,
 )
 from loadgen.records import RequestRecord
 from loadgen.simulator import SimSettings, SloBudget, simulate
@@ -183,6 +184,26 @@ def test_size_with_tiers_picks_the_cheapest_tier_that_meets_it(setup: PlanSetup)
     assert result.cheaper_failing is not None and not result.cheaper_failing.passes(SLO)
 
 
+def test_size_prices_prefill_decode_splits_at_every_count(setup: PlanSetup) -> None:
+    """With splits, every probed count is priced colocated and split; the answer is the
+    cheapest count some split meets, and a split candidate runs the simulator's PD mode."""
+    with Planner(setup, SLO, jobs=2, guide=0.0) as planner:
+        result = planner.size(1, 8, splits=(0.0, 0.5))
+    best = result.best
+    assert best is not None and best.passes(SLO)
+    n = best.candidate.instances
+    here = {o.candidate.prefill_instances for o in result.outcomes if o.candidate.instances == n}
+    assert here == {0, prefill_count(n, 0.5)} and prefill_count(n, 0.5) >= 1
+    # a count of one has no split; fewer instances fail whatever the split
+    assert prefill_count(1, 0.5) == 0 and prefill_count(5, 0.9) == 4
+    for o in result.outcomes:
+        if o.candidate.instances < n:
+            assert not o.passes(SLO)
+    split = Candidate(4, prefill_instances=2)
+    assert "2 prefill + 2 decode" in split.label and split.to_dict()["prefill_instances"] == 2
+    assert setup.evaluate(split, SLO, False).requests == len(setup.plan)
+
+
 def test_guided_search_gives_the_same_answer(setup: PlanSetup, monkeypatch) -> None:
     monkeypatch.setattr(Planner, "MIN_GUIDED", 100)
     seen: list[str] = []
@@ -260,6 +281,8 @@ def test_ceiling_counts_refused_prompts_and_slow_prefills(setup: PlanSetup) -> N
         (["--rate-scale", "2,x"], "--rate-scale"),
         (["--router", "kv_ttft,round_robin"], "--router"),
         (["--engine", "warp=9"], "--engine"),
+        (["--prefill-fractions", "1"], "--prefill-fractions"),
+        (["--prefill-fractions", "x"], "--prefill-fractions"),
     ],
 )
 def test_plan_cli_names_the_bad_flag(capsys, argv: list[str], flag: str) -> None:
