@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from cachemap.hashing import as_u32, block_hashes, hash_block, mix64, salt_hash
+from engines.pd.protocol import parse_pull_params
 from policies.base import RequestInfo
 
 if TYPE_CHECKING:
@@ -231,25 +232,15 @@ def make_request(
     )
 
 
-# the keys a decode engine needs besides do_remote_prefill, with their types: NixlConnector's
-# scheduler pulls only when all of them are present (``update_state_after_alloc``); the sim
-# reads none of their values
-_REMOTE_KEYS: tuple[tuple[str, type | tuple[type, ...], str], ...] = (
-    ("remote_engine_id", str, "a string"),
-    ("remote_request_id", str, "a string"),
-    ("remote_block_ids", (list, tuple), "a list"),
-    ("remote_host", str, "a string"),
-    ("remote_port", int, "an int"),
-)
-
-
 def parse_kv_transfer_params(params: Mapping[str, Any] | None) -> tuple[bool, bool, int]:
     """``(remote_decode, remote_prefill, remote_cached_tokens)`` of vLLM ``kv_transfer_params``.
 
     ``do_remote_decode``: this engine prefills for another one. ``do_remote_prefill``: another
-    engine prefilled; its ``remote_*`` keys (``_REMOTE_KEYS``) must all be present and typed as
-    vLLM's NixlConnector writes them, else ``ValueError`` naming the key (vLLM would log a
-    warning and recompute; a sim caller wants to know). ``remote_prefill_cached_tokens``, when
+    engine prefilled; its ``remote_*`` keys must all be present and typed as vLLM's
+    NixlConnector writes them (checked by the PD connector's own parser,
+    ``engines.pd.protocol.parse_pull_params``), else ``ValueError`` naming the key (vLLM would
+    log a warning and recompute; a sim caller wants to know); the sim reads none of their
+    values. ``remote_prefill_cached_tokens``, when
     an int, is what the decode engine reports as the cached tokens (-1: absent). Unknown keys
     (the router's ``"kvroute"`` hints, NIXL's ``tp_size`` ...) are ignored.
     """
@@ -259,12 +250,7 @@ def parse_kv_transfer_params(params: Mapping[str, Any] | None) -> tuple[bool, bo
     remote_prefill = bool(params.get("do_remote_prefill"))
     cached = -1
     if remote_prefill:
-        for key, kind, what in _REMOTE_KEYS:
-            if key not in params:
-                raise ValueError(f"kv_transfer_params: do_remote_prefill without {key!r}")
-            value = params[key]
-            if not isinstance(value, kind) or isinstance(value, bool):
-                raise ValueError(f"kv_transfer_params[{key!r}]: expected {what}, got {value!r}")
+        parse_pull_params(params)  # raises naming the first missing or malformed key
         value = params.get("remote_prefill_cached_tokens")
         # NOTE: as vLLM's output processor, which ignores a value that is not an int
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
