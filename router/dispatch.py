@@ -101,15 +101,21 @@ class Dispatcher:
         return request_for_placement(routed)
 
     def place(
-        self, preq: PlacementRequest, exclude: set[str], waited_s: float = 0.0, gate: bool = True
+        self,
+        preq: PlacementRequest,
+        exclude: set[str],
+        waited_s: float = 0.0,
+        gate: bool = True,
+        rerun: bool = False,
     ) -> Placement | None:
         """Place and, with ``gate``, apply the SLO gate to the estimate plus ``waited_s`` (time
         the request already spent in admission's queue; raises ``Rejected``); raises
-        ``NoInstanceError`` when no engine is left to try. None without pre-placement."""
+        ``NoInstanceError`` when no engine is left to try. None without pre-placement.
+        ``rerun``: a failover (with prefill/decode pools: whole on a decode engine)."""
         if not self.pre_place:
             return None
-        placement = self.state.place(preq, exclude=exclude)
-        if self.state.disaggregated:
+        placement = self.state.place(preq, exclude=exclude, rerun=rerun)
+        if self.state.disaggregated and not rerun:
             if placement.prefill is not None:
                 self.pd_split += 1
             else:
@@ -213,10 +219,7 @@ class Dispatcher:
                         self.pd_recomputed += 1
                 # NOTE: no SLO gate: the request was admitted, and an accepted request is
                 # served (only NoInstanceError, with no instance left, ends it here)
-                if self.state.disaggregated:  # re-run whole on a decode engine
-                    placement = self.state.plan(preq, exclude=tried)
-                else:
-                    placement = self.place(preq, tried, gate=False)
+                placement = self.place(preq, tried, gate=False, rerun=True)
             finally:
                 # closed early (its choice was stopped): close the engine's stream now, not
                 # whenever it is collected, so that the engine aborts the request at once

@@ -29,7 +29,7 @@ load view, as kv_ttft prices them; the KV hand-over is priced by ``TransferModel
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,7 @@ from router.placement import (
     Placement,
     PlacementRequest,
     cached_tokens,
+    kv_fits,
     profile_ttft,
 )
 from router.pools import DECODE_ROLES, PREFILL_ROLES
@@ -125,21 +126,21 @@ class PdPlanner:
         self,
         core: RouterCore,
         request: PlacementRequest,
-        now: float,
-        exclude: Iterable[str] = (),
+        views: Sequence[InstanceView],
+        match: Mapping[str, Match],
         colocate: bool = False,
     ) -> PdPlan:
-        """Both legs of ``request`` over the instances ``core`` knows, minus ``exclude``.
-        ``colocate``: no prefill leg (a re-run after a failed hand-over recomputes the prompt
-        on a decode engine). Raises ``NoInstanceError`` when no decode-capable instance is
-        left; with no prefill-capable one left, the request runs colocated."""
-        excluded = set(exclude)
-        views = [v for v in core.load.views(now) if v.healthy and v.instance_id not in excluded]
+        """Both legs of ``request`` over ``views`` (the candidates' load views, as the core
+        built them) and the cache map's ``match`` for its blocks; ``core`` tells each
+        instance's role and lends its scorer. ``colocate``: no prefill leg (a re-run after a
+        failed hand-over recomputes the prompt on a decode engine). Raises ``NoInstanceError``
+        when no healthy decode-capable instance is among ``views``; with no prefill-capable
+        one, the request runs colocated."""
+        views = [v for v in views if v.healthy]
         roles = {v.instance_id: _role(core, v.instance_id) for v in views}
         decoders = [v for v in views if roles[v.instance_id] in DECODE_ROLES]
         if not decoders:
             raise NoInstanceError("no decode engine available")
-        match = core.cache_map.match(request.block_hashes)
         d, d_cached = self._decoder(request, decoders, match)
         d_tokens = cached_tokens(request.prompt_tokens, d_cached, d.block_size)
         uncached = request.prompt_tokens - d_tokens
@@ -184,9 +185,7 @@ class PdPlanner:
         for v in views:
             m = match.get(v.instance_id)
             cached = m.total_blocks if m is not None else 0
-            need = -(-(request.prompt_tokens + request.max_tokens) // v.block_size) - cached
-            free = v.kv_capacity_blocks * (1.0 - v.gpu_kv_usage) if v.kv_capacity_blocks else need
-            key = (need > free, v.running + v.waiting - cached / total)
+            key = (not kv_fits(request, v, cached), v.running + v.waiting - cached / total)
             if best is None or key < best[0]:
                 best = (key, v, cached)
         assert best is not None

@@ -104,6 +104,15 @@ def profile_ttft(
     return ttft, total
 
 
+def kv_fits(request: PlacementRequest, inst: InstanceView, cached_blocks: int = 0) -> bool:
+    """Whether ``inst``'s free GPU KV blocks hold ``request`` (prompt and every output token)
+    beyond the ``cached_blocks`` it already holds; True when its capacity is unknown."""
+    if not inst.kv_capacity_blocks:
+        return True
+    need = -(-(request.prompt_tokens + request.max_tokens) // inst.block_size) - cached_blocks
+    return need <= inst.kv_capacity_blocks * (1.0 - inst.gpu_kv_usage)
+
+
 class NoInstanceError(RuntimeError):
     """No healthy instance can take the request."""
 

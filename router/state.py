@@ -166,6 +166,8 @@ class RouterCore:
         self.block_size = self.default_pool.block_size
         self._pool_of: dict[str, Pool] = {}  # instance -> its pool
         self.planner = planner
+        # prefill or decode pools: a request may go in two legs (``planner`` places them)
+        self.disaggregated = any(p.role != "both" for p in pools)
         self.cache_map = CacheMap()
         self.ingestor = CacheMapIngestor(self.cache_map)
         self.load = LoadTracker(stale_after_s)
@@ -229,11 +231,6 @@ class RouterCore:
         want = set(roles)
         return [iid for iid, p in self._pool_of.items() if p.role in want]
 
-    @property
-    def disaggregated(self) -> bool:
-        """Whether the deployment has prefill or decode pools (requests may go in two legs)."""
-        return any(p.role != "both" for p in self.pools.values())
-
     def remove_instance(self, iid: str) -> None:
         self._pool_of.pop(iid, None)
         self.load.remove(iid)
@@ -281,9 +278,10 @@ class RouterCore:
         now: float,
         candidates: Sequence[str] | None = None,
         exclude: Iterable[str] = (),
+        rerun: bool = False,
     ) -> Placement:
         """Choose an instance among ``candidates`` (default: all known) minus ``exclude``."""
-        placement, entry = self.decide(request, now, candidates, exclude)
+        placement, entry = self.decide(request, now, candidates, exclude, rerun)
         if entry is not None and self.recorder is not None:
             self.recorder.record(entry)
         return placement
@@ -294,14 +292,15 @@ class RouterCore:
         now: float,
         candidates: Sequence[str] | None = None,
         exclude: Iterable[str] = (),
+        rerun: bool = False,
     ) -> tuple[Placement, dict[str, Any] | None]:
         """``place`` without recording: the placement, and its ``placement_record`` entry when
         there is a recorder to give it to (the caller records it, e.g. outside a lock).
 
         With prefill or decode pools (and no ``candidates``) the planner places both legs: the
-        placement is the decode engine's, with its ``prefill`` leg (None: colocated)."""
-        if self.disaggregated and candidates is None:
-            return self._plan(request, now, exclude, colocate=False)
+        placement is the decode engine's, with its ``prefill`` leg (None: colocated).
+        ``rerun``: a request whose hand-over or decode failed, placed whole on a decode-capable
+        engine (which recomputes its prompt)."""
         excluded = set(exclude)
         allowed = set(candidates) if candidates is not None else None
         views = self.load.views(now)
@@ -311,36 +310,24 @@ class RouterCore:
                 for v in views
                 if v.instance_id not in excluded and (allowed is None or v.instance_id in allowed)
             ]
-        if not views:
-            raise NoInstanceError("no engine instance available")
         match = self.cache_map.match(request.block_hashes)
-        placement = self.scorer.place(request, views, match)
+        plan = None
+        if self.disaggregated and candidates is None:
+            if self.planner is None:
+                raise RuntimeError("a deployment with prefill or decode pools needs a PdPlanner")
+            plan = self.planner.plan(self, request, views, match, colocate=rerun)
+            placement = replace(
+                plan.decode, prefill=plan.prefill, transfer_tokens=plan.transfer_tokens
+            )
+        else:
+            if not views:
+                raise NoInstanceError("no engine instance available")
+            placement = self.scorer.place(request, views, match)
         if self.recorder is None:
             return placement, None
-        return placement, placement_record(now, request, views, match, placement)
-
-    def plan(self, request: PlacementRequest, now: float, exclude: Iterable[str] = ()) -> Placement:
-        """The request re-run whole on a decode-capable engine (a failed hand-over or decode
-        recomputes its prompt there), recorded; see ``router.pd``."""
-        placement, entry = self._plan(request, now, exclude, colocate=True)
-        if entry is not None and self.recorder is not None:
-            self.recorder.record(entry)
-        return placement
-
-    def _plan(
-        self, request: PlacementRequest, now: float, exclude: Iterable[str], colocate: bool
-    ) -> tuple[Placement, dict[str, Any] | None]:
-        if self.planner is None:
-            raise RuntimeError("a deployment with prefill or decode pools needs a PdPlanner")
-        plan = self.planner.plan(self, request, now, exclude, colocate)
-        placement = replace(plan.decode, prefill=plan.prefill, transfer_tokens=plan.transfer_tokens)
-        if self.recorder is None:
-            return placement, None
-        views = self.load.views(now)
-        entry = placement_record(
-            now, request, views, self.cache_map.match(request.block_hashes), placement
-        )
-        entry["pd"] = plan.record()
+        entry = placement_record(now, request, views, match, placement)
+        if plan is not None:
+            entry["pd"] = plan.record()
         return placement, entry
 
     def cached_tokens(self, request: PlacementRequest, placement: Placement) -> int:
@@ -466,23 +453,14 @@ class RouterState:
         candidates: Sequence[str] | None = None,
         exclude: Iterable[str] = (),
         now: float | None = None,
+        rerun: bool = False,
     ) -> Placement:
-        """Choose an instance among ``candidates`` (default: all known) minus ``exclude``."""
+        """Choose an instance among ``candidates`` (default: all known) minus ``exclude``
+        (``rerun``: see ``RouterCore.decide``)."""
         now = self.clock() if now is None else now
         with self._lock:
-            placement, entry = self.core.decide(request, now, candidates, exclude)
+            placement, entry = self.core.decide(request, now, candidates, exclude, rerun)
         if entry is not None and self.core.recorder is not None:  # outside the lock: a file write
-            self.core.recorder.record(entry)
-        return placement
-
-    def plan(
-        self, request: PlacementRequest, exclude: Iterable[str] = (), now: float | None = None
-    ) -> Placement:
-        """``RouterCore.plan``: a re-run whole on a decode-capable engine."""
-        now = self.clock() if now is None else now
-        with self._lock:
-            placement, entry = self.core._plan(request, now, exclude, colocate=True)
-        if entry is not None and self.core.recorder is not None:
             self.core.recorder.record(entry)
         return placement
 

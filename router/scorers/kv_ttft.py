@@ -59,6 +59,7 @@ from router.placement import (
     PlacementRequest,
     Scorer,
     healthy,
+    kv_fits,
     profile_ttft,
 )
 
@@ -150,13 +151,7 @@ class KvTtftScorer(Scorer):
     def _vetoed(self, request: PlacementRequest, inst: InstanceView) -> bool:
         if self.kv_veto is None:
             return False
-        if inst.gpu_kv_usage >= self.kv_veto:
-            return True
-        if inst.kv_capacity_blocks:
-            need = -(-(request.prompt_tokens + request.max_tokens) // inst.block_size)
-            free = inst.kv_capacity_blocks * (1.0 - inst.gpu_kv_usage)
-            return need > free
-        return False
+        return inst.gpu_kv_usage >= self.kv_veto or not kv_fits(request, inst)
 
     def place(
         self,

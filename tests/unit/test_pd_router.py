@@ -97,7 +97,7 @@ def test_without_a_prefill_engine_it_runs_colocated_and_without_a_decoder_it_fai
     assert p.prefill is None and p.instance_id in ("d1", "d2")
     with pytest.raises(NoInstanceError, match="decode"):
         c.place(req(8000), 0.0, exclude={"d1", "d2"})
-    again = c.plan(req(8000), 0.0, exclude={"d1"})  # a failed hand-over: recompute whole
+    again = c.place(req(8000), 0.0, exclude={"d1"}, rerun=True)  # a failed hand-over: whole
     assert again.instance_id == "d2" and again.prefill is None
 
 
