@@ -61,6 +61,24 @@ def metric(base: str, name: str, headers: dict[str, str] | None = None) -> dict[
     return out
 
 
+def span_exporter() -> Any:
+    """An in-memory exporter of every span finished from now on in this process: attached to
+    the process's SDK tracer provider, which is installed first if there is none (OpenTelemetry
+    takes one provider per process, so tests share it)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        trace.set_tracer_provider(TracerProvider())
+    provider = trace.get_tracer_provider()
+    assert isinstance(provider, TracerProvider), "a non-SDK tracer provider is installed"
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
 def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.05) -> bool:
     """Poll ``cond`` until it holds or ``timeout_s`` passes; its last value."""
     deadline = time.monotonic() + timeout_s

@@ -19,7 +19,7 @@ from engines.sim.engine import SimEngine
 from engines.tiny_model import build_tiny_model
 from router.admission import Admission
 from router.tokenizer import PromptTokenizer
-from tests.support import Server, free_port, instance_gauge, sim_stack, wait_for
+from tests.support import Server, free_port, instance_gauge, sim_stack, span_exporter, wait_for
 
 MODEL = "tiny-sim"
 KEY = "sk-test"
@@ -197,17 +197,7 @@ def test_a_client_gone_mid_stream_frees_its_engine_as_the_load_gauges_show() -> 
 
 
 def test_spans_join_the_callers_trace(server: Server) -> None:
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-    if trace.get_tracer_provider() is not provider:
-        pytest.skip("another tracer provider is already installed in this process")
+    exporter = span_exporter()
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     r = _error(
         server,

@@ -13,12 +13,17 @@ from collections.abc import Iterator
 import openai
 import pytest
 
+from cachemap import BlockHasher
 from engines.sim import LatencyProfile
+from engines.tiny_model import build_tiny_model
 from router.pd import PdPlanner, TransferModel
+from router.placement import PlacementRequest
 from router.pools import Pool
-from tests.support import SIM_MODEL, Server, free_port, sim_stack, wait_for
+from router.tokenizer import PromptTokenizer
+from tests.support import SIM_MODEL, Server, free_port, sim_stack, span_exporter, wait_for
 
 PROFILE = LatencyProfile.load("cpu-tiny-llama")
+TOKENIZER = PromptTokenizer(build_tiny_model())  # the one sim_stack's ingress uses
 BS = 32
 # every engine: 1 prefill (sim-0), 2 decode (sim-1, sim-2)
 POOLS = (Pool("prefill", "prefill", BS, PROFILE, 4096), Pool("decode", "decode", BS, PROFILE, 4096))
@@ -87,18 +92,7 @@ def test_the_next_turn_finds_its_prefix_on_the_decode_engine_and_stays_there(pd:
 
 
 def test_both_legs_are_spans_of_the_requests_trace(pd: Server) -> None:
-    from opentelemetry import trace
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):  # none yet in this process: install one
-        trace.set_tracer_provider(TracerProvider())
-        provider = trace.get_tracer_provider()
-    assert isinstance(provider, TracerProvider)
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    exporter = span_exporter()
     trace_id = "5bf92f3577b34da6a3ce929d0e0e4737"
     other = [{"role": "system", "content": "A traced system prompt, " * 60}, CHAT[1]]
     client(pd).with_options(
@@ -115,18 +109,23 @@ def test_both_legs_are_spans_of_the_requests_trace(pd: Server) -> None:
 def test_a_decode_engine_that_fails_before_its_first_token_is_recomputed_elsewhere(
     pd: Server,
 ) -> None:
-    d = pd.stack.dispatcher
-    stack = pd.stack
-    asyncio.run_coroutine_threadsafe(stack.engines["sim-1"].stop(), pd.loop).result(10)
+    d, stack = pd.stack.dispatcher, pd.stack
+    other = [{"role": "system", "content": "Another system prompt, " * 60}, CHAT[1]]
+    # the decode engine the planner picks for this prompt, on a quiet cluster: stop that one
+    assert wait_for(lambda: all(v.running + v.waiting == 0 for v in stack.state.views()), 10)
+    ids = TOKENIZER.chat(other)
+    probe = PlacementRequest("probe", len(ids), BlockHasher(SIM_MODEL, BS)(ids), max_tokens=6)
+    target = stack.state.place(probe).instance_id
+    assert target in ("sim-1", "sim-2")
+    asyncio.run_coroutine_threadsafe(stack.engines[target].stop(), pd.loop).result(10)
     try:
-        recomputed = d.pd_recomputed
-        other = [{"role": "system", "content": "Another system prompt, " * 60}, CHAT[1]]
+        recomputed, failovers = d.pd_recomputed, d.failovers
         r = client(pd).chat.completions.create(model=SIM_MODEL, messages=other, max_tokens=6)
         assert r.usage.completion_tokens == 6
-        # sim-1 was chosen (first among idle decoders) and failed; the re-run went to sim-2
-        assert d.pd_recomputed == recomputed + 1 and d.failovers >= 1
+        # the chosen decode engine failed; the re-run went to the other decode engine
+        assert d.pd_recomputed == recomputed + 1 and d.failovers == failovers + 1
     finally:
-        asyncio.run_coroutine_threadsafe(stack.engines["sim-1"].start(), pd.loop).result(10)
+        asyncio.run_coroutine_threadsafe(stack.engines[target].start(), pd.loop).result(10)
 
 
 def test_without_its_prefill_engine_a_long_prompt_is_served_whole_by_a_decoder(pd: Server) -> None:
