@@ -26,6 +26,7 @@ from cachemap.index import TOMBSTONE, HashIndex, _probe
 from cachemap.jit import jit
 
 _TIERS: tuple[Tier, ...] = tuple(Tier)
+_new_tuple = tuple.__new__
 _T = TypeVar("_T")
 
 
@@ -41,9 +42,10 @@ class Match(NamedTuple):
         return self.total_blocks - self.gpu_blocks
 
 
-class MatchResult(Mapping[InstanceId, Match]):
+class MatchResult(Mapping[str, Match]):
     """``match``'s answer: a read-only mapping built lazily from per-instance-bit run lengths, so
-    a prefix held by dozens of instances costs nothing until a scorer asks about them."""
+    a prefix held by dozens of instances costs nothing until a scorer asks about them. Keyed by
+    plain ``str``, as scorers and views name instances (its keys are ``InstanceId``s)."""
 
     __slots__ = ("_bit_of", "_instance_at", "_n_any", "_n_gpu")
 
@@ -71,9 +73,13 @@ class MatchResult(Mapping[InstanceId, Match]):
     def get(self, instance: str, /, default: Match | _T) -> Match | _T: ...
     def get(self, instance: str, /, default: object = None) -> object:
         b = self._bit_of.get(instance)
-        if b is None or not self._n_any[b]:
+        if b is None:
             return default
-        return Match(self._n_gpu[b], self._n_any[b])
+        n_any = self._n_any[b]
+        if not n_any:
+            return default
+        # NOTE: ``Match(g, a)`` is this through the namedtuple's Python-level ``__new__``
+        return _new_tuple(Match, (self._n_gpu[b], n_any))
 
     def __contains__(self, instance: object) -> bool:
         return isinstance(instance, str) and self.get(instance) is not None
@@ -296,7 +302,7 @@ class CacheMap:
 
     # -- queries ---------------------------------------------------------------------------------
 
-    def match(self, hashes: Sequence[int] | npt.NDArray[np.uint64]) -> Mapping[InstanceId, Match]:
+    def match(self, hashes: Sequence[int] | npt.NDArray[np.uint64]) -> Mapping[str, Match]:
         """For every instance holding at least the first block: its leading run on GPU and on
         GPU or CPU. Instances with no leading block are absent."""
         if not len(hashes):

@@ -9,7 +9,6 @@ import argparse
 import csv
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 from loadgen.cli import _positive, add_workload_arguments, plan_workload
 from loadgen.simulate_cmd import (
     add_engine_arguments,
+    add_jobs_argument,
     add_truth_arguments,
     load_profile,
     parse_routers,
@@ -81,12 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--instances", type=int, help="with --find-max-rate: the engines")
     add_truth_arguments(p)
     o = p.add_argument_group("search and output")
-    o.add_argument(
-        "--jobs",
-        type=int,
-        default=min(2, os.cpu_count() or 1),
-        help="simulations at once, one process each [min(2, cores)]",
-    )
+    add_jobs_argument(o)
     o.add_argument(
         "--no-guide",
         action="store_true",
@@ -120,18 +115,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _fractions(raw: str) -> list[float]:
-    out = []
-    for item in filter(None, (x.strip() for x in raw.split(","))):
-        try:
-            value = float(item)
-        except ValueError:
-            raise ValueError(f"--prefill-fractions: {item!r} is not a number") from None
-        if not 0 <= value < 1:
-            raise ValueError(f"--prefill-fractions: {value:g} is not in [0, 1)")
-        out.append(value)
-    if not out:
-        raise ValueError("--prefill-fractions: give at least one fraction")
-    return sorted(set(out))
+    from loadgen.planner import parse_floats
+
+    return parse_floats(raw, "--prefill-fractions", lambda f: 0 <= f < 1, "in [0, 1)")
 
 
 def _scales(args: argparse.Namespace) -> list[float]:
@@ -141,17 +127,9 @@ def _scales(args: argparse.Namespace) -> list[float]:
         return [1.0]
     if args.time_scale is not None:
         raise ValueError("give --time-scale or --rate-scale, not both")
-    out = []
-    for item in filter(None, (x.strip() for x in raw.split(","))):
-        try:
-            value = float(item)
-        except ValueError:
-            raise ValueError(f"--rate-scale: {item!r} is not a number") from None
-        _positive(value, "--rate-scale")
-        out.append(value)
-    if not out:
-        raise ValueError("--rate-scale: give at least one scale")
-    return sorted(set(out))
+    from loadgen.planner import parse_floats
+
+    return parse_floats(raw, "--rate-scale", lambda x: x > 0 and math.isfinite(x), "> 0")
 
 
 def run(args: argparse.Namespace) -> int:

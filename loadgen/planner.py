@@ -19,7 +19,6 @@ the eviction policy and the prefill/decode split cost nothing (the same GPUs eit
 from __future__ import annotations
 
 import math
-import multiprocessing
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -31,7 +30,7 @@ import numpy as np
 from engines.sim.profile import LatencyProfile
 from loadgen.metrics import server_hit_rate
 from loadgen.records import RequestRecord
-from loadgen.simulator import SimSettings, SloBudget, simulate
+from loadgen.simulator import SimSettings, SloBudget, check_jobs, fork_pool, simulate
 from loadgen.workloads import Planned, ideal_hits
 
 NO_TIER = "-"  # the policy of a candidate without a CPU tier
@@ -432,8 +431,7 @@ class Planner:
         guide: float = 0.25,
         on_outcome: Callable[[str, Outcome], None] | None = None,
     ) -> None:
-        if jobs < 1:
-            raise ValueError(f"--jobs must be >= 1, got {jobs}")
+        check_jobs(jobs)
         if not 0 <= guide < 1:
             raise ValueError(f"guide fraction must be in [0, 1), got {guide}")
         self.slo, self.jobs, self.early_exit = slo, jobs, early_exit
@@ -451,10 +449,8 @@ class Planner:
         return self.priced[FULL]
 
     def __enter__(self) -> Planner:
-        if self.jobs > 1:
-            _WORKER_SETUPS.update(self.setups)
-            ctx = multiprocessing.get_context("fork")
-            self._pool = ProcessPoolExecutor(self.jobs, mp_context=ctx)
+        _WORKER_SETUPS.update(self.setups)
+        self._pool = fork_pool(self.jobs)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -669,30 +665,40 @@ def find_boundary(
         probes = sorted({n for n in probes if f < n < p}) or [(f + p) // 2]
 
 
+def parse_floats(raw: str, flag: str, ok: Callable[[float], bool], rule: str) -> list[float]:
+    """The comma-separated numbers of ``flag``'s ``raw`` value, distinct and sorted. Raises
+    naming the flag for an item that is not a number, one ``ok`` refuses (``rule`` says what
+    they must be), or no item at all."""
+    out: list[float] = []
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"{flag}: {item!r} is not a number") from None
+        if not ok(value):
+            raise ValueError(f"{flag}: values must be {rule}, got {item}")
+        out.append(value)
+    if not out:
+        raise ValueError(f"{flag}: give at least one value")
+    return sorted(set(out))
+
+
 def parse_tiers(gib_list: str, policies: str) -> list[tuple[float, str]]:
     """``--cpu-tier-gib`` x ``--policy`` as ``(GiB, policy)`` pairs; a 0 GiB tier has no
     policy. Raises naming the flag."""
     from policies import policy_names
 
-    sizes: list[float] = []
-    for item in filter(None, (x.strip() for x in gib_list.split(","))):
-        try:
-            gib = float(item)
-        except ValueError:
-            raise ValueError(f"--cpu-tier-gib: {item!r} is not a number") from None
-        if not (gib >= 0 and math.isfinite(gib)):
-            raise ValueError(f"--cpu-tier-gib: sizes must be >= 0, got {item}")
-        sizes.append(gib)
+    sizes = parse_floats(
+        gib_list, "--cpu-tier-gib", lambda g: g >= 0 and math.isfinite(g), ">= 0 (0: no CPU tier)"
+    )
     names = [x.strip() for x in policies.split(",") if x.strip()]
     known = policy_names()
     for name in names:
         if name not in known:
             raise ValueError(f"--policy: unknown policy {name!r}; known: {', '.join(known)}")
-    if not sizes:
-        raise ValueError("--cpu-tier-gib: give at least one size (0: no CPU tier)")
     if not names and any(sizes):
         raise ValueError("--policy: give at least one eviction policy for the CPU tier")
     out: list[tuple[float, str]] = []
-    for gib in sorted(set(sizes)):
+    for gib in sizes:
         out += [(gib, NO_TIER)] if gib == 0 else [(gib, name) for name in names]
     return out

@@ -8,7 +8,10 @@ import argparse
 import csv
 import json
 import math
+import multiprocessing
+import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +65,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--json", action="store_true", help="print the results as JSON")
     o.add_argument("--report", help="directory for summary.json, CSV files and PNG plots")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_jobs_argument(o, "routers")
+
+
+def add_jobs_argument(g: argparse._ArgumentGroup, what: str = "simulations") -> None:
+    """``--jobs``: how many simulations run at once, each in a forked process."""
+    g.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help=f"{what} simulated at once, one forked process each [min(2, cores)]",
+    )
 
 
 def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
@@ -185,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from loadgen.metrics import summarize
-    from loadgen.simulator import simulate
+    from loadgen.simulator import check_jobs, run_each, simulate
     from loadgen.workloads import ideal_hit_rate
 
     for value, flag in (
@@ -194,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
         (args.instances, "--instances"),
     ):
         _positive(value, flag)
+    check_jobs(args.jobs)
     if args.admit and args.slo_ttft_ms is None:
         raise ValueError("--admit needs --slo-ttft-ms")
     if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
@@ -208,23 +223,28 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("the workload has no requests (check --duration / --max-requests)")
     ideal = ideal_hit_rate((p.req for p in plan), block_size)
     span = plan[-1].offset_s if len(plan) > 1 else 0.0
-    results: dict[str, Any] = {}
-    runs = {}
     quiet = args.no_progress or not sys.stderr.isatty()
-    for label, name, options in routers:
-        with Progress(transient=True, disable=quiet) as bar:
-            task = bar.add_task(f"simulate {label}", total=len(plan))
-            sim = simulate(
-                plan,
-                block_size,
-                truth,
-                name,
-                settings,
-                scorer_options=options,
-                router_profile=belief,
-                progress=lambda done, _total, task=task, bar=bar: bar.update(task, completed=done),
-            )
-        runs[label] = sim
+    # each router's requests placed so far: shared memory a forked worker writes into
+    placed = multiprocessing.get_context("fork").Array("q", len(routers), lock=False)
+    keep = bool(args.report)  # a worker sends its records and queue back only for the report
+    parent = os.getpid()
+
+    def one(k: int, name: str, options: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        def progress(done: int, _total: int) -> None:
+            placed[k] = done
+            if os.getpid() == parent:  # run here, not in a worker: nothing else refreshes
+                refresh()
+
+        sim = simulate(
+            plan,
+            block_size,
+            truth,
+            name,
+            settings,
+            scorer_options=options,
+            router_profile=belief,
+            progress=progress,
+        )
         s = summarize(
             sim.records,
             duration_s=sim.span_s,
@@ -233,7 +253,24 @@ def run(args: argparse.Namespace) -> int:
             slo_itl_ms=args.slo_tpot_ms,
             ideal_hit_rate=ideal,
         )
-        results[label] = _row(s, sim)
+        return _row(s, sim), (sim if keep else None)
+
+    # NOTE: no auto-refresh thread: the workers are forked while the bar is up
+    with Progress(transient=True, disable=quiet, auto_refresh=False) as bar:
+        tasks = [bar.add_task(f"simulate {label}", total=len(plan)) for label, _, _ in routers]
+
+        def refresh() -> None:
+            for task, done in zip(tasks, placed, strict=True):
+                bar.update(task, completed=done)
+            bar.refresh()
+
+        out = run_each(
+            [partial(one, k, name, options) for k, (_, name, options) in enumerate(routers)],
+            args.jobs,
+            poll=refresh,
+        )
+    results = {label: row for (label, _, _), (row, _) in zip(routers, out, strict=True)}
+    runs = {label: sim for (label, _, _), (_, sim) in zip(routers, out, strict=True)}
     meta = {
         "source": source,
         "requests": len(plan),

@@ -165,28 +165,27 @@ class KvTtftScorer(Scorer):
             if not pool:
                 healthy(instances)  # raises: none is
         else:
-            alive = healthy(instances)
-            vetted = [i for i in alive if not self._vetoed(request, i)] or alive
-            pool = [(i, match.get(i.instance_id)) for i in vetted]
+            vetted = healthy(instances)
+            if self.kv_veto is not None:
+                vetted = [i for i in vetted if not self._vetoed(request, i)] or vetted
+            get = match.get
+            pool = [(i, get(i.instance_id)) for i in vetted]
         cal = self.calibration
+        a, b, d, c = (cal.a, cal.b, cal.d, cal.c) if cal else (1.0, 0.0, 0.0, 0.0)
         # NOTE: what ``estimate`` does, but instances in the same state for the profile (often:
         # no cached prefix, the same queue) are priced once: the profile's walk is the cost.
-        priced: dict[tuple[int, ...], tuple[float, int]] = {}
+        # The key holds the match itself (None or its two run lengths).
+        priced: dict[tuple[object, ...], tuple[float, int]] = {}
         scored: list[tuple[float, int, float, InstanceView]] = []
         for inst, m in pool:
-            key = (
-                id(inst.latency),
-                inst.block_size,
-                m.gpu_blocks if m else 0,
-                m.total_blocks if m else 0,
-                inst.pending_prefill_tokens,
-                inst.waiting,
-            )
+            waiting = inst.waiting
+            key = (id(inst.latency), inst.block_size, m, inst.pending_prefill_tokens, waiting)
             got = priced.get(key)
             if got is None:
                 got = priced[key] = self.profile_estimate(request, inst, m)
             base, cached = got
-            est = cal.correct(base, inst.running, inst.waiting) if cal else base
+            # NOTE: ``cal.correct`` inline (the same operations in the same order)
+            est = a * base + b * inst.running + d * waiting + c if cal else base
             scored.append((est, cached, base, inst))
         best = min(x[0] for x in scored)
         near = [x for x in scored if x[0] <= best + self.tie_s]

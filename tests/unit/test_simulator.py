@@ -134,12 +134,49 @@ def test_cli_prints_json_and_writes_a_report(tmp_path, capsys):
         (["--profile", "no-such-profile"], "--profile: cannot load profile"),
         (["--admit"], "--admit needs --slo-ttft-ms"),
         (["--rate-scale", "2", "--time-scale", "2"], "--rate-scale, not both"),
+        (["--jobs", "0"], "--jobs must be >= 1, got 0"),
     ],
 )
 def test_cli_errors_name_the_flag(argv, message, capsys):
     rc = kvroute(["simulate", "--workload", "to-b", "--duration", "5", "--no-progress", *argv])
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_jobs_run_routers_in_forked_processes_with_the_serial_output(tmp_path, capsys):
+    """``--jobs 2`` simulates the routers two at a time in forked processes: the JSON (wall
+    times aside), the router order and every report CSV are what ``--jobs 1`` writes."""
+    docs, reports = [], []
+    for jobs in ("1", "2"):
+        rep = tmp_path / f"rep{jobs}"
+        rc = kvroute([
+            "simulate", "--workload", "to-b", "--rate", "30", "--duration", "10", "--instances",
+            "3", "--router", "kv_ttft,round_robin,least_loaded", "--slo-ttft-ms", "300",
+            "--json", "--no-progress", "--report", str(rep), "--jobs", jobs,
+        ])  # fmt: skip
+        assert rc == 0
+        doc = json.loads(capsys.readouterr().out)
+        for row in doc["routers"].values():
+            assert row.pop("wall_s") > 0
+            row.pop("sim_req_per_wall_s")
+        docs.append(doc)
+        reports.append({p.name: p.read_bytes() for p in rep.glob("*.csv")})
+    assert list(docs[1]["routers"]) == ["kv_ttft", "round_robin", "least_loaded"]
+    assert docs[0] == docs[1]
+    assert len(reports[0]) == 7 and reports[0] == reports[1]
+
+
+def test_run_each_raises_a_workers_error_as_the_call_would(tmp_path):
+    from loadgen.simulator import run_each
+
+    def fail() -> int:
+        raise ValueError("--router x: no such thing")
+
+    assert run_each([lambda: 1, lambda: 2, lambda: 3], 2) == [1, 2, 3]
+    with pytest.raises(ValueError, match=r"^--router x: no such thing$"):
+        run_each([lambda: 1, fail, lambda: 3], 2)
+    with pytest.raises(ValueError, match="--jobs must be >= 1"):
+        run_each([lambda: 1], 0)
 
 
 def test_cli_names_the_bad_trace_line(tmp_path, capsys):
