@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvroute-installed
 
-.PHONY: serve test test-unit test-integration test-engine lint format typecheck redis ssh bench clean
+.PHONY: native serve test test-unit test-integration test-engine lint format typecheck redis ssh bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-serve: $(STAMP)
+# The hot modules compiled with mypyc (deploy/native.py): rebuilt when a source is newer, a
+# no-op otherwise; pure Python (and a message) where no C compiler is at hand; code mypyc
+# refuses fails the target.
+native: $(STAMP)
+	$(PY) -m deploy.native build --strict
+
+serve: native
 	$(VENV)/bin/kvroute serve
 
 # A real Redis server for the integration tier (Debian package; root on CI machines).
@@ -34,16 +40,16 @@ ssh:
 		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server rsync; }
 
 # The whole suite: lint, types, then every test tier.
-test: $(STAMP) redis ssh lint typecheck
+test: native redis ssh lint typecheck
 	$(PY) -m pytest tests
 
-test-unit: $(STAMP)
+test-unit: native
 	$(PY) -m pytest tests/unit
 
-test-integration: $(STAMP) redis ssh
+test-integration: native redis ssh
 	$(PY) -m pytest tests/integration
 
-test-engine: $(STAMP)
+test-engine: native
 	$(PY) -m pytest -m engine tests
 
 lint: $(STAMP)
@@ -57,8 +63,9 @@ format: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-bench: $(STAMP)
+bench: native
 	$(PY) benchmarks/cachemap_bench.py
 
 clean:
+	test ! -x $(PY) || $(PY) -m deploy.native clean
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

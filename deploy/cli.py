@@ -8,6 +8,8 @@ import argparse
 import importlib
 import sys
 
+from deploy.native import warn_if_stale
+
 # name: (module path, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("deploy.serve", "run the OpenAI-compatible endpoint with its engines"),
@@ -49,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    warn_if_stale()
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except ValueError as e:

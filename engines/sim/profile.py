@@ -28,12 +28,15 @@ virtual-time engine skip ahead instead of stepping one token at a time).
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+# NOTE: the package's directory, not ``__file__``: compiled (deploy/native.py), ``__file__`` in
+# this module's code names mypyc's runtime library, elsewhere
+PROFILES_DIR = Path(str(importlib.resources.files("engines"))).resolve() / "profiles"
 # Measured from the tiny vLLM model on the 2-core CPU machines by `kvroute profile`.
 DEFAULT_PROFILE = "cpu-tiny-llama"
 

@@ -84,9 +84,14 @@ class SchedulerConfig:
             )
 
     @classmethod
-    def from_profile(cls, profile: LatencyProfile, **overrides: float | None) -> SchedulerConfig:
-        """The profile's limits, with any non-None ``overrides`` (same field names)."""
-        values = {
+    def from_profile(
+        cls, profile: LatencyProfile, **overrides: int | float | None
+    ) -> SchedulerConfig:
+        """The profile's limits, with any non-None ``overrides`` (same field names).
+
+        NOTE: ``int | float``, not ``float``: compiled (deploy/native.py), a ``float`` value
+        is one, and an int limit passed through would reach an int field as a float."""
+        values: dict[str, Any] = {
             "long_prefill_token_threshold": profile.long_prefill_token_threshold,
             "max_num_batched_tokens": profile.max_num_batched_tokens,
             "max_num_seqs": profile.max_num_seqs,
