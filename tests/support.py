@@ -37,14 +37,11 @@ SIM_MODEL = "tiny-sim"
 
 def instance_gauge(base: str, name: str, headers: dict[str, str] | None = None) -> dict[str, float]:
     """``name``'s value per ``instance`` label on the /metrics of the router at ``base``."""
-    import httpx
-
-    out = {}
-    for line in httpx.get(f"{base}/metrics", headers=headers, timeout=30).text.splitlines():
-        if line.startswith(name + "{"):
-            labels, value = line.rsplit(" ", 1)
-            out[labels.split('instance="', 1)[1].split('"', 1)[0]] = float(value)
-    return out
+    return {
+        labels.split('instance="', 1)[1].split('"', 1)[0]: value
+        for labels, value in metric(base, name, headers).items()
+        if 'instance="' in labels
+    }
 
 
 def metric(base: str, name: str, headers: dict[str, str] | None = None) -> dict[str, float]:
