@@ -51,6 +51,14 @@ class EventBus(ABC):
     def end(self) -> int:
         """The offset the next published entry will get (a new consumer's cursor to tail)."""
 
+    def read_pair(
+        self, cursor: int, other: EventBus, other_cursor: int, max_items: int = 4096
+    ) -> tuple[BusRead, BusRead]:
+        """``self.read(cursor)`` and ``other.read(other_cursor)``: one round trip where the
+        backend can (two logs of one Ray hub, two streams on one Redis client). A router reads
+        its KV-event and load buses together on every poll."""
+        return self.read(cursor, max_items), other.read(other_cursor, max_items)
+
 
 class InProcessBus(EventBus):
     """Thread-safe in-memory log, for tests and single-process deployments."""

@@ -1,9 +1,10 @@
 """Ray-actor backend of ``cachemap.bus.EventBus``: the embedded default under ``kvroute serve``.
 
-One named actor (``BusHub``) holds the bounded log: an ``InProcessBus`` wrapped in a few lines.
-Engine replicas publish to it and router replicas read from it, from any process in the Ray
-cluster. ``RayEventBus`` is the client: it pickles as the hub's name, so it can be passed to
-deployments as an argument.
+One named actor (``BusHub``) holds a deployment's bounded logs by name (its KV-event log and its
+load log), each an ``InProcessBus``. Engine replicas publish to it and router replicas read from
+it, from any process in the Ray cluster. ``RayEventBus`` is the client of one log: it pickles as
+the hub's and the log's names, so it can be passed to deployments as an argument. Two clients of
+the same hub read together in one actor call (``read_pair``): a router's poll of both buses.
 
 Publishing is fire-and-forget by default (one actor call, no round trip): ``publish`` returns -1
 because the hub assigns the offset later (a ``sync=True`` client waits and returns it). Ray runs
@@ -25,6 +26,7 @@ from cachemap.bus import BusRead, EventBus, InProcessBus
 
 DEFAULT_NAMESPACE = "kvroute"
 
+_Read = tuple[list[bytes], int, int]
 
 # NOTE: every publish and every poll is an actor call; with task events on, each would also be
 # recorded in the GCS (memory and CPU for a task table nobody reads): they are off.
@@ -32,32 +34,53 @@ _quiet = ray.method(enable_task_events=False)
 
 
 class BusHub:
-    """The actor's state: a bounded log plus pending resync requests."""
+    """The actor's state: bounded logs by name, plus pending resync requests per log."""
 
-    def __init__(self, maxlen: int) -> None:
-        self._bus = InProcessBus(maxlen)
-        self._resync: set[str] = set()
+    def __init__(self) -> None:
+        self._logs: dict[str, InProcessBus] = {}
+        self._resync: dict[str, set[str]] = {}
 
-    @_quiet
-    def publish_many(self, payloads: list[bytes]) -> int:
-        return self._bus.publish_many(payloads)
-
-    @_quiet
-    def read(self, cursor: int, max_items: int) -> tuple[list[bytes], int, int]:
-        return tuple(self._bus.read(cursor, max_items))  # type: ignore[return-value]
+    def _log(self, log: str) -> InProcessBus:
+        try:
+            return self._logs[log]
+        except KeyError:
+            raise KeyError(f"bus hub: no log {log!r} (its creator opens it)") from None
 
     @_quiet
-    def end(self) -> int:
-        return self._bus.end()
+    def open(self, log: str, maxlen: int) -> None:
+        """Create ``log`` with ``maxlen`` entries unless it exists (then it is kept as it is)."""
+        if log not in self._logs:
+            self._logs[log] = InProcessBus(maxlen)
+            self._resync[log] = set()
 
     @_quiet
-    def request_resync(self, instance: str) -> None:
-        self._resync.add(instance)
+    def publish_many(self, log: str, payloads: list[bytes]) -> int:
+        return self._log(log).publish_many(payloads)
 
     @_quiet
-    def take_resync(self, instance: str) -> bool:
-        if instance in self._resync:
-            self._resync.discard(instance)
+    def read(self, log: str, cursor: int, max_items: int) -> _Read:
+        return tuple(self._log(log).read(cursor, max_items))  # type: ignore[return-value]
+
+    @_quiet
+    def read_many(self, reads: list[tuple[str, int, int]]) -> list[_Read]:
+        """``read`` of each ``(log, cursor, max_items)``, in one call."""
+        return [self.read(*r) for r in reads]
+
+    @_quiet
+    def end(self, log: str) -> int:
+        return self._log(log).end()
+
+    @_quiet
+    def request_resync(self, log: str, instance: str) -> None:
+        self._log(log)
+        self._resync[log].add(instance)
+
+    @_quiet
+    def take_resync(self, log: str, instance: str) -> bool:
+        self._log(log)
+        pending = self._resync[log]
+        if instance in pending:
+            pending.discard(instance)
             return True
         return False
 
@@ -66,19 +89,22 @@ _RemoteHub = ray.remote(num_cpus=0, max_restarts=0)(BusHub)
 
 
 class RayEventBus(EventBus):
-    """Client of the named hub actor ``name`` in ``namespace``.
+    """Client of the log ``name`` on the named hub actor ``hub`` (default: ``name``) in
+    ``namespace``.
 
-    ``create``: create the hub if it does not exist (``maxlen`` applies then). Ray ties a
-    non-detached actor's life to its creator, so the composition root (the driver) creates the
-    hub and replicas only connect (``create=False``, what an unpickled client does): a hub created
-    by an engine replica would die with it. A non-detached hub also dies when its creator drops
-    its last handle; ``detached`` hubs live until ``kill`` or the cluster's end.
+    ``create``: create the hub if it does not exist and open the log on it (``maxlen`` applies
+    to a new log). Ray ties a non-detached actor's life to its creator, so the composition root
+    (the driver) creates the hub and replicas only connect (``create=False``, what an unpickled
+    client does): a hub created by an engine replica would die with it. A non-detached hub also
+    dies when its creator drops its last handle; ``detached`` hubs live until ``kill`` or the
+    cluster's end.
     """
 
     def __init__(
         self,
         name: str = "kvroute-bus",
         *,
+        hub: str | None = None,
         namespace: str = DEFAULT_NAMESPACE,
         maxlen: int = 100_000,
         detached: bool = False,
@@ -88,26 +114,30 @@ class RayEventBus(EventBus):
         if maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
         self.name, self.namespace, self.maxlen, self.detached = name, namespace, maxlen, detached
+        self.hub = hub if hub is not None else name
         self.sync = sync
         if create:
             self._hub: Any = _RemoteHub.options(
-                name=name,
+                name=self.hub,
                 namespace=namespace,
                 get_if_exists=True,
                 lifetime="detached" if detached else None,
-            ).remote(maxlen)
+            ).remote()
+            # NOTE: waited for: a replica connecting later must find the log
+            ray.get(self._hub.open.remote(name, maxlen))
         else:
             try:
-                self._hub = ray.get_actor(name, namespace=namespace)
+                self._hub = ray.get_actor(self.hub, namespace=namespace)
             except ValueError:
                 raise ValueError(
-                    f"bus: no hub actor {name!r} in namespace {namespace!r}; the driver creates "
-                    "it (RayEventBus(..., create=True)) before starting replicas"
+                    f"bus: no hub actor {self.hub!r} in namespace {namespace!r}; the driver "
+                    "creates it (RayEventBus(..., create=True)) before starting replicas"
                 ) from None
         self._last: Any = None  # the last fire-and-forget call, for flush()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_reconnect, (self.name, self.namespace, self.maxlen, self.detached, self.sync))
+        args = (self.name, self.hub, self.namespace, self.maxlen, self.detached, self.sync)
+        return (_reconnect, args)
 
     def publish(self, payload: bytes) -> int:
         """Append; fire-and-forget returns -1 (the hub assigns the offset later, see ``flush``),
@@ -115,13 +145,13 @@ class RayEventBus(EventBus):
         return self.publish_many((payload,))
 
     def publish_sync(self, payload: bytes) -> int:
-        return int(ray.get(self._hub.publish_many.remote([payload])))
+        return int(ray.get(self._hub.publish_many.remote(self.name, [payload])))
 
     def publish_many(self, payloads: Sequence[bytes]) -> int:
         """One actor call for all of ``payloads`` (fire-and-forget unless ``sync``)."""
         if not payloads:
             return -1
-        ref = self._hub.publish_many.remote(list(payloads))
+        ref = self._hub.publish_many.remote(self.name, list(payloads))
         if self.sync:
             return int(ray.get(ref))
         self._last = ref
@@ -133,23 +163,44 @@ class RayEventBus(EventBus):
             ray.get(self._last, timeout=timeout_s)
 
     def read(self, cursor: int, max_items: int = 4096) -> BusRead:
-        return BusRead(*ray.get(self._hub.read.remote(cursor, max_items)))
+        return BusRead(*ray.get(self._hub.read.remote(self.name, cursor, max_items)))
+
+    def read_pair(
+        self, cursor: int, other: EventBus, other_cursor: int, max_items: int = 4096
+    ) -> tuple[BusRead, BusRead]:
+        """One actor call when ``other`` is a log of the same hub, two reads otherwise."""
+        if not (
+            isinstance(other, RayEventBus)
+            and (other.hub, other.namespace) == (self.hub, self.namespace)
+        ):
+            return super().read_pair(cursor, other, other_cursor, max_items)
+        reads = [(self.name, cursor, max_items), (other.name, other_cursor, max_items)]
+        mine, theirs = ray.get(self._hub.read_many.remote(reads))
+        return BusRead(*mine), BusRead(*theirs)
 
     def end(self) -> int:
-        return int(ray.get(self._hub.end.remote()))
+        return int(ray.get(self._hub.end.remote(self.name)))
 
     def request_resync(self, instance: str) -> None:
-        self._hub.request_resync.remote(instance)
+        self._hub.request_resync.remote(self.name, instance)
 
     def take_resync(self, instance: str) -> bool:
-        return bool(ray.get(self._hub.take_resync.remote(instance)))
+        return bool(ray.get(self._hub.take_resync.remote(self.name, instance)))
 
     def kill(self) -> None:
-        """Destroy the hub (tests, teardown of a detached hub)."""
+        """Destroy the hub, with every log on it (tests, teardown of a detached hub)."""
         ray.kill(self._hub)
 
 
-def _reconnect(name: str, namespace: str, maxlen: int, detached: bool, sync: bool) -> RayEventBus:
+def _reconnect(
+    name: str, hub: str, namespace: str, maxlen: int, detached: bool, sync: bool
+) -> RayEventBus:
     return RayEventBus(
-        name, namespace=namespace, maxlen=maxlen, detached=detached, create=False, sync=sync
+        name,
+        hub=hub,
+        namespace=namespace,
+        maxlen=maxlen,
+        detached=detached,
+        create=False,
+        sync=sync,
     )

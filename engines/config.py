@@ -264,6 +264,11 @@ class BusConfig(StrictModel):
         return out
 
     @property
+    def hub_name(self) -> str:
+        """The Ray hub actor that holds both logs (``events_name``, ``loads_name``)."""
+        return f"{self.name}-hub"
+
+    @property
     def events_name(self) -> str:
         return f"{self.name}-kv-events"
 

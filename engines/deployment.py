@@ -161,22 +161,25 @@ def build_engine(cfg: EngineConfig, instance_id: str) -> Engine:
 
 
 def open_buses(cfg: BusConfig, create: bool = True) -> tuple[EventBus, EventBus]:
-    """The (KV-event bus, load bus) pair named by ``cfg``. Ray: the driver creates the hubs
-    (``create=True``, as ``build_engine_app`` does), replicas only connect."""
+    """The (KV-event bus, load bus) pair named by ``cfg``, on one Ray hub or one Redis client
+    (a router reads both in one round trip: ``EventBus.read_pair``). Ray: the driver creates the
+    hub (``create=True``, as ``build_engine_app`` does), replicas only connect."""
     if cfg.backend == "ray":
         from engines.bus_ray import RayEventBus
 
-        kw: dict[str, Any] = {"detached": cfg.detached, "create": create}
+        kw: dict[str, Any] = {"hub": cfg.hub_name, "detached": cfg.detached, "create": create}
         return (
             RayEventBus(cfg.events_name, maxlen=cfg.maxlen, **kw),
             RayEventBus(cfg.loads_name, maxlen=cfg.load_maxlen, **kw),
         )
+    import redis
+
     from engines.bus_redis import RedisStreamBus
 
-    auth = cfg.redis_auth()
+    client = redis.Redis.from_url(cfg.redis_url, **cfg.redis_auth())
     return (
-        RedisStreamBus(cfg.redis_url, stream=cfg.events_name, maxlen=cfg.maxlen, **auth),
-        RedisStreamBus(cfg.redis_url, stream=cfg.loads_name, maxlen=cfg.load_maxlen, **auth),
+        RedisStreamBus(cfg.redis_url, stream=cfg.events_name, maxlen=cfg.maxlen, client=client),
+        RedisStreamBus(cfg.redis_url, stream=cfg.loads_name, maxlen=cfg.load_maxlen, client=client),
     )
 
 

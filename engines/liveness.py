@@ -78,11 +78,11 @@ class EngineWatcher:
         return self.apply(self.fetch(), now)
 
     def fetch(self) -> tuple[BusRead, BusRead]:
-        """Read both buses (the I/O half of ``pump``: no shared state is touched)."""
-        events = self.consumer.bus.read(self.consumer.cursor)
+        """Read both buses, in one round trip where they allow it (the I/O half of ``pump``:
+        no shared state is touched)."""
         if self.load_cursor is None:
             self.load_cursor = self.loads_bus.end()
-        return events, self.loads_bus.read(self.load_cursor)
+        return self.consumer.bus.read_pair(self.consumer.cursor, self.loads_bus, self.load_cursor)
 
     def unreadable(self, now: float) -> None:
         """A ``fetch`` failed (the bus is down or refuses us): time until the next successful

@@ -94,6 +94,74 @@ def test_concurrent_publishers_get_distinct_dense_offsets(make_bus: BusFactory) 
         assert mine == list(range(200))
 
 
+def test_a_reader_polling_while_others_publish_loses_nothing(make_bus: BusFactory) -> None:
+    """Reads race publishes (a router polls while engines publish): every entry is read once, in
+    order, and none is reported lost (the log is far from full)."""
+    bus = make_bus(100_000)
+    done = threading.Event()
+
+    def publish() -> None:
+        for i in range(1_500):
+            bus.publish(str(i).encode())
+        done.set()
+
+    writer = threading.Thread(target=publish)
+    writer.start()
+    seen: list[int] = []
+    cursor = lost = 0
+    while True:
+        finished = done.is_set()
+        got = bus.read(cursor, max_items=64)
+        seen += [int(x) for x in got.items]
+        cursor, lost = got.cursor, lost + got.lost
+        if finished and not got.items:
+            break
+    writer.join()
+    assert lost == 0
+    assert seen == list(range(1_500))
+
+
+def test_read_pair_is_both_reads(make_bus: BusFactory) -> None:
+    a, b = make_bus(1000), make_bus(1000)
+    a.publish_many([b"a0", b"a1", b"a2"])
+    b.publish_many([b"b0", b"b1"])
+    assert (
+        a.read_pair(1, b, 0)
+        == (a.read(1), b.read(0))
+        == (([b"a1", b"a2"], 3, 0), ([b"b0", b"b1"], 2, 0))
+    )
+    assert a.read_pair(3, b, 2, max_items=1) == (([], 3, 0), ([], 2, 0))
+
+
+def test_two_redis_streams_on_one_client_are_read_in_one_round_trip(redis_url: str) -> None:
+    import redis
+
+    from engines.bus_redis import RedisStreamBus
+
+    client = redis.Redis.from_url(redis_url)
+    stream = f"test:{uuid.uuid4().hex}"
+    events = RedisStreamBus(redis_url, stream=stream, client=client)
+    loads = RedisStreamBus(redis_url, stream=stream + ":loads", maxlen=10, client=client)
+    events.publish_many([b"e0", b"e1"])
+    for i in range(40):
+        loads.publish(b"l%d" % i)
+    trips = 0
+    pipeline = client.pipeline
+
+    def counted(*args: object, **kwargs: object) -> object:
+        nonlocal trips
+        trips += 1
+        return pipeline(*args, **kwargs)
+
+    client.pipeline = counted  # type: ignore[method-assign]
+    got_events, got_loads = events.read_pair(0, loads, 0)
+    assert trips == 1
+    assert got_events == ([b"e0", b"e1"], 2, 0)
+    assert got_loads.cursor == 40 and got_loads.items[-1] == b"l39"
+    assert got_loads.lost + len(got_loads.items) == 40  # maxlen 10: the head was trimmed
+    client.close()
+
+
 def test_translator_to_cachemap_round_trip(make_bus: BusFactory) -> None:
     bus = make_bus(1000)
     tokens = list(range(64))

@@ -106,3 +106,33 @@ def test_resync_requests_are_taken_once(bus: RayEventBus) -> None:
     bus.request_resync("i1")
     assert bus.take_resync("i1")
     assert not bus.take_resync("i1")
+
+
+def test_two_logs_on_one_hub_keep_their_own_offsets_bounds_and_resyncs(ray_cluster) -> None:
+    events = RayEventBus("test-events", hub="test-hub", maxlen=100, sync=True)
+    loads = RayEventBus("test-loads", hub="test-hub", maxlen=3, sync=True)
+    other = RayEventBus("test-elsewhere", maxlen=10, sync=True)  # a hub of its own
+    try:
+        assert [events.publish(b"e%d" % i) for i in range(4)] == [0, 1, 2, 3]
+        assert [loads.publish(b"l%d" % i) for i in range(5)] == [0, 1, 2, 3, 4]
+        assert other.publish(b"o") == 0
+        assert events.read_pair(1, loads, 0) == (events.read(1), loads.read(0))
+        assert loads.read(0) == ([b"l2", b"l3", b"l4"], 5, 2)  # maxlen 3
+        assert events.read_pair(4, other, 0) == (([], 4, 0), ([b"o"], 1, 0))  # two calls
+        clone = pickle.loads(pickle.dumps(loads))
+        assert (clone.name, clone.hub) == ("test-loads", "test-hub")
+        assert clone.publish(b"l5") == 5 and events.end() == 4
+        events.request_resync("i1")
+        assert not loads.take_resync("i1") and events.take_resync("i1")
+    finally:
+        events.kill()
+        loads.kill()  # the same hub: already gone
+        other.kill()
+    with pytest.raises(ValueError, match="no hub actor 'test-hub'"):
+        RayEventBus("test-events", hub="test-hub", create=False)
+
+
+def test_a_log_nobody_opened_is_named_in_the_error(bus: RayEventBus) -> None:
+    stray = RayEventBus("never-opened", hub=bus.hub, create=False)
+    with pytest.raises(KeyError, match="no log 'never-opened'"):
+        stray.read(0)
