@@ -13,6 +13,7 @@ every engine for a snapshot instead of waiting, blind, for the new log to pass t
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import uuid
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ local n = redis.call('INCR', KEYS[2])
 redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '0-' .. n, 'd', ARGV[1])
 return n - 1
 """
+
+_PUBLISH_SHA = hashlib.sha1(_PUBLISH.encode()).hexdigest()
 
 
 class RedisStreamBus(EventBus):
@@ -52,22 +55,41 @@ class RedisStreamBus(EventBus):
         self._epoch_key = f"{stream}:epoch"
         self._epoch: bytes | None = None  # the log's epoch this reader last saw
         self._redis = client if client is not None else redis.Redis.from_url(url, **auth)
-        self._publish = self._redis.register_script(_PUBLISH)
+        self._sha = _PUBLISH_SHA  # loaded on the server by the first publish that needs it
 
     def publish(self, payload: bytes) -> int:
         return self.publish_many((payload,))
 
     def publish_many(self, payloads: Sequence[bytes]) -> int:
-        """One round trip for all of ``payloads`` (a pipeline of the same atomic script)."""
+        """One round trip for all of ``payloads`` (a pipeline of the same atomic script, called
+        by its SHA: redis-py's script objects would ask ``SCRIPT EXISTS`` first, every call)."""
+        from redis.exceptions import NoScriptError
+
         if not payloads:
             return -1
-        keys = [self.stream, self._counter, self._epoch_key]
-        pipe = self._redis.pipeline(transaction=False)
-        for payload in payloads:
-            # NOTE: a fresh epoch candidate per message: a publisher that outlives a Redis
-            # restart must not give the new log the old epoch, or readers would never see it
-            self._publish(keys=keys, args=[payload, self.maxlen, uuid.uuid4().hex], client=pipe)
-        return int(pipe.execute()[-1])
+        keys = (self.stream, self._counter, self._epoch_key)
+        todo, last = list(payloads), -1
+        for attempt in range(2):
+            pipe = self._redis.pipeline(transaction=False)
+            for payload in todo:
+                # NOTE: a fresh epoch candidate per message: a publisher that outlives a Redis
+                # restart must not give the new log the old epoch, or readers would never see it
+                pipe.evalsha(self._sha, 3, *keys, payload, self.maxlen, uuid.uuid4().hex)
+            replies = pipe.execute(raise_on_error=False)
+            for reply in replies:
+                if isinstance(reply, Exception) and not isinstance(reply, NoScriptError):
+                    raise reply
+            # The server lacks the script (a restart, SCRIPT FLUSH): nothing ran for those
+            # messages; load it and publish them, in order, once more.
+            done = [r for r in replies if not isinstance(r, Exception)]
+            if done:
+                last = int(done[-1])
+            todo = [p for p, r in zip(todo, replies, strict=True) if isinstance(r, NoScriptError)]
+            if not todo:
+                return last
+            if attempt == 0:
+                self._sha = self._redis.script_load(_PUBLISH)
+        raise NoScriptError(f"stream {self.stream}: the publish script did not load")
 
     def read(self, cursor: int, max_items: int = 4096) -> BusRead:
         pipe = self._redis.pipeline(transaction=True)

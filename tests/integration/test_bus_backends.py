@@ -162,6 +162,32 @@ def test_two_redis_streams_on_one_client_are_read_in_one_round_trip(redis_url: s
     client.close()
 
 
+def test_a_redis_publish_is_one_round_trip_and_survives_a_flushed_script_cache(
+    redis_url: str,
+) -> None:
+    """The publish script is called by its SHA: no ``SCRIPT EXISTS`` before every publish, and a
+    server that lost its scripts (a restart, ``SCRIPT FLUSH``) gets it loaded again, with the
+    messages published once each, in order."""
+    import redis
+
+    from engines.bus_redis import RedisStreamBus
+
+    admin = redis.Redis.from_url(redis_url)
+    bus = RedisStreamBus(redis_url, stream=f"test:{uuid.uuid4().hex}")
+    admin.script_flush()
+    admin.config_resetstat()
+    assert bus.publish_many([b"a", b"b"]) == 1
+    admin.script_flush()
+    assert bus.publish(b"c") == 2
+    assert bus.publish_many([b"d", b"e", b"f"]) == 5
+    assert bus.read(0) == ([b"a", b"b", b"c", b"d", b"e", b"f"], 6, 0)
+    calls = admin.info("commandstats")
+    assert "cmdstat_script|exists" not in calls
+    assert calls["cmdstat_script|load"]["calls"] == 2  # once per flushed cache
+    bus.close()
+    admin.close()
+
+
 def test_translator_to_cachemap_round_trip(make_bus: BusFactory) -> None:
     bus = make_bus(1000)
     tokens = list(range(64))
