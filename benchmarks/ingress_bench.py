@@ -2,7 +2,7 @@
 """Ingress throughput under Ray Serve, next to the ceiling of this box. Prints JSON.
 
     .venv/bin/python benchmarks/ingress_bench.py [--requests 3000] [--concurrency 32] \
-        [--repeats 3] [--input-tokens 1024] [--output-tokens 8]
+        [--repeats 3] [--input-tokens 1024] [--output-tokens 8] [--bus ray|redis]
 
 Two Serve applications on the same Ray, the same HTTP proxy and the same client, one at a time:
 
@@ -11,7 +11,9 @@ Two Serve applications on the same Ray, the same HTTP proxy and the same client,
 - ``kvroute``: ``kvroute serve``'s app, one ingress replica (validate, chat template and
   tokenization, hashing, admission, kv_ttft placement against the live cache map, the call to
   the engine replica through Serve, the response) in front of two sim engines that answer at
-  once (``time_scale`` 0: no simulated step time), KV events and load samples on the Ray bus.
+  once (``time_scale`` 0: no simulated step time), KV events and load samples on the Ray bus
+  (``--bus redis``: on a redis-server this script starts, the cluster configuration's bus; its
+  CPU is reported as ``redis-server``).
 
 - ``two_hop_ceiling``: kvroute's shape with nothing of kvroute: an ingress replica that reads
   the body and streams one engine output (a request nobody streams is delivered whole) from a
@@ -37,9 +39,11 @@ the environment measures Serve's defaults instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -63,7 +67,7 @@ from loadgen.prompts import PromptSynth
 from loadgen.runner import RunConfig, Runner
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule
-from tests.support import by_role, free_port, sim_app_config
+from tests.support import by_role, free_port, redis_server, sim_app_config
 
 MODEL = "tiny"
 
@@ -127,11 +131,14 @@ class Relay:
         return JSONResponse(REPLY)
 
 
-def kvroute_config(port: int) -> ServeConfig:
+def kvroute_config(port: int, redis_url: str | None = None) -> ServeConfig:
+    """The kvroute app: its Ray bus, or the Redis bus at ``redis_url``."""
+    bus = {"backend": "redis", "name": "kvroute-bench", "redis_url": redis_url}
     return sim_app_config(
         port,
         "kvroute-bench",
         engine={"sim_options": {"time_scale": 0.0}},
+        engines={"bus": bus} if redis_url else None,
         router={"max_in_flight": 1024, "max_queue": 1024},
     )
 
@@ -156,9 +163,9 @@ def drive(url: str, args: argparse.Namespace) -> dict[str, Any]:
         concurrency=args.concurrency,
         timeout_s=60.0,
     )
-    before = by_role(cpu_s)
+    before = cpu_by_role()
     result = Runner(config, plan).run_blocking()
-    after = by_role(cpu_s)
+    after = cpu_by_role()
     s = summarize(result.records, duration_s=result.duration_s, requested_span_s=0.0)
     lat = percentiles_ms([r.e2e_s for r in result.records if r.ok])
     prompts = [r.prompt_tokens for r in result.records if r.ok and r.prompt_tokens]
@@ -183,6 +190,20 @@ def cpu_s(proc: Any) -> float:
     return float(t.user + t.system)
 
 
+def cpu_by_role() -> dict[str, float]:
+    """``by_role(cpu_s)``, plus the redis-server this script started (``--bus redis``)."""
+    import psutil
+
+    out = by_role(cpu_s)
+    for proc in psutil.Process().children():
+        try:
+            if proc.name() == "redis-server":
+                out["redis-server"] = out.get("redis-server", 0.0) + cpu_s(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=3000, help="requests per run")
@@ -193,12 +214,27 @@ def main() -> None:
     )
     ap.add_argument("--output-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--bus",
+        choices=("ray", "redis"),
+        default="ray",
+        help="the kvroute app's event bus: its Ray hub, or a redis-server this script starts",
+    )
     args = ap.parse_args()
     for flag in ("requests", "concurrency", "repeats", "input_tokens", "output_tokens"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
+    with contextlib.ExitStack() as stack:
+        redis_url = None
+        if args.bus == "redis":
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            redis_url = stack.enter_context(redis_server(workdir))
+        bench(args, redis_url)
+
+
+def bench(args: argparse.Namespace, redis_url: str | None) -> None:
     port = free_port()
-    cfg = kvroute_config(port)
+    cfg = kvroute_config(port, redis_url)
     base = f"http://127.0.0.1:{port}"
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -245,6 +281,7 @@ def main() -> None:
     out["config"] = {k: getattr(args, k) for k in ("requests", "concurrency", "repeats")}
     out["config"].update(input_tokens=args.input_tokens, output_tokens=args.output_tokens)
     out["config"]["ray_serve_env"] = SERVE_ENV
+    out["config"]["bus"] = args.bus
     print(json.dumps(out, indent=2))
 
 

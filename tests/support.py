@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -26,6 +27,7 @@ __all__ = [
     "instance_gauge",
     "named_replicas",
     "ray_process_role",
+    "redis_server",
     "serve_app",
     "sim_app_config",
     "sim_stack",
@@ -206,6 +208,50 @@ def named_replicas(app: str, deployment: str) -> list[dict[str, str]]:
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["name"].startswith(f"SERVE_REPLICA::{app}#{deployment}#")
     ]
+
+
+@contextmanager
+def redis_server(
+    workdir: Path,
+    *extra: str,
+    username: str | None = None,
+    password: str | None = None,
+    port: int | None = None,
+) -> Iterator[str]:
+    """A redis-server on ``port`` (default: a free loopback port; ``extra``: more server
+    arguments); yields its URL (without credentials) once it answers ``username``/``password``,
+    and stops it afterwards."""
+    import shutil
+    import subprocess
+
+    import redis
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed: `make test` installs it (apt-get)")
+    port = port or free_port()
+    args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen(
+        [*args, "--dir", str(workdir), *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port, username=username, password=password)
+    deadline = time.monotonic() + 20
+    try:
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+        client.close()
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def ray_process_role(proc: Any) -> str | None:

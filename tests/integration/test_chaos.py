@@ -29,8 +29,7 @@ from engines.sim.engine import SimEngine
 from engines.tiny_model import build_tiny_model
 from router.placement import PlacementRequest
 from router.tokenizer import PromptTokenizer
-from tests.integration.conftest import redis_server
-from tests.support import Server, free_port
+from tests.support import Server, free_port, redis_server
 
 pytestmark = pytest.mark.integration
 
