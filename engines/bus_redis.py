@@ -55,7 +55,6 @@ class RedisStreamBus(EventBus):
         self._epoch_key = f"{stream}:epoch"
         self._epoch: bytes | None = None  # the log's epoch this reader last saw
         self._redis = client if client is not None else redis.Redis.from_url(url, **auth)
-        self._sha = _PUBLISH_SHA  # loaded on the server by the first publish that needs it
 
     def publish(self, payload: bytes) -> int:
         return self.publish_many((payload,))
@@ -67,29 +66,28 @@ class RedisStreamBus(EventBus):
 
         if not payloads:
             return -1
+        replies = self._publish(payloads)
+        # A server without the script (a restart, SCRIPT FLUSH) ran none of those messages:
+        # load it and publish them again, in order.
+        again = [p for p, r in zip(payloads, replies, strict=True) if isinstance(r, NoScriptError)]
+        if again:
+            self._redis.script_load(_PUBLISH)
+            replies = [r for r in replies if not isinstance(r, NoScriptError)]
+            replies += self._publish(again)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return int(replies[-1])
+
+    def _publish(self, payloads: Sequence[bytes]) -> list[Any]:
+        """The script's replies for ``payloads``, errors included (one pipeline)."""
         keys = (self.stream, self._counter, self._epoch_key)
-        todo, last = list(payloads), -1
-        for attempt in range(2):
-            pipe = self._redis.pipeline(transaction=False)
-            for payload in todo:
-                # NOTE: a fresh epoch candidate per message: a publisher that outlives a Redis
-                # restart must not give the new log the old epoch, or readers would never see it
-                pipe.evalsha(self._sha, 3, *keys, payload, self.maxlen, uuid.uuid4().hex)
-            replies = pipe.execute(raise_on_error=False)
-            for reply in replies:
-                if isinstance(reply, Exception) and not isinstance(reply, NoScriptError):
-                    raise reply
-            # The server lacks the script (a restart, SCRIPT FLUSH): nothing ran for those
-            # messages; load it and publish them, in order, once more.
-            done = [r for r in replies if not isinstance(r, Exception)]
-            if done:
-                last = int(done[-1])
-            todo = [p for p, r in zip(todo, replies, strict=True) if isinstance(r, NoScriptError)]
-            if not todo:
-                return last
-            if attempt == 0:
-                self._sha = self._redis.script_load(_PUBLISH)
-        raise NoScriptError(f"stream {self.stream}: the publish script did not load")
+        pipe = self._redis.pipeline(transaction=False)
+        for payload in payloads:
+            # NOTE: a fresh epoch candidate per message: a publisher that outlives a Redis
+            # restart must not give the new log the old epoch, or readers would never see it
+            pipe.evalsha(_PUBLISH_SHA, 3, *keys, payload, self.maxlen, uuid.uuid4().hex)
+        return list(pipe.execute(raise_on_error=False))
 
     def read(self, cursor: int, max_items: int = 4096) -> BusRead:
         pipe = self._redis.pipeline(transaction=True)
