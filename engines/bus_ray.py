@@ -18,6 +18,7 @@ and that instance's forwarder, polling ``take_resync``, publishes a ``Snapshot``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -33,14 +34,19 @@ _Read = tuple[list[bytes], int, int]
 _quiet = ray.method(enable_task_events=False)
 
 
+@dataclass
+class _Log:
+    entries: InProcessBus
+    resync: set[str] = field(default_factory=set)  # instances a router asked to resync
+
+
 class BusHub:
-    """The actor's state: bounded logs by name, plus pending resync requests per log."""
+    """The actor's state: bounded logs by name, each with its pending resync requests."""
 
     def __init__(self) -> None:
-        self._logs: dict[str, InProcessBus] = {}
-        self._resync: dict[str, set[str]] = {}
+        self._logs: dict[str, _Log] = {}
 
-    def _log(self, log: str) -> InProcessBus:
+    def _log(self, log: str) -> _Log:
         try:
             return self._logs[log]
         except KeyError:
@@ -50,16 +56,15 @@ class BusHub:
     def open(self, log: str, maxlen: int) -> None:
         """Create ``log`` with ``maxlen`` entries unless it exists (then it is kept as it is)."""
         if log not in self._logs:
-            self._logs[log] = InProcessBus(maxlen)
-            self._resync[log] = set()
+            self._logs[log] = _Log(InProcessBus(maxlen))
 
     @_quiet
     def publish_many(self, log: str, payloads: list[bytes]) -> int:
-        return self._log(log).publish_many(payloads)
+        return self._log(log).entries.publish_many(payloads)
 
     @_quiet
     def read(self, log: str, cursor: int, max_items: int) -> _Read:
-        return tuple(self._log(log).read(cursor, max_items))  # type: ignore[return-value]
+        return tuple(self._log(log).entries.read(cursor, max_items))  # type: ignore[return-value]
 
     @_quiet
     def read_many(self, reads: list[tuple[str, int, int]]) -> list[_Read]:
@@ -68,17 +73,15 @@ class BusHub:
 
     @_quiet
     def end(self, log: str) -> int:
-        return self._log(log).end()
+        return self._log(log).entries.end()
 
     @_quiet
     def request_resync(self, log: str, instance: str) -> None:
-        self._log(log)
-        self._resync[log].add(instance)
+        self._log(log).resync.add(instance)
 
     @_quiet
     def take_resync(self, log: str, instance: str) -> bool:
-        self._log(log)
-        pending = self._resync[log]
+        pending = self._log(log).resync
         if instance in pending:
             pending.discard(instance)
             return True
