@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines.sim.profile import LatencyProfile
 from loadgen.metrics import summarize
+from loadgen.simulate_cmd import DEFAULT_JOBS
 from loadgen.simulator import SimSettings, run_each, simulate
 from loadgen.traces import TraceRequest, load_trace
 from loadgen.workloads import Planned, build_schedule
@@ -98,7 +99,7 @@ def main() -> None:
     ap.add_argument(
         "--jobs",
         type=int,
-        default=min(2, os.cpu_count() or 1),
+        default=DEFAULT_JOBS,
         help="routers at once in the batch_parallel figure; 0: no batch [min(2, cores)]",
     )
     args = ap.parse_args()

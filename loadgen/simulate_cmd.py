@@ -68,12 +68,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_jobs_argument(o, "routers")
 
 
+# ``--jobs``'s default wherever simulations run in forked workers (``loadgen.simulator.fork_pool``)
+DEFAULT_JOBS = min(2, os.cpu_count() or 1)
+
+
 def add_jobs_argument(g: argparse._ArgumentGroup, what: str = "simulations") -> None:
     """``--jobs``: how many simulations run at once, each in a forked process."""
     g.add_argument(
         "--jobs",
         type=int,
-        default=min(2, os.cpu_count() or 1),
+        default=DEFAULT_JOBS,
         help=f"{what} simulated at once, one forked process each [min(2, cores)]",
     )
 

@@ -166,7 +166,7 @@ def test_cli_jobs_run_routers_in_forked_processes_with_the_serial_output(tmp_pat
     assert len(reports[0]) == 7 and reports[0] == reports[1]
 
 
-def test_run_each_raises_a_workers_error_as_the_call_would(tmp_path):
+def test_run_each_raises_a_workers_error_as_the_call_would():
     from loadgen.simulator import run_each
 
     def fail() -> int:
