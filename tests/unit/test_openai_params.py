@@ -6,6 +6,7 @@ detokenizer; ``n`` choices get vLLM's per-child seeds."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -399,28 +400,36 @@ def test_check_stop_strings_is_vllms(text: str, new: int, stops: list[str], incl
     assert check_stop_strings(text, new, stops, include) == vllm_check(text, new, stops, include)
 
 
-def test_completion_prompts_get_special_tokens_as_vllm_adds_them(tmp_path) -> None:
-    """vLLM's completions add the tokenizer's special tokens (a BOS for Llama's) unless
-    ``add_special_tokens`` is false; chat leaves them to the template. With the tiny model's
-    tokenizer given a BOS post-processor, the ingress's prompt ids follow the same rule."""
+def tiny_tokenizer_with_bos(path: Path) -> tuple[Any, int]:
+    """The tiny model's tokenizer files copied to ``path``, its post-processor adding a BOS (as
+    Llama's does to a prompt): the ``tokenizers.Tokenizer`` saved there, and the BOS id."""
     import shutil
 
-    from starlette.requests import Request
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
 
     from engines.tiny_model import build_tiny_model
+
+    for f in build_tiny_model().iterdir():
+        if f.is_file() and f.suffix in (".json", ".jinja") and f.name != "kvroute-tiny.json":
+            shutil.copy(f, path / f.name)
+    hf = Tokenizer.from_file(str(path / "tokenizer.json"))
+    bos = hf.token_to_id("<|bos|>")
+    hf.post_processor = TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", bos)])
+    hf.save(str(path / "tokenizer.json"))
+    return hf, bos
+
+
+def test_completion_prompts_get_special_tokens_as_vllm_adds_them(tmp_path) -> None:
+    """vLLM's completions add the tokenizer's special tokens (a BOS for Llama's) unless
+    ``add_special_tokens`` is false; chat leaves them to the template. With the tiny model's
+    tokenizer given a BOS post-processor, the ingress's prompt ids follow the same rule."""
+    from starlette.requests import Request
+
     from router.ingress import IngressConfig, RequestPreparer
     from router.tokenizer import PromptTokenizer
 
-    src = build_tiny_model()
-    for f in src.iterdir():
-        if f.is_file() and f.suffix in (".json", ".jinja") and f.name != "kvroute-tiny.json":
-            shutil.copy(f, tmp_path / f.name)
-    hf = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    bos = hf.token_to_id("<|bos|>")
-    hf.post_processor = TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", bos)])
-    hf.save(str(tmp_path / "tokenizer.json"))
+    _, bos = tiny_tokenizer_with_bos(tmp_path)
     prepare = RequestPreparer(IngressConfig("m", 4096, 32), PromptTokenizer(tmp_path))
     http = Request({"type": "http", "headers": []})
 
@@ -431,3 +440,38 @@ def test_completion_prompts_get_special_tokens_as_vllm_adds_them(tmp_path) -> No
     assert ids({})[0] == bos and ids({"add_special_tokens": True}) == ids({})
     assert ids({"add_special_tokens": False}) == ids({})[1:]
     assert ids({"prompt": [5, 6]}) == [5, 6]  # token ids go as they are
+
+
+def test_chat_prompts_tokenize_as_transformers_and_vllm_do(tmp_path) -> None:
+    """A chat is rendered and encoded without special tokens (vLLM's chat rule): the ingress's
+    fast path through the Rust backend gives transformers' own ids for it, with a BOS
+    post-processor that must not fire, special tokens and non-ASCII text in the content; a
+    backend that carries its own truncation is left to transformers, which switches it off."""
+    from transformers import AutoTokenizer
+
+    from router.tokenizer import PromptTokenizer
+
+    hf, bos = tiny_tokenizer_with_bos(tmp_path)
+    chats = [
+        [{"role": "user", "content": "hello there"}],
+        [
+            {"role": "system", "content": "You are terse.  Tabs\tand\nnewlines."},
+            {"role": "user", "content": "Zürich — naïve café, 東京, 🙂 and <|im_end|> inside"},
+            {"role": "assistant", "content": "<|bos|>ok<|eos|>"},
+            {"role": "user", "content": " leading and trailing spaces "},
+        ],
+        [{"role": "user", "content": ""}],
+    ]
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    tok = PromptTokenizer(tmp_path)
+    assert tok._backend is not None  # the fast path is what this test compares
+    for chat in chats:
+        want = reference.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if not isinstance(want, list) else want
+        assert tok.chat(chat) == list(want) and tok.chat(chat)[0] != bos
+
+    hf.enable_truncation(max_length=4)
+    hf.save(str(tmp_path / "tokenizer.json"))
+    truncating = PromptTokenizer(tmp_path)
+    assert truncating._backend is None
+    assert truncating.chat(chats[1]) == tok.chat(chats[1])  # not cut to 4 tokens
