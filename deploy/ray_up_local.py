@@ -199,6 +199,15 @@ def redis_streams() -> dict[str, Any]:
     }
 
 
+def ensure_ports_free() -> None:
+    """The cluster's head binds Ray's GCS on 6379 and its Redis on ``REDIS_PORT`` of this
+    machine: a server already there would take the cluster's calls (a Redis without its ACL
+    user, another Ray), so say so before ``ray up``."""
+    for port, what in ((6379, "Ray's GCS (another Ray?)"), (REDIS_PORT, "Redis")):
+        if listening(port):
+            raise RuntimeError(f"port {port}, the cluster's {what}, is in use here: stop it first")
+
+
 def stop_ray(ray: Path) -> None:
     sh(ray, "stop", "--force", timeout=120, check=False)
     if listening(6379):
@@ -226,6 +235,7 @@ def main() -> int:
         ensure_packages()
         sshd = ensure_ssh()
         ensure_layout()
+        ensure_ports_free()
         out["prepare_s"] = round(time.monotonic() - t0, 1)
         t = time.monotonic()
         res = sh(ray, "up", "-y", "--no-config-cache", CLUSTER, timeout=args.timeout_s, check=False)
