@@ -6,11 +6,12 @@
         [--shared-session]
 
 Three Serve applications on the same box, HTTP proxy port and client, one at a time, each run
-in a Ray session of its own, the apps taking turns going first. (``--shared-session``: all runs
-in one session, the apps deployed and deleted in turn, as this script did until stop 25. There
-kvroute's runs slowed as the session aged, 153.9 -> 134.1 -> 129.2 req/s, its proxy and ingress
-costing 3.98 and 5.87 ms per request against 3.63 and 5.37 in fresh sessions; a deployment
-lives in its own cluster, deployed once.)
+in a Ray session of its own, the apps taking turns going first: a deployment lives in its own
+cluster, deployed once. (``--shared-session``: all runs in one session, the apps deployed and
+deleted in turn, as this script did until stop 25. kvroute's runs there read 153.9, 134.1 and
+129.2 req/s, its proxy and ingress costing 3.98 and 5.87 ms per request against 3.63 and 5.37
+in fresh sessions the same hour; kvroute alone, deployed and deleted four times in one session,
+did not slow: 141.0-147.3. What the other apps leave behind is not known.)
 
 - ``ceiling``: a constant-reply deployment (reads the body, answers a fixed chat completion):
   what Ray Serve's proxy, one replica and the client cost on this machine, nothing else;
