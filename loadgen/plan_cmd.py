@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadgen.cli import _positive, add_workload_arguments, plan_workload
+from loadgen.cli import _positive, add_workload_arguments, parse_floats, plan_workload
 from loadgen.simulate_cmd import (
     add_engine_arguments,
     add_jobs_argument,
@@ -115,8 +115,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _fractions(raw: str) -> list[float]:
-    from loadgen.planner import parse_floats
-
     return parse_floats(raw, "--prefill-fractions", lambda f: 0 <= f < 1, "in [0, 1)")
 
 
@@ -127,8 +125,6 @@ def _scales(args: argparse.Namespace) -> list[float]:
         return [1.0]
     if args.time_scale is not None:
         raise ValueError("give --time-scale or --rate-scale, not both")
-    from loadgen.planner import parse_floats
-
     return parse_floats(raw, "--rate-scale", lambda x: x > 0 and math.isfinite(x), "> 0")
 
 

@@ -665,27 +665,10 @@ def find_boundary(
         probes = sorted({n for n in probes if f < n < p}) or [(f + p) // 2]
 
 
-def parse_floats(raw: str, flag: str, ok: Callable[[float], bool], rule: str) -> list[float]:
-    """The comma-separated numbers of ``flag``'s ``raw`` value, distinct and sorted. Raises
-    naming the flag for an item that is not a number, one ``ok`` refuses (``rule`` says what
-    they must be), or no item at all."""
-    out: list[float] = []
-    for item in filter(None, (x.strip() for x in raw.split(","))):
-        try:
-            value = float(item)
-        except ValueError:
-            raise ValueError(f"{flag}: {item!r} is not a number") from None
-        if not ok(value):
-            raise ValueError(f"{flag}: values must be {rule}, got {item}")
-        out.append(value)
-    if not out:
-        raise ValueError(f"{flag}: give at least one value")
-    return sorted(set(out))
-
-
 def parse_tiers(gib_list: str, policies: str) -> list[tuple[float, str]]:
     """``--cpu-tier-gib`` x ``--policy`` as ``(GiB, policy)`` pairs; a 0 GiB tier has no
     policy. Raises naming the flag."""
+    from loadgen.cli import parse_floats
     from policies import policy_names
 
     sizes = parse_floats(
