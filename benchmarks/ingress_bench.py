@@ -138,9 +138,7 @@ class Relay:
         return JSONResponse(REPLY)
 
 
-def kvroute_config(
-    port: int, redis_url: str | None = None, bus_name: str = "kvroute-bench"
-) -> ServeConfig:
+def kvroute_config(port: int, redis_url: str | None, bus_name: str) -> ServeConfig:
     """The kvroute app: its Ray bus, or the Redis bus at ``redis_url`` (streams ``bus_name``)."""
     bus = {"backend": "redis", "name": bus_name, "redis_url": redis_url}
     return sim_app_config(

@@ -50,6 +50,7 @@ HOME = Path.home()
 KEY = HOME / ".ssh" / "kvroute_local"
 SECRETS = HOME / ".kvroute"
 CLUSTER = REPO / "deploy" / "cluster-local.yaml"
+GCS_PORT = 6379  # Ray's head (deploy/cluster-local.yaml)
 REDIS_PORT = 6390
 
 
@@ -200,18 +201,18 @@ def redis_streams() -> dict[str, Any]:
 
 
 def ensure_ports_free() -> None:
-    """The cluster's head binds Ray's GCS on 6379 and its Redis on ``REDIS_PORT`` of this
+    """The cluster's head binds Ray's GCS on ``GCS_PORT`` and its Redis on ``REDIS_PORT`` of this
     machine: a server already there would take the cluster's calls (a Redis without its ACL
     user, another Ray), so say so before ``ray up``."""
-    for port, what in ((6379, "Ray's GCS (another Ray?)"), (REDIS_PORT, "Redis")):
+    for port, what in ((GCS_PORT, "Ray's GCS (another Ray?)"), (REDIS_PORT, "Redis")):
         if listening(port):
             raise RuntimeError(f"port {port}, the cluster's {what}, is in use here: stop it first")
 
 
 def stop_ray(ray: Path) -> None:
     sh(ray, "stop", "--force", timeout=120, check=False)
-    if listening(6379):
-        raise RuntimeError("the cluster's GCS still listens on 6379 after ray stop")
+    if listening(GCS_PORT):
+        raise RuntimeError(f"the cluster's GCS still listens on {GCS_PORT} after ray stop")
 
 
 def stop_redis() -> None:
@@ -232,10 +233,10 @@ def main() -> int:
     up = False
     t0 = time.monotonic()
     try:
+        ensure_ports_free()  # first: before installing or starting anything
         ensure_packages()
         sshd = ensure_ssh()
         ensure_layout()
-        ensure_ports_free()
         out["prepare_s"] = round(time.monotonic() - t0, 1)
         t = time.monotonic()
         res = sh(ray, "up", "-y", "--no-config-cache", CLUSTER, timeout=args.timeout_s, check=False)
@@ -281,7 +282,7 @@ def main() -> int:
         out["ray_down_s"] = round(time.monotonic() - t, 1)
         # NOTE: ray down's own `ray stop` runs in an SSH login shell, where this venv's `ray`
         # is not on PATH: it stops nothing. The head is this machine: stop it here.
-        out["left_running_after_ray_down"] = listening(6379)
+        out["left_running_after_ray_down"] = listening(GCS_PORT)
         stop_ray(ray)
         req, red = out["requests"], out["redis"]
         out["ok"] = (
