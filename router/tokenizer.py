@@ -28,6 +28,8 @@ class PromptTokenizer:
         # call does (the same added and special tokens, split_special_tokens being a backend
         # setting), ~0.1 ms sooner per 1k-token chat; transformers' call differs only where the
         # backend carries a truncation or padding of its own, which that call switches off.
+        # ``encode_batch_fast`` gives the same ids without character offsets (nobody here reads
+        # them): 420 -> 288 us of CPU per 1k-token chat, and it releases the GIL while it runs.
         backend = getattr(self._tok, "backend_tokenizer", None)
         plain = backend is not None and backend.truncation is None and backend.padding is None
         self._backend = backend if plain else None
@@ -44,18 +46,21 @@ class PromptTokenizer:
         text = self._tok.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=False
         )
-        encoded: list[int] = self._backend.encode(text, add_special_tokens=False).ids
-        return encoded
+        return self._encode_fast(text, add_special_tokens=False)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """``text`` as token ids; ``add_special_tokens``: with the ones the tokenizer adds to a
         prompt (a BOS for Llama's), as vLLM does for a completions prompt by default."""
         if self._backend is not None:
-            encoding = self._backend.encode(text, add_special_tokens=add_special_tokens)
-            encoded: list[int] = encoding.ids
-            return encoded
+            return self._encode_fast(text, add_special_tokens)
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens)
         return [int(t) for t in ids]
+
+    def _encode_fast(self, text: str, add_special_tokens: bool) -> list[int]:
+        assert self._backend is not None
+        (encoding,) = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        ids: list[int] = encoding.ids
+        return ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         text: str = self._tok.decode(list(token_ids), skip_special_tokens=True)
