@@ -53,7 +53,8 @@ class KvEventForwarder:
     ``publish_interval_s``: the first batch after a quiet spell is published at once; batches
     that follow within the interval wait for its end and go in one bus call (0: one call per
     batch). A busy engine costs the bus one call per interval instead of one per step, and a
-    router learns of a block at most this much later.
+    router learns of a block at most this much later. Within an interval the thread sleeps and
+    takes what came at its end, so a busy engine also wakes it once per interval, not per step.
     """
 
     def __init__(
@@ -157,15 +158,14 @@ class KvEventForwarder:
             while not self._stop.is_set():
                 now = time.monotonic()
                 wait_s = next_load - now if self.load_fn else 0.05
-                if self._pending:
-                    wait_s = min(wait_s, self._next_flush - now)
-                if sub.poll(max(0, min(int(wait_s * 1000), 50))):
-                    while True:
-                        try:
-                            frames = sub.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._on_frames(frames)
+                if now < self._next_flush:
+                    # NOTE: a batch that comes within a publish interval waits for its end
+                    # anyway: sleep through the interval and take what came then, in one
+                    # wake-up instead of one per engine step
+                    self._stop.wait(min(wait_s, self._next_flush - now))
+                    self._drain(sub)
+                elif sub.poll(max(0, min(int(wait_s * 1000), 50))):
+                    self._drain(sub)
                 now = time.monotonic()
                 if self._pending and now >= self._next_flush:
                     with self._lock:
@@ -179,6 +179,14 @@ class KvEventForwarder:
                     self._guard(self._publish_load)
         finally:
             sub.close(0)
+
+    def _drain(self, sub: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_frames(frames)
 
     def _guard(self, fn: Callable[[], object]) -> object:
         try:
@@ -212,7 +220,7 @@ class KvEventForwarder:
             if msg is None:
                 return
             self._pending.append(encode_message(msg))
-            if time.monotonic() >= self._next_flush:
+            if not self.publish_interval_s:  # 0: one bus call per batch
                 self._flush()
 
     def _flush(self) -> None:
