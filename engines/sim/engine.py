@@ -99,6 +99,9 @@ class SimEngine(Engine):
         self._pub: zmq.Socket[bytes] | None = None
         self._seq = 0
         self._requests: dict[str, SimRequest] = {}
+        # ids of requests nobody streams (``EngineRequest.stream`` false): one output at the end,
+        # as vLLM's ``RequestOutputKind.FINAL_ONLY`` gives, not one per step
+        self._final_only: set[str] = set()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
@@ -185,6 +188,8 @@ class SimEngine(Engine):
         except ValueError as e:
             raise EngineError(f"request {request.request_id}: {e}") from e
         self._requests[req.request_id] = req
+        if not request.stream:
+            self._final_only.add(req.request_id)
         finished = False
         try:
             overhead_s = self.profile.request_overhead_ms / 1e3 * self.time_scale
@@ -198,6 +203,7 @@ class SimEngine(Engine):
                 finished = out.finished
                 yield out
         finally:
+            self._final_only.discard(req.request_id)
             if not finished:
                 self._abort(req)
 
@@ -250,11 +256,14 @@ class SimEngine(Engine):
                     continue
                 delay = step.duration_s * self.time_scale - (time.monotonic() - start)
                 await asyncio.sleep(max(delay, 0.0))
+                final_only = self._final_only
                 for req, tokens in sched.complete(step, time.monotonic()):
                     if req.status == Status.FINISHED:
                         self._requests.pop(req.request_id, None)
+                        if req.request_id in final_only and req.token_ids is not None:
+                            tokens = req.token_ids[req.prompt_len :]
                         req.tag.put_nowait(self._final(req, tokens))
-                    else:
+                    elif req.request_id not in final_only:
                         req.tag.put_nowait(EngineOutput(req.request_id, tokens))
                 self._publish()
         except asyncio.CancelledError:

@@ -98,6 +98,37 @@ def test_stop_token_ends_with_stop():
     assert len(stopped) == first_stop + 1 and stopped[-1].finish_reason == "stop"
 
 
+def test_a_request_nobody_streams_gets_one_output_with_every_token():
+    """``stream=False`` (vLLM's FINAL_ONLY): the same tokens, usage and finish as the streamed
+    request's outputs merged, in one output at the end; a stop token still ends it."""
+
+    async def main():
+        eng = engine()
+        await eng.start()
+        streamed = await collect(eng, request("a", prompt(100), max_tokens=12, seed=5))
+        whole = await collect(
+            eng, msgspec.structs.replace(request("b", prompt(100), 12, seed=5), stream=False)
+        )
+        stop_at = streamed[4].token_ids[0]
+        stopped = await collect(
+            eng,
+            msgspec.structs.replace(
+                request("c", prompt(100), 12, seed=5, stop_token_ids=[stop_at]), stream=False
+            ),
+        )
+        await eng.stop()
+        return streamed, whole, stopped, stop_at
+
+    streamed, whole, stopped, stop_at = run(main())
+    assert len(streamed) == 12 and len(whole) == 1 and whole[0].finished
+    assert whole[0].token_ids == [t for o in streamed for t in o.token_ids]
+    assert whole[0].finish_reason == streamed[-1].finish_reason == "length"
+    assert whole[0].usage == msgspec.structs.replace(streamed[-1].usage, cached_tokens=96)
+    first_stop = next(i for i, o in enumerate(streamed) if o.token_ids[0] == stop_at)
+    assert len(stopped) == 1 and stopped[0].finish_reason == "stop"
+    assert stopped[0].token_ids == whole[0].token_ids[: first_stop + 1]
+
+
 def test_abort_ends_the_stream_and_frees_blocks():
     async def main():
         eng = engine(time_scale=1.0)
