@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from engines.sim.profile import LatencyProfile
+from loadgen.cli import parse_floats
 from loadgen.metrics import server_hit_rate
 from loadgen.records import RequestRecord
 from loadgen.simulator import SimSettings, SloBudget, check_jobs, fork_pool, simulate
@@ -668,7 +669,6 @@ def find_boundary(
 def parse_tiers(gib_list: str, policies: str) -> list[tuple[float, str]]:
     """``--cpu-tier-gib`` x ``--policy`` as ``(GiB, policy)`` pairs; a 0 GiB tier has no
     policy. Raises naming the flag."""
-    from loadgen.cli import parse_floats
     from policies import policy_names
 
     sizes = parse_floats(
