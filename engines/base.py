@@ -222,8 +222,13 @@ async def coalesce(outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[Engine
 
 # Seconds between two load samples of one engine on the load bus (the production interval).
 LOAD_INTERVAL_S = 0.1
-# Seconds a busy engine's KV-event batches are gathered into one bus call (the forwarder's).
-PUBLISH_INTERVAL_S = 0.01
+# Seconds a busy engine's KV-event batches are gathered into one bus call (the forwarder's;
+# the first batch after a quiet spell goes at once). A bus call costs the same whatever it
+# carries (benchmarks/bus_bench.py: ~1 ms of CPU per publish on the Ray bus, caller and hub,
+# ~0.25-0.4 ms on Redis), so this sets what a busy engine's events cost. A router learns of a
+# block up to this much later, which the cluster simulator prices at nothing measurable up to
+# 50 ms (kv_ttft's TTFT and hit rate on the Mooncake trace at 1x and 3x, synthetic to-b, mix).
+PUBLISH_INTERVAL_S = 0.05
 
 
 class LoadSnapshot(msgspec.Struct, array_like=True, tag="load"):
