@@ -23,6 +23,7 @@ from deploy.config import (
     api_keys,
     placement_recorder,
 )
+from engines import gc_tuning
 from engines.config import EngineDeploymentConfig
 from engines.deployment import build_engine_app, open_buses
 from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
@@ -88,6 +89,7 @@ def router_pools(cfg: ServeConfig) -> list[Pool]:
 class IngressDeployment:
     def __init__(self, engines: dict[str, Any], config: dict[str, Any]) -> None:
         """``engines``: each pool's deployment handle, by pool name."""
+        gc_tuning.tune_for_serving()
         self.cfg = cfg = ServeConfig.model_validate(config)
         setup_tracing()
         kv_bus, load_bus = open_buses(cfg.deployment_bus)

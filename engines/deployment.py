@@ -23,6 +23,7 @@ from ray.serve.deployment import Application
 
 from cachemap.bus import EventBus
 from cachemap.ingest import EngineEventTranslator
+from engines import gc_tuning
 from engines.base import (
     Engine,
     EngineError,
@@ -212,6 +213,7 @@ class EngineDeployment:
     """One engine instance. Call ``generate`` with ``handle.options(stream=True)``."""
 
     async def __init__(self, config: dict[str, Any]) -> None:
+        gc_tuning.tune_for_serving()
         self.config = EngineDeploymentConfig.model_validate(config)
         ecfg = self.config.engine
         self.instance_id = replica_instance_id()
