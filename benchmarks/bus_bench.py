@@ -14,8 +14,10 @@ second, whatever they carry. This measures one call's CPU time on both sides, at
   redis-py's client CPU per call, ``server_us`` redis-server's.
 
 ``publish_many`` is measured with ``--messages`` encoded KV-event messages per call (each what a
-forwarder publishes for one 1k-token prompt's prefill: 32 blocks stored, ~0.3 kB), ``read_pair``
-(the router's poll of the event and load logs) with nothing new to read. Server figures have the
+forwarder publishes for one 1k-token prompt's prefill: 32 blocks stored, ~0.3 kB),
+``publish_pair`` with the last of those counts and a load sample (a busy forwarder's call, both
+logs at once), ``read_pair`` (the router's poll of the event and load logs) with nothing new to
+read. Server figures have the
 server's idle CPU taken off. Medians over ``--repeats``.
 """
 
@@ -39,6 +41,8 @@ import psutil
 from cachemap.bus import EventBus
 from cachemap.events import InstanceEvents, Stored, encode_message
 from cachemap.hashing import BlockHasher, Tier
+from engines.base import LoadSnapshot
+from engines.forwarder import encode_load
 from tests.support import redis_server
 
 
@@ -87,6 +91,9 @@ def measure(bus: EventBus, load: EventBus, server: psutil.Process, args: Any) ->
     for n in args.messages:
         payloads = messages(n)
         cases[f"publish_many_{n}"] = lambda p=payloads: bus.publish_many(p)  # type: ignore[misc]
+    sample = encode_load(LoadSnapshot("e0", 0.0, 1, 2, 0.5, 0.0, 1024))
+    last = messages(args.messages[-1])
+    cases["publish_pair"] = lambda: bus.publish_pair(last, load, [sample])
     ends: list[int] = []
     cases["read_pair"] = lambda: bus.read_pair(ends[0], load, ends[1])
     for name, call in cases.items():

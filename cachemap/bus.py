@@ -37,11 +37,20 @@ class EventBus(ABC):
 
     def publish_many(self, payloads: Sequence[bytes]) -> int:
         """Append ``payloads`` in order (one call to the backend where it can: a forwarder
-        coalescing a busy engine's batches); returns the last one's offset, as ``publish``."""
+        coalescing a busy engine's batches); returns the last one's offset, as ``publish``
+        (-1 for none)."""
         offset = -1
         for payload in payloads:
             offset = self.publish(payload)
         return offset
+
+    def publish_pair(
+        self, payloads: Sequence[bytes], other: EventBus, other_payloads: Sequence[bytes]
+    ) -> tuple[int, int]:
+        """``self.publish_many(payloads)`` and ``other.publish_many(other_payloads)``: one call
+        where the backend can (two logs of one Ray hub, two streams on one Redis client). A
+        forwarder sends a busy engine's KV events and its load sample together."""
+        return self.publish_many(payloads), other.publish_many(other_payloads)
 
     @abstractmethod
     def read(self, cursor: int, max_items: int = 4096) -> BusRead:
@@ -77,6 +86,8 @@ class InProcessBus(EventBus):
             return self._end - 1
 
     def publish_many(self, payloads: Sequence[bytes]) -> int:
+        if not payloads:
+            return -1
         with self._lock:
             self._log.extend(payloads)
             self._end += len(payloads)

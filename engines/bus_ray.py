@@ -9,7 +9,8 @@ the same hub read together in one actor call (``read_pair``): a router's poll of
 Publishing is fire-and-forget by default (one actor call, no round trip): ``publish`` returns -1
 because the hub assigns the offset later (a ``sync=True`` client waits and returns it). Ray runs
 one caller's calls to one actor in submission order, so a publisher's messages keep their order.
-``flush`` waits until everything published so far is in the log.
+``flush`` waits until everything published so far is in the log. Two clients of the same hub
+publish together in one call too (``publish_pair``: an engine's KV events and its load sample).
 
 The hub also carries resync requests: a router that saw a gap calls ``request_resync(instance)``
 and that instance's forwarder, polling ``take_resync``, publishes a ``Snapshot``.
@@ -61,6 +62,11 @@ class BusHub:
     @_quiet
     def publish_many(self, log: str, payloads: list[bytes]) -> int:
         return self._log(log).entries.publish_many(payloads)
+
+    @_quiet
+    def publish_many_to(self, batches: list[tuple[str, list[bytes]]]) -> list[int]:
+        """``publish_many`` of each ``(log, payloads)``, in one call."""
+        return [self.publish_many(log, payloads) for log, payloads in batches]
 
     @_quiet
     def read(self, log: str, cursor: int, max_items: int) -> _Read:
@@ -159,6 +165,27 @@ class RayEventBus(EventBus):
             return int(ray.get(ref))
         self._last = ref
         return -1
+
+    def publish_pair(
+        self, payloads: Sequence[bytes], other: EventBus, other_payloads: Sequence[bytes]
+    ) -> tuple[int, int]:
+        """One actor call when ``other`` is a log of the same hub, two otherwise."""
+        if not (
+            isinstance(other, RayEventBus)
+            and (other.hub, other.namespace) == (self.hub, self.namespace)
+        ):
+            return super().publish_pair(payloads, other, other_payloads)
+        pairs = ((self.name, payloads), (other.name, other_payloads))
+        sent = [(log, list(p)) for log, p in pairs if p]
+        if not sent:
+            return -1, -1
+        ref = self._hub.publish_many_to.remote(sent)
+        if not (self.sync or other.sync):
+            self._last = other._last = ref
+            return -1, -1
+        offsets = iter(ray.get(ref))
+        mine = int(next(offsets)) if payloads else -1
+        return mine, int(next(offsets)) if other_payloads else -1
 
     def flush(self, timeout_s: float | None = 10.0) -> None:
         """Wait until everything this client published is in the log."""

@@ -62,32 +62,16 @@ class RedisStreamBus(EventBus):
     def publish_many(self, payloads: Sequence[bytes]) -> int:
         """One round trip for all of ``payloads`` (a pipeline of the same atomic script, called
         by its SHA: redis-py's script objects would ask ``SCRIPT EXISTS`` first, every call)."""
-        from redis.exceptions import NoScriptError
+        return _publish_all(self._redis, [(self, payloads)])[0]
 
-        if not payloads:
-            return -1
-        replies = self._publish(payloads)
-        # A server without the script (a restart, SCRIPT FLUSH) ran none of those messages:
-        # load it and publish them again, in order.
-        again = [p for p, r in zip(payloads, replies, strict=True) if isinstance(r, NoScriptError)]
-        if again:
-            self._redis.script_load(_PUBLISH)
-            replies = [r for r in replies if not isinstance(r, NoScriptError)]
-            replies += self._publish(again)
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return int(replies[-1])
-
-    def _publish(self, payloads: Sequence[bytes]) -> list[Any]:
-        """The script's replies for ``payloads``, errors included (one pipeline)."""
-        keys = (self.stream, self._counter, self._epoch_key)
-        pipe = self._redis.pipeline(transaction=False)
-        for payload in payloads:
-            # NOTE: a fresh epoch candidate per message: a publisher that outlives a Redis
-            # restart must not give the new log the old epoch, or readers would never see it
-            pipe.evalsha(_PUBLISH_SHA, 3, *keys, payload, self.maxlen, uuid.uuid4().hex)
-        return list(pipe.execute(raise_on_error=False))
+    def publish_pair(
+        self, payloads: Sequence[bytes], other: EventBus, other_payloads: Sequence[bytes]
+    ) -> tuple[int, int]:
+        """One round trip when ``other`` is a stream on the same client, two otherwise."""
+        if not (isinstance(other, RedisStreamBus) and other._redis is self._redis):
+            return super().publish_pair(payloads, other, other_payloads)
+        mine, theirs = _publish_all(self._redis, [(self, payloads), (other, other_payloads)])
+        return mine, theirs
 
     def read(self, cursor: int, max_items: int = 4096) -> BusRead:
         pipe = self._redis.pipeline(transaction=True)
@@ -153,3 +137,47 @@ class RedisStreamBus(EventBus):
 def _offset(stream_id: bytes | str) -> int:
     raw = stream_id.decode() if isinstance(stream_id, bytes) else stream_id
     return int(raw.split("-", 1)[1]) - 1
+
+
+def _publish_all(client: Any, parts: list[tuple[RedisStreamBus, Sequence[bytes]]]) -> list[int]:
+    """Append each part's payloads to its stream, in order, in one pipeline of the publish
+    script; returns each part's last offset (-1 for a part with none)."""
+    from redis.exceptions import NoScriptError
+
+    replies = _run_publish(client, parts)
+    # A server without the script (a restart, SCRIPT FLUSH) ran none of those messages: load
+    # it and publish them again, in order.
+    again = [
+        (bus, [p for p, r in zip(payloads, got, strict=True) if isinstance(r, NoScriptError)])
+        for (bus, payloads), got in zip(parts, replies, strict=True)
+    ]
+    if any(payloads for _, payloads in again):
+        client.script_load(_PUBLISH)
+        retried = _run_publish(client, again)
+        replies = [
+            [r for r in got if not isinstance(r, NoScriptError)] + more
+            for got, more in zip(replies, retried, strict=True)
+        ]
+    for reply in (r for got in replies for r in got):
+        if isinstance(reply, Exception):
+            raise reply
+    return [int(got[-1]) if got else -1 for got in replies]
+
+
+def _run_publish(
+    client: Any, parts: list[tuple[RedisStreamBus, Sequence[bytes]]]
+) -> list[list[Any]]:
+    """The script's replies for each part's payloads, errors included (one pipeline)."""
+    pipe = client.pipeline(transaction=False)
+    for bus, payloads in parts:
+        keys = (bus.stream, bus._counter, bus._epoch_key)
+        for payload in payloads:
+            # NOTE: a fresh epoch candidate per message: a publisher that outlives a Redis
+            # restart must not give the new log the old epoch, or readers would never see it
+            pipe.evalsha(_PUBLISH_SHA, 3, *keys, payload, bus.maxlen, uuid.uuid4().hex)
+    flat = list(pipe.execute(raise_on_error=False)) if any(p for _, p in parts) else []
+    out, i = [], 0
+    for _, payloads in parts:
+        out.append(flat[i : i + len(payloads)])
+        i += len(payloads)
+    return out

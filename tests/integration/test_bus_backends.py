@@ -133,6 +133,46 @@ def test_read_pair_is_both_reads(make_bus: BusFactory) -> None:
     assert a.read_pair(3, b, 2, max_items=1) == (([], 3, 0), ([], 2, 0))
 
 
+def test_publish_pair_is_both_publishes(make_bus: BusFactory) -> None:
+    a, b = make_bus(1000), make_bus(1000)
+    a.publish(b"a0")
+    assert a.publish_pair([b"a1", b"a2"], b, [b"b0"]) == (2, 0)
+    assert a.publish_pair([], b, [b"b1"]) == (-1, 1)
+    assert a.publish_pair([b"a3"], b, []) == (3, -1)
+    assert a.read(0).items == [b"a0", b"a1", b"a2", b"a3"]
+    assert b.read(0).items == [b"b0", b"b1"]
+
+
+def test_two_redis_streams_on_one_client_are_published_in_one_round_trip(redis_url: str) -> None:
+    """Even with the server's script cache flushed in between: the script is loaded once more
+    and each stream gets its messages once, in order."""
+    import redis
+
+    from engines.bus_redis import RedisStreamBus
+
+    client = redis.Redis.from_url(redis_url)
+    stream = f"test:{uuid.uuid4().hex}"
+    events = RedisStreamBus(redis_url, stream=stream, client=client)
+    loads = RedisStreamBus(redis_url, stream=stream + ":loads", client=client)
+    trips = 0
+    pipeline = client.pipeline
+
+    def counted(*args: object, **kwargs: object) -> object:
+        nonlocal trips
+        trips += 1
+        return pipeline(*args, **kwargs)
+
+    client.pipeline = counted  # type: ignore[method-assign]
+    assert events.publish_pair([b"e0", b"e1"], loads, [b"l0"]) == (1, 0)
+    assert trips == 1
+    client.script_flush()
+    assert events.publish_pair([b"e2"], loads, [b"l1", b"l2"]) == (2, 2)
+    assert trips == 3  # the flushed script: loaded, then the pair published again
+    assert events.read(0) == ([b"e0", b"e1", b"e2"], 3, 0)
+    assert loads.read(0) == ([b"l0", b"l1", b"l2"], 3, 0)
+    client.close()
+
+
 def test_two_redis_streams_on_one_client_are_read_in_one_round_trip(redis_url: str) -> None:
     import redis
 

@@ -119,9 +119,12 @@ def test_two_logs_on_one_hub_keep_their_own_offsets_bounds_and_resyncs(ray_clust
         assert events.read_pair(1, loads, 0) == (events.read(1), loads.read(0))
         assert loads.read(0) == ([b"l2", b"l3", b"l4"], 5, 2)  # maxlen 3
         assert events.read_pair(4, other, 0) == (([], 4, 0), ([b"o"], 1, 0))  # two calls
+        assert events.publish_pair([b"e4"], loads, [b"l5", b"l6"]) == (4, 6)  # one call
+        assert events.publish_pair([], other, [b"o1"]) == (-1, 1)  # another hub: its own call
+        assert events.read(4) == ([b"e4"], 5, 0) and loads.read(5) == ([b"l5", b"l6"], 7, 0)
         clone = pickle.loads(pickle.dumps(loads))
         assert (clone.name, clone.hub) == ("test-loads", "test-hub")
-        assert clone.publish(b"l5") == 5 and events.end() == 4
+        assert clone.publish(b"l7") == 7 and events.end() == 5
         events.request_resync("i1")
         assert not loads.take_resync("i1") and events.take_resync("i1")
     finally:
@@ -130,6 +133,18 @@ def test_two_logs_on_one_hub_keep_their_own_offsets_bounds_and_resyncs(ray_clust
         other.kill()
     with pytest.raises(ValueError, match="no hub actor 'test-hub'"):
         RayEventBus("test-events", hub="test-hub", create=False)
+
+
+def test_two_fire_and_forget_logs_of_one_hub_publish_in_one_call(ray_cluster) -> None:
+    events = RayEventBus("test-pair-events", hub="test-pair-hub")
+    loads = RayEventBus("test-pair-loads", hub="test-pair-hub")
+    try:
+        assert events.publish_pair([b"e0", b"e1"], loads, [b"l0"]) == (-1, -1)
+        assert events._last is not None and events._last is loads._last  # one actor call
+        loads.flush()  # waits for that call: both logs have their messages
+        assert events.read(0) == ([b"e0", b"e1"], 2, 0) and loads.read(0) == ([b"l0"], 1, 0)
+    finally:
+        events.kill()
 
 
 def test_a_log_nobody_opened_is_named_in_the_error(bus: RayEventBus) -> None:

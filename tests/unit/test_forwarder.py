@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 import zmq
 
-from cachemap.bus import InProcessBus
+from cachemap.bus import EventBus, InProcessBus
 from cachemap.events import (
     BlockStored,
     InstanceEvents,
@@ -23,7 +23,8 @@ from cachemap.events import (
     encode_vllm_batch,
 )
 from cachemap.ingest import EngineEventTranslator
-from engines.forwarder import KvEventForwarder
+from engines.base import LoadSnapshot
+from engines.forwarder import KvEventForwarder, decode_load
 from tests.support import free_port, wait_for
 
 BLOCK = 16
@@ -136,3 +137,74 @@ def test_a_snapshot_and_a_clean_stop_publish_the_gathered_batches_first(rig) -> 
     fwd.stop(gone=True)
     tail = messages(bus)[start:]
     assert [type(m) for m in tail[-2:]] == [InstanceEvents, InstanceGone]
+
+
+class PairBus(InProcessBus):
+    """Logs each call under its name in a list shared with its partner; ``publish_pair`` with
+    the partner is one call ("pair"), as for two logs of one Ray hub or two streams of one
+    Redis client."""
+
+    def __init__(self, name: str, calls: list[str]) -> None:
+        super().__init__()
+        self.name, self.calls = name, calls
+
+    def publish(self, payload: bytes) -> int:
+        self.calls.append(self.name)
+        return super().publish(payload)
+
+    def publish_many(self, payloads: Sequence[bytes]) -> int:
+        self.calls.append(self.name)
+        return super().publish_many(payloads)
+
+    def publish_pair(
+        self, payloads: Sequence[bytes], other: EventBus, other_payloads: Sequence[bytes]
+    ) -> tuple[int, int]:
+        assert isinstance(other, PairBus)
+        self.calls.append("pair")
+        return InProcessBus.publish_many(self, payloads), InProcessBus.publish_many(
+            other, other_payloads
+        )
+
+
+def test_a_busy_engines_load_samples_ride_in_its_event_calls_and_a_quiet_ones_go_alone() -> None:
+    calls: list[str] = []
+    events, loads = PairBus("events", calls), PairBus("loads", calls)
+    engine = Engine()
+    fwd = KvEventForwarder(
+        EngineEventTranslator("e0", "m", BLOCK),
+        events,
+        engine.endpoint,
+        load_bus=loads,
+        load_fn=lambda: LoadSnapshot("e0", time.time(), 0, 1, 0.1, 0.0, 0),
+        load_interval_s=0.2,
+        publish_interval_s=0.05,
+    )
+    fwd.start()
+    try:
+        assert wait_for(lambda: engine.send() or events.end() > 0)  # ZMQ's slow joiner
+
+        def busy(seconds: float) -> None:  # a batch every ~10 ms: every flush has events
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                engine.send()
+                time.sleep(0.01)
+
+        busy(0.5)  # the load schedule falls into step with the flushes
+        first, samples = len(calls), loads.end()
+        busy(1.2)
+        during = calls[first:]
+        ridden = loads.end() - samples
+        assert 3 <= ridden <= 8, ridden  # one per load interval (6), none lost or doubled
+        assert during.count("pair") >= ridden - 1  # nearly all of them rode an event call
+        assert during.count("loads") <= 1, during
+        time.sleep(0.1)  # the last batches' flush
+        quiet_start, quiet_samples = len(calls), loads.end()
+        time.sleep(0.7)
+        quiet = calls[quiet_start:]
+        assert "pair" not in quiet and "events" not in quiet, quiet
+        assert quiet.count("loads") == loads.end() - quiet_samples >= 2  # on their own schedule
+        for payload in loads.read(0).items:
+            assert decode_load(payload).instance_id == "e0"
+    finally:
+        fwd.stop(gone=False)
+        engine.sock.close(0)
