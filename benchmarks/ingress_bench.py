@@ -35,7 +35,9 @@ completed requests per second (saturated: the loop keeps every worker busy) and 
 p50/p99, and ``cpu_ms_per_request``: the CPU time each process role (proxy, controller, each
 deployment's replicas, bus hub, ...; ``driver`` is the client) spent per completed request,
 which says where a saturated 2-core box goes; the apps run alternately ``--repeats`` times and
-the medians are reported, with ``kvroute_over_ceiling`` = the ratio of the medians.
+the medians are reported, with ``kvroute_over_ceiling`` = the ratio of the medians, and
+``kvroute_over_ceiling_by_round`` the ratio within each round (the three apps run minutes
+apart; the box's speed drifts over longer spells) with its median.
 The issue's target is >= 0.5 of ``ceiling``.
 
 Ray Serve runs as ``kvroute serve`` runs it, in its throughput mode (``deploy/config.py``
@@ -311,6 +313,13 @@ def bench(args: argparse.Namespace, redis_url: str | None) -> None:
     for ceiling in ("ceiling", "two_hop_ceiling"):
         ratio = out["kvroute"]["req_per_s"] / out[ceiling]["req_per_s"]
         out[f"kvroute_over_{ceiling}"] = round(ratio, 3)
+        # NOTE: each round's apps run within minutes of each other, while this box's speed
+        # drifts over longer spells (the ceiling read 165-303 req/s in one afternoon): the
+        # ratio within a round, and its median over rounds, takes most of that drift out
+        pairs = zip(runs["kvroute"], runs[ceiling], strict=True)
+        rounds = [k["req_per_s"] / c["req_per_s"] for k, c in pairs]
+        out[f"kvroute_over_{ceiling}_by_round"] = [round(r, 3) for r in rounds]
+        out[f"kvroute_over_{ceiling}_round_median"] = round(statistics.median(rounds), 3)
     out["config"] = {k: getattr(args, k) for k in ("requests", "concurrency", "repeats")}
     out["config"].update(input_tokens=args.input_tokens, output_tokens=args.output_tokens)
     out["config"]["ray_serve_env"] = SERVE_ENV
