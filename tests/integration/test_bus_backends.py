@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -133,6 +134,19 @@ def test_read_pair_is_both_reads(make_bus: BusFactory) -> None:
     assert a.read_pair(3, b, 2, max_items=1) == (([], 3, 0), ([], 2, 0))
 
 
+def count_round_trips(client: Any) -> list[int]:
+    """``[n]``: the pipelines (one round trip each) ``client`` sends from now on."""
+    trips = [0]
+    pipeline = client.pipeline
+
+    def counted(*args: object, **kwargs: object) -> object:
+        trips[0] += 1
+        return pipeline(*args, **kwargs)
+
+    client.pipeline = counted
+    return trips
+
+
 def test_publish_pair_is_both_publishes(make_bus: BusFactory) -> None:
     a, b = make_bus(1000), make_bus(1000)
     a.publish(b"a0")
@@ -154,20 +168,12 @@ def test_two_redis_streams_on_one_client_are_published_in_one_round_trip(redis_u
     stream = f"test:{uuid.uuid4().hex}"
     events = RedisStreamBus(redis_url, stream=stream, client=client)
     loads = RedisStreamBus(redis_url, stream=stream + ":loads", client=client)
-    trips = 0
-    pipeline = client.pipeline
-
-    def counted(*args: object, **kwargs: object) -> object:
-        nonlocal trips
-        trips += 1
-        return pipeline(*args, **kwargs)
-
-    client.pipeline = counted  # type: ignore[method-assign]
+    trips = count_round_trips(client)
     assert events.publish_pair([b"e0", b"e1"], loads, [b"l0"]) == (1, 0)
-    assert trips == 1
+    assert trips == [1]
     client.script_flush()
     assert events.publish_pair([b"e2"], loads, [b"l1", b"l2"]) == (2, 2)
-    assert trips == 3  # the flushed script: loaded, then the pair published again
+    assert trips == [3]  # the flushed script: loaded, then the pair published again
     assert events.read(0) == ([b"e0", b"e1", b"e2"], 3, 0)
     assert loads.read(0) == ([b"l0", b"l1", b"l2"], 3, 0)
     client.close()
@@ -185,17 +191,9 @@ def test_two_redis_streams_on_one_client_are_read_in_one_round_trip(redis_url: s
     events.publish_many([b"e0", b"e1"])
     for i in range(40):
         loads.publish(b"l%d" % i)
-    trips = 0
-    pipeline = client.pipeline
-
-    def counted(*args: object, **kwargs: object) -> object:
-        nonlocal trips
-        trips += 1
-        return pipeline(*args, **kwargs)
-
-    client.pipeline = counted  # type: ignore[method-assign]
+    trips = count_round_trips(client)
     got_events, got_loads = events.read_pair(0, loads, 0)
-    assert trips == 1
+    assert trips == [1]
     assert got_events == ([b"e0", b"e1"], 2, 0)
     assert got_loads.cursor == 40 and got_loads.items[-1] == b"l39"
     assert got_loads.lost + len(got_loads.items) == 40  # maxlen 10: the head was trimmed
