@@ -17,8 +17,7 @@ second, whatever they carry. This measures one call's CPU time on both sides, at
 forwarder publishes for one 1k-token prompt's prefill: 32 blocks stored, ~0.3 kB),
 ``publish_pair`` with the last of those counts and a load sample (a busy forwarder's call, both
 logs at once), ``read_pair`` (the router's poll of the event and load logs) with nothing new to
-read. Server figures have the
-server's idle CPU taken off. Medians over ``--repeats``.
+read. Server figures have the server's idle CPU taken off. Medians over ``--repeats``.
 """
 
 from __future__ import annotations
