@@ -109,6 +109,18 @@ OPENAI_KNOB_DEFAULTS: dict[str, Any] = {
 }
 
 
+def _amx_cpu_attention() -> bool:
+    """vLLM runs its CPU attention's AMX kernels here: the CPU platform on a CPU with AMX tiles
+    (vLLM's own test, ``cpu_attn._get_attn_isa``; bf16 caches in blocks of 32, as ours are)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 class VllmEngine(Engine):
     """One vLLM ``AsyncLLM``.
 
@@ -245,6 +257,8 @@ class VllmEngine(Engine):
             name: model_defaults.get(name, default)
             for name, default in OPENAI_KNOB_DEFAULTS.items()
         }
+        if self._other_connector is not None and _amx_cpu_attention():
+            await self._warm_up_attention()
         log.info(
             "vLLM engine %s up: %s blocks of %d tokens, KV events on %s",
             self.instance_id,
@@ -308,14 +322,39 @@ class VllmEngine(Engine):
     async def _step_once(self) -> None:
         """Run one one-token request (no full block: no KV event of its own), so vLLM steps
         and publishes the KV events it queued while idle."""
+        await self._run_once([0], 1, "step")
+
+    async def _run_once(self, token_ids: list[int], max_tokens: int, tag: str) -> None:
+        """Run a request of kvroute's own (greedy, to ``max_tokens``) and drop its output."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = VllmSamplingParams(max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
-        request_id = f"kvroute-step-{time.monotonic_ns()}"
-        async for _ in self._llm.generate(TokensPrompt(prompt_token_ids=[0]), params, request_id):
+        params = VllmSamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        request_id = f"kvroute-{tag}-{time.monotonic_ns()}"
+        prompt = TokensPrompt(prompt_token_ids=token_ids)
+        async for _ in self._llm.generate(prompt, params, request_id):
             pass
+
+    async def _warm_up_attention(self) -> None:
+        """Prefill a few blocks once, then clear them from the cache (and the router's map:
+        their ``BlockStored`` and the ``AllBlocksCleared`` reach the bus in order).
+
+        NOTE: vLLM 0.32's CPU attention on an AMX machine (Sapphire or Emerald Rapids; its
+        "amx" kernels) kills the worker with an illegal instruction when the first attention it
+        runs is a decode step over KV the worker did not compute: a decode engine's first PD
+        request, whose prompt KV was pulled (kvroute's connector and NIXL alike). A prefill
+        first makes it safe (measured on this project's CI machines, Emerald Rapids: every PD
+        engine test died on its first pull without one, and passed with one)."""
+        n = min(4 * self.block_size, int(self._args["max_model_len"]) - 2)
+        await self._run_once([1 + i % 100 for i in range(n)], 2, "warmup")
+        if not await self.clear_cache():
+            log.warning("engine %s: its warm-up prompt stays cached", self.instance_id)
 
     def _stat_logger_factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
