@@ -44,7 +44,13 @@ from engines.base import EngineOutput
 from engines.pd.nixl import nixl_transfer_config, side_channel_environ
 from engines.tiny_model import build_tiny_model
 from engines.vllm_engine import VllmEngine, free_port
-from tests.engine.test_pd_connector import _prefill, _prompt, _run, _tokens  # the same PD legs
+from tests.engine.test_pd_connector import (  # the same PD legs
+    DTYPE,
+    _prefill,
+    _prompt,
+    _run,
+    _tokens,
+)
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -124,7 +130,7 @@ def _engine(loop: asyncio.AbstractEventLoop, name: str) -> Iterator[_RecordingEn
         block_size=BLOCK,
         max_model_len=MAX_LEN,
         kv_transfer_config=config,
-        extra_engine_args={"enable_logging_iteration_details": True},
+        extra_engine_args={"enable_logging_iteration_details": True, "dtype": DTYPE},
     )
     with side_channel_environ(config):  # the engine-core process starts with it
         loop.run_until_complete(eng.start())
