@@ -110,22 +110,32 @@ def test_a_decode_engine_that_fails_before_its_first_token_is_recomputed_elsewhe
     pd: Server,
 ) -> None:
     d, stack = pd.stack.dispatcher, pd.stack
-    other = [{"role": "system", "content": "Another system prompt, " * 60}, CHAT[1]]
-    # the decode engine the planner picks for this prompt, on a quiet cluster: stop that one
-    assert wait_for(lambda: all(v.running + v.waiting == 0 for v in stack.state.views()), 10)
-    ids = TOKENIZER.chat(other)
-    probe = PlacementRequest("probe", len(ids), BlockHasher(SIM_MODEL, BS)(ids), max_tokens=6)
-    target = stack.state.place(probe).instance_id
-    assert target in ("sim-1", "sim-2")
-    asyncio.run_coroutine_threadsafe(stack.engines[target].stop(), pd.loop).result(10)
-    try:
-        recomputed, failovers = d.pd_recomputed, d.failovers
-        r = client(pd).chat.completions.create(model=SIM_MODEL, messages=other, max_tokens=6)
-        assert r.usage.completion_tokens == 6
-        # the chosen decode engine failed; the re-run went to the other decode engine
-        assert d.pd_recomputed == recomputed + 1 and d.failovers == failovers + 1
-    finally:
-        asyncio.run_coroutine_threadsafe(stack.engines[target].start(), pd.loop).result(10)
+    # NOTE: between two idle decode engines the planner's choice is a tie, broken by view
+    # order, and a bus update landing between the probe and the request can break it the other
+    # way (1 run in 3 here): a request that went to the running engine is served, and another
+    # prompt tries again
+    for attempt in range(5):
+        content = f"Another system prompt ({attempt}), " * 60
+        other = [{"role": "system", "content": content}, CHAT[1]]
+        # the decode engine the planner picks for this prompt, on a quiet cluster: stop that one
+        assert wait_for(lambda: all(v.running + v.waiting == 0 for v in stack.state.views()), 10)
+        ids = TOKENIZER.chat(other)
+        probe = PlacementRequest("probe", len(ids), BlockHasher(SIM_MODEL, BS)(ids), max_tokens=6)
+        target = stack.state.place(probe).instance_id
+        assert target in ("sim-1", "sim-2")
+        asyncio.run_coroutine_threadsafe(stack.engines[target].stop(), pd.loop).result(10)
+        try:
+            recomputed, failovers = d.pd_recomputed, d.failovers
+            r = client(pd).chat.completions.create(model=SIM_MODEL, messages=other, max_tokens=6)
+            assert r.usage.completion_tokens == 6
+            if d.pd_recomputed == recomputed and d.failovers == failovers:
+                continue  # its decode leg went to the other engine, which served it
+            # the chosen decode engine failed; the re-run went to the other decode engine
+            assert d.pd_recomputed == recomputed + 1 and d.failovers == failovers + 1
+            return
+        finally:
+            asyncio.run_coroutine_threadsafe(stack.engines[target].start(), pd.loop).result(10)
+    pytest.fail("in 5 tries no request's decode leg went to the stopped engine")
 
 
 def test_without_its_prefill_engine_a_long_prompt_is_served_whole_by_a_decoder(pd: Server) -> None:
