@@ -345,12 +345,14 @@ class VllmEngine(Engine):
         """Prefill a few blocks once, then clear them from the cache (and the router's map:
         their ``BlockStored`` and the ``AllBlocksCleared`` reach the bus in order).
 
-        NOTE: vLLM 0.32's CPU attention on an AMX machine (Sapphire or Emerald Rapids; its
-        "amx" kernels) kills the worker with an illegal instruction when the first attention it
-        runs is a decode step over KV the worker did not compute: a decode engine's first PD
-        request, whose prompt KV was pulled (kvroute's connector and NIXL alike). A prefill
-        first makes it safe (measured on this project's CI machines, Emerald Rapids: every PD
-        engine test died on its first pull without one, and passed with one)."""
+        NOTE: on an AMX CPU (Sapphire or Emerald Rapids) vLLM 0.32's CPU attention runs its
+        "amx" kernels having checked only the CPU's flag (``torch.cpu._is_amx_tile_supported``),
+        but Linux lets a process use AMX only once it asked (``arch_prctl``, which
+        ``torch.cpu._init_amx`` does). oneDNN asks at its first AMX matmul, which a prefill runs;
+        a decode engine's first request is a decode step over pulled KV, and its worker died of
+        an illegal instruction (every PD engine test here, an Emerald Rapids VM, with kvroute's
+        connector and NIXL alike). A prefill first, or ``_init_amx`` in every vLLM process, and
+        they pass; this is the one that needs no hook in vLLM's processes."""
         n = min(4 * self.block_size, int(self._args["max_model_len"]) - 2)
         await self._run_once([1 + i % 100 for i in range(n)], 2, "warmup")
         if not await self.clear_cache():
