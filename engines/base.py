@@ -318,7 +318,8 @@ async def run_kv_command(engine: Engine, instance_id: str, cmd: KvCommand) -> di
 class RoutedRequest(msgspec.Struct):
     """What the ingress sends through the engine deployment's handle: the engine request plus
     what request routers look at. ``prompt`` is the prompt text (Ray's PrefixCacheAffinityRouter
-    reads ``.prompt``); ``block_hashes`` are kvroute's chained hashes of the prompt tokens;
+    reads ``.prompt``; the ingress leaves it empty when it places requests itself, as nothing else
+    reads it); ``block_hashes`` are kvroute's chained hashes of the prompt tokens;
     ``target_instance`` is the placement already chosen by the ingress (the request router honours
     it while that instance is a healthy candidate, and places the request itself otherwise)."""
 

@@ -442,6 +442,32 @@ def test_completion_prompts_get_special_tokens_as_vllm_adds_them(tmp_path) -> No
     assert ids({"prompt": [5, 6]}) == [5, 6]  # token ids go as they are
 
 
+def test_prompt_text_goes_only_to_a_request_router_that_reads_it() -> None:
+    """``RoutedRequest.prompt`` is for Ray's PrefixCacheAffinityRouter (the ingress does not
+    pre-place): there a chat carries its messages' text and a token-id prompt a stand-in of its
+    ids; an ingress that places requests itself leaves it empty, and the ids and hashes agree."""
+    from starlette.requests import Request
+
+    from engines.tiny_model import build_tiny_model
+    from router.ingress import IngressConfig, RequestPreparer
+    from router.tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer(build_tiny_model())
+    http = Request({"type": "http", "headers": []})
+    config = IngressConfig("m", 4096, 32)
+    peer, own = RequestPreparer(config, tok), RequestPreparer(config, tok, prompt_text=False)
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+    )
+    ids = CompletionRequest.model_validate({**COMPLETION, "prompt": list(range(40, 80))})
+    for req, text in ((chat, "hello there"), (ids, " ".join(map(str, range(40, 80))))):
+        with_text, _ = peer(http, req)
+        without, _ = own(http, req)
+        assert with_text.prompt == text and without.prompt == ""
+        assert without.request.prompt_token_ids == with_text.request.prompt_token_ids
+        assert without.block_hashes == with_text.block_hashes
+
+
 def test_chat_prompts_tokenize_as_transformers_and_vllm_do(tmp_path) -> None:
     """A chat is rendered and encoded without special tokens (vLLM's chat rule): the ingress's
     fast path through the Rust backend gives transformers' own ids for it, with a BOS
