@@ -12,10 +12,12 @@ produce (logprobs, structured outputs, logit_bias ...; see ``SIM_UNSUPPORTED``).
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
+import numpy as np
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -84,13 +86,28 @@ class StrictBody(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
+def as_u32_ids(ids: list[int]) -> array[int] | None:
+    """``ids`` as a C array of uint32, or None if one lies outside ``[0, 2**32)``.
+
+    NOTE: a C array converts and range-checks a 1k-id prompt in ~8 us; ``min`` or ``max`` over
+    the list takes ~15 us each, and every token-id prompt needed both."""
+    try:
+        return array("I", ids)
+    except OverflowError:
+        return None
+
+
 def checked_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> list[int]:
     """A token-id prompt, each id inside the served model's vocabulary (else a 400 naming
     ``param``)."""
     out = list(ids)
-    if out and max(out) >= vocab_size:
+    if not out:
+        return out
+    u32 = as_u32_ids(out)
+    top = int(np.frombuffer(u32, np.uint32).max()) if u32 is not None else max(out)
+    if top >= vocab_size:
         raise APIError(
-            400, f"token id {max(out)} is outside the vocabulary (size {vocab_size})", param=param
+            400, f"token id {top} is outside the vocabulary (size {vocab_size})", param=param
         )
     return out
 
@@ -627,7 +644,7 @@ class CompletionRequest(_Common):
             v = v[0]
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and min(v) < 0:  # type: ignore[type-var]
+        if isinstance(v, list) and as_u32_ids(v) is None and min(v) < 0:
             raise ValueError("token ids must be non-negative")
         return v  # type: ignore[no-any-return]
 

@@ -19,6 +19,7 @@ from router.api import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    checked_token_ids,
     field_path,
     json_body_schema,
     validation_error,
@@ -215,6 +216,27 @@ def test_every_error_location_drops_union_tags_and_keeps_keys() -> None:
     locs = {field_path(CompletionRequest, err["loc"]) for err in e.value.errors()}
     assert locs == {("prompt",), ("prompt", 0), ("prompt", 0, 1)}
     assert _field_error({"prompt": 5}, chat=False) == "prompt"
+
+
+@pytest.mark.parametrize(
+    "prompt", [[0, 5, 511], [[7, 3]], [2**32 + 1, 4], [2**40], [-1, 3], [[4, -2]]]
+)
+def test_token_id_prompts_are_checked_against_sign_and_vocabulary(prompt: list[Any]) -> None:
+    """A negative id is a validation error naming ``prompt``; an id past the vocabulary (also
+    one past 32 bits, which the fast uint32 path cannot hold) a 400 naming the largest."""
+    flat = prompt[0] if isinstance(prompt[0], list) else prompt
+    if min(flat) < 0:
+        assert _field_error({"prompt": prompt}, chat=False) == "prompt"
+        return
+    req = CompletionRequest.model_validate({**COMPLETION, "prompt": prompt})
+    assert req.prompt == flat
+    if max(flat) < VOCAB:
+        assert checked_token_ids(req.prompt, VOCAB, "prompt") == flat  # type: ignore[arg-type]
+        return
+    with pytest.raises(APIError) as e:
+        checked_token_ids(req.prompt, VOCAB, "prompt")  # type: ignore[arg-type]
+    assert e.value.status == 400 and e.value.param == "prompt"
+    assert f"token id {max(flat)} is outside the vocabulary" in str(e.value)
 
 
 def _refusal(body: dict[str, Any], chat: bool = True, kind: str = "vllm") -> str | None:
