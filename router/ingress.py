@@ -17,13 +17,13 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from opentelemetry import propagate, trace
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cachemap import BlockHasher
 from engines.base import EngineError, EngineOutput, EngineRequest, RoutedRequest
+from router import tracing
 from router.admission import Rejected, Ticket
 from router.api import (
     APIError,
@@ -44,7 +44,6 @@ from router.ratelimit import RateLimiter
 from router.responses import ResponseBuilder, choice_requests
 from router.tokenizer import PromptTokenizer
 
-tracer = trace.get_tracer("kvroute.router")
 log = logging.getLogger(__name__)
 
 
@@ -356,8 +355,7 @@ class Ingress:
             raise validation_error(e, model) from None
         self.check_model(req.model)
         dispatcher, metrics = self.dispatcher, self.metrics
-        ctx = propagate.extract(dict(request.headers))
-        with tracer.start_as_current_span("kvroute.ingress", context=ctx) as span:
+        with tracing.span("kvroute.ingress", request.headers) as span:
             routed, response_id = self.prepare(request, req)
             prompt_ids = routed.request.prompt_token_ids
             span.set_attribute("kvroute.prompt_tokens", len(prompt_ids))
@@ -370,7 +368,7 @@ class Ingress:
             streams: ChoiceStreams | None = None
             handed_off = False
             try:
-                with tracer.start_as_current_span("kvroute.placement") as ps:
+                with tracing.span("kvroute.placement") as ps:
                     first = dispatcher.place(
                         dispatcher.placement_request(children[0]),
                         set(),
@@ -421,7 +419,7 @@ class Ingress:
         try:
             for chunk in head:
                 yield f"data: {json.dumps(chunk)}\n\n".encode()
-            with tracer.start_as_current_span("kvroute.engine_call"):
+            with tracing.span("kvroute.engine_call"):
                 async for i, placement, out in items:
                     for chunk in builder.chunks(i, out, placement.instance_id):
                         yield f"data: {json.dumps(chunk)}\n\n".encode()
