@@ -17,15 +17,14 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 import msgspec
-from opentelemetry import trace
 
 from engines.base import EngineError, EngineOutput, KvCommand, RoutedRequest, Usage, whole
+from router import tracing
 from router.hints import HINTS_KEY
 from router.placement import NoInstanceError, Placement, PlacementRequest
 from router.state import RouterState
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer("kvroute.router")
 
 
 class EngineClient(Protocol):
@@ -164,10 +163,10 @@ class Dispatcher:
             started = False
             # a disaggregated request's decode leg gets a span of its own beside the prefill's
             leg_span = (
-                tracer.start_span(
+                tracing.tracer.start_span(
                     "kvroute.decode_leg", attributes={"kvroute.instance": placement.instance_id}
                 )
-                if placement is not None and self.state.disaggregated
+                if placement is not None and self.state.disaggregated and tracing.tracing_on()
                 else None
             )
             outs = self.client.stream(current)
@@ -251,7 +250,7 @@ class Dispatcher:
             leg.request.expected_cached_tokens = self.state.cached_tokens(leg_preq, prefill)
             self.state.assigned(leg_preq, prefill)
             try:
-                with tracer.start_as_current_span("kvroute.prefill_leg") as span:
+                with tracing.span("kvroute.prefill_leg") as span:
                     span.set_attribute("kvroute.instance", iid)
                     span.set_attribute("kvroute.transfer_tokens", placement.transfer_tokens)
                     out = await whole(self.client.stream(leg))

@@ -16,7 +16,7 @@ from opentelemetry import propagate, trace
 
 log = logging.getLogger(__name__)
 _configured = False
-_tracer = trace.get_tracer("kvroute.router")
+tracer = trace.get_tracer("kvroute.router")
 
 
 def tracing_on() -> bool:
@@ -32,7 +32,7 @@ def span(name: str, carrier: Mapping[str, str] | None = None) -> AbstractContext
     if not tracing_on():
         return nullcontext(trace.INVALID_SPAN)
     context = propagate.extract(dict(carrier)) if carrier is not None else None
-    return _tracer.start_as_current_span(name, context=context)
+    return tracer.start_as_current_span(name, context=context)
 
 
 def setup_tracing(service_name: str = "kvroute-router") -> bool:
