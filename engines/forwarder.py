@@ -212,9 +212,10 @@ class KvEventForwarder:
         assert self.load_fn is not None
         return encode_load(self.load_fn())
 
-    def _publish_load(self) -> None:
+    def _publish_load(self, payload: bytes | None = None) -> None:
+        """Publish the load sample ``payload`` (encoded), or a fresh one, on its own."""
         assert self.load_bus is not None
-        self.load_bus.publish(self._load_payload())
+        self.load_bus.publish(payload if payload is not None else self._load_payload())
         self.load_samples += 1
 
     def _on_frames(self, frames: list[bytes]) -> None:
@@ -242,6 +243,10 @@ class KvEventForwarder:
         """Publish the pending batches in one bus call, with the encoded load sample ``load``
         when given (the caller holds ``_lock``)."""
         if not self._pending:
+            # the batches went with a snapshot published from another thread since the caller
+            # looked (the engine replica's ``publish_snapshot``): the sample goes alone
+            if load is not None:
+                self._guard(lambda: self._publish_load(load))
             return
         self._next_flush = time.monotonic() + self.publish_interval_s
         data, self._pending = self._pending, []

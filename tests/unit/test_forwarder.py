@@ -24,7 +24,7 @@ from cachemap.events import (
 )
 from cachemap.ingest import EngineEventTranslator
 from engines.base import LoadSnapshot
-from engines.forwarder import KvEventForwarder, decode_load
+from engines.forwarder import KvEventForwarder, decode_load, encode_load
 from tests.support import free_port, wait_for
 
 BLOCK = 16
@@ -208,3 +208,23 @@ def test_a_busy_engines_load_samples_ride_in_its_event_calls_and_a_quiet_ones_go
     finally:
         fwd.stop(gone=False)
         engine.sock.close(0)
+
+
+def test_a_sample_meant_to_ride_a_flush_another_thread_emptied_goes_alone() -> None:
+    """The thread takes a load sample for a flush it saw batches for; if the engine replica's
+    ``publish_snapshot`` took those batches in between, the flush finds none and publishes the
+    sample on its own rather than dropping it."""
+    calls: list[str] = []
+    events, loads = PairBus("events", calls), PairBus("loads", calls)
+    fwd = KvEventForwarder(
+        EngineEventTranslator("e0", "m", BLOCK),
+        events,
+        "tcp://127.0.0.1:1",  # never started: no socket
+        load_bus=loads,
+        load_fn=lambda: LoadSnapshot("e0", 1.0, 0, 1, 0.1, 0.0, 0),
+    )
+    sample = encode_load(LoadSnapshot("e0", 2.0, 3, 4, 0.5, 0.0, 0))
+    with fwd._lock:
+        fwd._flush(sample)  # nothing pending
+    assert calls == ["loads"] and fwd.load_samples == 1
+    assert decode_load(loads.read(0).items[0]).waiting == 3
