@@ -97,6 +97,11 @@ def _error(
     [
         ({"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
         (b"{not json", 400, None),
+        # nested past any parser's depth (a RecursionError: was a 500), non-standard JSON
+        # (NaN), a body that is not UTF-8
+        (b"[" * 5000 + b"]" * 5000, 400, None),
+        (b'{"model": "' + MODEL.encode() + b'", "temperature": NaN}', 400, None),
+        (b'{"model": "\xff"}', 400, None),
         ({"model": MODEL, "messages": []}, 400, "messages"),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
