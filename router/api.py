@@ -38,6 +38,23 @@ EngineKind = Literal["sim", "vllm"]
 NonEmpty = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 _RENDER_ONLY = "only for vLLM's render endpoints, which this server does not serve"
+# Free-form JSON that goes on to the engine (kv_transfer_params, a structured-output schema) is
+# pickled on the way by Ray, and pickle gives up a few hundred levels down: nested deeper than
+# this it is a 400 naming the field (a request carrying one 500 levels deep was a 500).
+MAX_JSON_DEPTH = 64
+
+
+def bounded_nesting(value: Any) -> Any:
+    """``value`` unchanged, unless its dicts and lists nest deeper than ``MAX_JSON_DEPTH``
+    (``ValueError``; the top level is level 1)."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return value
 
 
 class APIError(Exception):
@@ -189,6 +206,8 @@ class JsonSchemaFormat(StrictBody):
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
+    _shallow = field_validator("json_schema")(bounded_nesting)
+
 
 class ResponseFormat(StrictBody):
     """OpenAI's ``response_format``; json_object / json_schema go to vLLM's structured outputs
@@ -218,6 +237,8 @@ class StructuredOutputs(StrictBody):
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = Field(default=None, min_length=1)
+
+    _shallow = field_validator("json_")(bounded_nesting)
 
     def params(self) -> dict[str, Any]:
         """Keyword arguments of vLLM's ``StructuredOutputsParams`` (set fields only)."""
@@ -338,6 +359,7 @@ class _Common(StrictBody):
     # vLLM's field: a KV connector's per-request parameters, passed on to the engine unchanged
     # (kvroute's policy hints are merged in under "kvroute")
     kv_transfer_params: dict[str, Any] | None = None
+    _shallow = field_validator("kv_transfer_params")(bounded_nesting)
     # kvroute extension: request type for the CPU-tier policy (text/search/image/file).
     kvroute_category: str | None = None
     # kvroute extension: the client's probability that this conversation sends another turn,

@@ -137,6 +137,13 @@ def test_a_client_gone_frees_its_engine(served: tuple[str, ServeConfig], stream:
     )
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status"),
     [
@@ -148,6 +155,12 @@ def test_a_client_gone_frees_its_engine(served: tuple[str, ServeConfig], stream:
         ("/v1/chat/completions", {"model": "sim-tiny"}, 400),
         ("/v1/completions", {"model": "sim-tiny", "prompt": "a " * 5000}, 400),
         ("/v1/completions", {"model": "sim-tiny", "prompt": "a" * (5 << 20)}, 413),
+        # Ray cannot pickle JSON this deep on its way to the engine: this was a 500
+        (
+            "/v1/completions",
+            {"model": "sim-tiny", "prompt": "a", "kv_transfer_params": _nested(500)},
+            400,
+        ),
     ],
 )
 def test_error_statuses(served: tuple[str, ServeConfig], path: str, body: Any, status: int) -> None:
