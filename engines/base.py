@@ -139,6 +139,20 @@ class EngineOutput(msgspec.Struct):
     error: str | None = None
 
 
+def refusal(request_id: str, prompt_tokens: int, reason: Exception | str) -> EngineOutput:
+    """The one output of a request the engine refused as invalid (a client error: the ingress
+    answers 400 with ``reason``), where an exception would read as the engine failing and send
+    the request to every other engine in turn."""
+    return EngineOutput(
+        request_id,
+        [],
+        finished=True,
+        finish_reason="error",
+        usage=Usage(prompt_tokens, 0, 0),
+        error=str(reason),
+    )
+
+
 def merge_outputs(outputs: Sequence[EngineOutput]) -> EngineOutput:
     """Consecutive outputs of one request as one: their tokens, text and logprobs in order;
     what ends a request (finished, reasons, usage, error, PD params) from the last; the

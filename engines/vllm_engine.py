@@ -36,6 +36,7 @@ from engines.base import (
     SamplingParams,
     TopLogprob,
     Usage,
+    refusal,
 )
 from engines.config import CpuTierConfig
 
@@ -445,7 +446,7 @@ class VllmEngine(Engine):
             try:
                 params = self._sampling(request)
             except (ValueError, VLLMClientError) as e:
-                yield _refused(request.request_id, n, e)
+                yield refusal(request.request_id, n, e)
                 return
             stream = llm.generate(prompt, params, request.request_id)
             try:
@@ -458,7 +459,7 @@ class VllmEngine(Engine):
                         if st.started:
                             raise EngineError(f"request {request.request_id} failed: {e}") from e
                         # vLLM's own request validation (vocabulary, structured-output grammar ...)
-                        yield _refused(request.request_id, n, e)
+                        yield refusal(request.request_id, n, e)
                         return
                     c = out.outputs[0] if out.outputs else None
                     ids = list(c.token_ids) if c is not None else []
@@ -591,18 +592,6 @@ def _kv_bytes_per_token(mc: Any, num_layers: int, args: dict[str, Any]) -> int:
         num_layers, mc.get_total_num_kv_heads(), mc.get_head_size(), itemsize
     )
     return per_token // 2 if getattr(mc, "use_mla", False) else per_token
-
-
-def _refused(request_id: str, prompt_tokens: int, e: Exception) -> EngineOutput:
-    """The one output of a request vLLM refused as invalid (a client error)."""
-    return EngineOutput(
-        request_id,
-        [],
-        finished=True,
-        finish_reason="error",
-        usage=Usage(prompt_tokens, 0, 0),
-        error=str(e),
-    )
 
 
 def _logprobs(positions: Any, count: int) -> list[list[TopLogprob]] | None:

@@ -24,7 +24,15 @@ from collections.abc import AsyncIterator
 import zmq
 
 from cachemap.events import KVEventBatch, encode_vllm_batch
-from engines.base import Engine, EngineError, EngineOutput, EngineRequest, LoadSnapshot, Usage
+from engines.base import (
+    Engine,
+    EngineError,
+    EngineOutput,
+    EngineRequest,
+    LoadSnapshot,
+    Usage,
+    refusal,
+)
 from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.sim.request import TOKEN_OFFSET, VOCAB_SIZE, SimRequest, Status, make_request
 from engines.sim.scheduler import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, Scheduler
@@ -186,7 +194,11 @@ class SimEngine(Engine):
             )
             self.scheduler.check(req)
         except ValueError as e:
-            raise EngineError(f"request {request.request_id}: {e}") from e
+            # NOTE: the request itself is invalid (its PD parameters, its length ...): refused
+            # as vLLM refuses what its validation rejects, a 400 for the client; raised, it
+            # would read as this engine failing and be retried on every other one (then a 503)
+            yield refusal(request.request_id, len(request.prompt_token_ids), e)
+            return
         self._requests[req.request_id] = req
         if not request.stream:
             self._final_only.add(req.request_id)

@@ -103,6 +103,16 @@ def _error(
         (b'{"model": "' + MODEL.encode() + b'", "temperature": NaN}', 400, None),
         (b'{"model": "\xff"}', 400, None),
         ({"model": MODEL, "messages": []}, 400, "messages"),
+        # PD parameters the engine cannot use (no remote to pull from): the engine's refusal
+        (
+            {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "x"}],
+                "kv_transfer_params": {"do_remote_prefill": True},
+            },
+            400,
+            None,
+        ),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
             400,

@@ -161,6 +161,12 @@ def _nested(depth: int) -> dict[str, Any]:
             {"model": "sim-tiny", "prompt": "a", "kv_transfer_params": _nested(500)},
             400,
         ),
+        # PD parameters the engine cannot use: refused, not retried on every engine (a 503)
+        (
+            "/v1/completions",
+            {"model": "sim-tiny", "prompt": "a", "kv_transfer_params": {"do_remote_prefill": True}},
+            400,
+        ),
     ],
 )
 def test_error_statuses(served: tuple[str, ServeConfig], path: str, body: Any, status: int) -> None:

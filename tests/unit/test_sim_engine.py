@@ -204,20 +204,27 @@ def test_queued_prefill_work_leaves_out_a_waiting_requests_cached_prefix():
     assert snap.queued_prefill_tokens == 64
 
 
-def test_errors_are_engine_errors():
+def test_failures_are_engine_errors_and_invalid_requests_refusals():
     async def main():
         eng = engine(max_model_len=256)
         with pytest.raises(EngineError):  # not started
             await collect(eng, request("a", prompt(10)))
         await eng.start()
         await eng.check_health()
-        with pytest.raises(EngineError, match="max_model_len"):
-            await collect(eng, request("b", prompt(300)))
+        # a request no engine could serve is refused (a client error), as vLLM does, and the
+        # engine goes on
+        refused = await collect(eng, request("b", prompt(300)))
+        served = await collect(eng, request("c", prompt(10)))
+        await eng.check_health()
         await eng.stop()
         with pytest.raises(EngineError):
             await eng.check_health()
+        return refused, served
 
-    run(main())
+    refused, served = run(main())
+    assert [(o.finished, o.finish_reason) for o in refused] == [(True, "error")]
+    assert "max_model_len" in refused[0].error and refused[0].usage.prompt_tokens == 300
+    assert served[-1].finished and served[-1].finish_reason == "length"
 
 
 def test_kv_events_arrive_on_a_zmq_sub_socket():

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from cachemap.events import BlockStored, decode_vllm_batch
-from engines.base import EngineError, EngineOutput, EngineRequest, SamplingParams
+from engines.base import EngineOutput, EngineRequest, SamplingParams
 from engines.sim.engine import SimEngine
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import Status, make_request
@@ -383,14 +383,17 @@ def test_malformed_remote_params_name_the_key(key):
         eng = engine("dec-2")
         await eng.start()
         try:
-            with pytest.raises(EngineError, match=key):
-                await collect(eng, request("r", [1, 2, 3], 2, missing))
+            # refused as a client error (as vLLM refuses what its validation rejects), not
+            # raised: an error would send the request to every other engine in turn
+            refused = await collect(eng, request("r", [1, 2, 3], 2, missing))
             # the engine is still healthy and serves the well-formed request
-            return await collect(eng, request("ok", list(range(100)), 2, GOOD))
+            return refused, await collect(eng, request("ok", list(range(100)), 2, GOOD))
         finally:
             await eng.stop()
 
-    outs = run(main())
+    refused, outs = run(main())
+    assert [(o.finished, o.finish_reason, o.token_ids) for o in refused] == [(True, "error", [])]
+    assert key in refused[0].error
     assert outs[-1].finished and outs[-1].usage.completion_tokens == 2
 
 
