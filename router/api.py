@@ -46,7 +46,10 @@ MAX_JSON_DEPTH = 64
 
 def bounded_nesting(value: Any) -> Any:
     """``value`` unchanged, unless its dicts and lists nest deeper than ``MAX_JSON_DEPTH``
-    (``ValueError``; the top level is level 1)."""
+    (``ValueError``; the top level is level 1). Only containers are walked: a string (a JSON
+    schema given as text) is not read."""
+    if not isinstance(value, dict | list):
+        return value
     stack = [(value, 1)]
     while stack:
         node, depth = stack.pop()

@@ -176,6 +176,7 @@ def test_free_form_json_bound_for_the_engine_may_nest_up_to_the_limit() -> None:
     deep = _nested(MAX_JSON_DEPTH)
     assert ChatCompletionRequest.model_validate({**CHAT, "kv_transfer_params": deep})
     assert bounded_nesting([[[]]]) == [[[]]]
+    assert bounded_nesting("[" * 1000) == "[" * 1000  # a schema given as text is not read
     with pytest.raises(ValueError, match=f"nested deeper than {MAX_JSON_DEPTH} levels"):
         bounded_nesting(_nested(MAX_JSON_DEPTH + 1))
 
