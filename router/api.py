@@ -37,6 +37,8 @@ MAX_STOP_STRINGS = 4
 EngineKind = Literal["sim", "vllm"]
 NonEmpty = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
+# vLLM's rule for a cache salt: 1-128 characters, none of '@', '/', '\\', NUL
+CacheSalt = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^@/\\\x00]+$")]
 _RENDER_ONLY = "only for vLLM's render endpoints, which this server does not serve"
 # Free-form JSON that goes on to the engine (kv_transfer_params, a structured-output schema) is
 # pickled on the way by Ray, and pickle gives up a few hundred levels down: nested deeper than
@@ -355,10 +357,7 @@ class _Common(StrictBody):
     session_id: str | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
-    # vLLM's rule: 1-128 characters, none of '@', '/', '\\', NUL
-    cache_salt: str | None = Field(
-        default=None, min_length=1, max_length=128, pattern=r"^[^@/\\\x00]+$"
-    )
+    cache_salt: CacheSalt | None = None
     # vLLM's field: a KV connector's per-request parameters, passed on to the engine unchanged
     # (kvroute's policy hints are merged in under "kvroute")
     kv_transfer_params: dict[str, Any] | None = None

@@ -36,7 +36,14 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from cachemap import BlockHasher
 from cachemap.map import Match
 from engines.base import EngineError, EngineRequest, KvCommand, RoutedRequest, SamplingParams
-from router.api import APIError, ChatMessage, StrictBody, checked_token_ids, validation_error
+from router.api import (
+    APIError,
+    CacheSalt,
+    ChatMessage,
+    StrictBody,
+    checked_token_ids,
+    validation_error,
+)
 from router.api import json_body_schema as _schema
 from router.dispatch import EngineClient
 from router.hints import PolicyHints
@@ -56,7 +63,7 @@ class KvPrompt(_Body):
     text: str | None = Field(None, min_length=1)
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     token_ids: list[int] | None = Field(None, min_length=1)
-    cache_salt: str | None = None
+    cache_salt: CacheSalt | None = None  # as the OpenAI endpoints take it
 
     @model_validator(mode="after")
     def _one(self) -> KvPrompt:

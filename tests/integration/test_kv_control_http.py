@@ -142,6 +142,9 @@ def test_admin_key_and_bad_bodies(api: Api) -> None:
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "instances"
     vocab = api.kv("lookup", {"token_ids": [10**9]})
     assert vocab.status_code == 400 and vocab.json()["error"]["param"] == "token_ids"
+    # a salt the OpenAI endpoints refuse (vLLM's rule) names no cache a request could fill
+    salt = api.kv("lookup", {"text": "hi", "cache_salt": "a/b"})
+    assert salt.status_code == 400 and salt.json()["error"]["param"] == "cache_salt"
     spec = httpx.get(f"{api.base}/openapi.json").json()["paths"]
     assert "requestBody" in spec["/v1/kv/pin"]["post"]
     assert "messages" in str(spec["/v1/kv/lookup"]["post"]["requestBody"])
