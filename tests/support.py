@@ -78,6 +78,14 @@ def span_exporter() -> Any:
     return exporter
 
 
+def nested_json(depth: int) -> dict[str, Any]:
+    """A JSON object whose dicts and lists (alternating) nest ``depth`` levels deep (>= 2)."""
+    value: Any = {}
+    for i in range(depth - 1):
+        value = {"a": value} if (depth - 1 - i) % 2 else [value]
+    return value  # type: ignore[no-any-return]
+
+
 def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.05) -> bool:
     """Poll ``cond`` until it holds or ``timeout_s`` passes; its last value."""
     deadline = time.monotonic() + timeout_s

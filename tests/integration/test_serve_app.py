@@ -20,7 +20,14 @@ import ray
 from deploy.config import ServeConfig
 from engines.bus_ray import RayEventBus
 from engines.deployment import open_buses
-from tests.support import free_port, instance_gauge, named_replicas, serve_app, wait_for
+from tests.support import (
+    free_port,
+    instance_gauge,
+    named_replicas,
+    nested_json,
+    serve_app,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.slow]
 
@@ -137,13 +144,6 @@ def test_a_client_gone_frees_its_engine(served: tuple[str, ServeConfig], stream:
     )
 
 
-def _nested(depth: int) -> dict[str, Any]:
-    value: dict[str, Any] = {}
-    for _ in range(depth - 1):
-        value = {"a": value}
-    return value
-
-
 @pytest.mark.parametrize(
     ("path", "body", "status"),
     [
@@ -158,7 +158,7 @@ def _nested(depth: int) -> dict[str, Any]:
         # Ray cannot pickle JSON this deep on its way to the engine: this was a 500
         (
             "/v1/completions",
-            {"model": "sim-tiny", "prompt": "a", "kv_transfer_params": _nested(500)},
+            {"model": "sim-tiny", "prompt": "a", "kv_transfer_params": nested_json(500)},
             400,
         ),
         # PD parameters the engine cannot use: refused, not retried on every engine (a 503)

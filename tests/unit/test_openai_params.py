@@ -27,6 +27,7 @@ from router.api import (
     validation_error,
 )
 from router.responses import ResponseBuilder, check_stop_strings, choice_requests
+from tests.support import nested_json
 
 VOCAB = 512
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -162,23 +163,16 @@ def test_defaults_stay_unset_for_the_engines_generation_config() -> None:
     assert engine._sampling(EngineRequest("r", [1], explicit)).temperature == 1.0
 
 
-def _nested(depth: int) -> dict[str, Any]:
-    """A dict whose dicts and lists (alternating) nest ``depth`` levels deep."""
-    value: Any = {}
-    for i in range(depth - 1):
-        value = {"a": value} if (depth - 1 - i) % 2 else [value]
-    return value  # type: ignore[no-any-return]
-
-
 def test_free_form_json_bound_for_the_engine_may_nest_up_to_the_limit() -> None:
     ok = {**CHAT, "kv_transfer_params": {"remote_block_ids": [1, 2], "p": {"q": [{}]}}}
     assert ChatCompletionRequest.model_validate(ok).kv_transfer_params == ok["kv_transfer_params"]
-    deep = _nested(MAX_JSON_DEPTH)
-    assert ChatCompletionRequest.model_validate({**CHAT, "kv_transfer_params": deep})
+    deep = nested_json(MAX_JSON_DEPTH)
+    kept = ChatCompletionRequest.model_validate({**CHAT, "kv_transfer_params": deep})
+    assert kept.kv_transfer_params == deep
     assert bounded_nesting([[[]]]) == [[[]]]
     assert bounded_nesting("[" * 1000) == "[" * 1000  # a schema given as text is not read
     with pytest.raises(ValueError, match=f"nested deeper than {MAX_JSON_DEPTH} levels"):
-        bounded_nesting(_nested(MAX_JSON_DEPTH + 1))
+        bounded_nesting(nested_json(MAX_JSON_DEPTH + 1))
 
 
 def _field_error(body: dict[str, Any], chat: bool = True) -> str | None:
@@ -222,13 +216,13 @@ def _field_error(body: dict[str, Any], chat: bool = True) -> str | None:
         ({"vllm_xargs": {"list[str]": [{}]}}, "vllm_xargs.list[str]"),
         ({"vllm_xargs": {"K": [{}]}}, "vllm_xargs.K"),
         # free-form JSON bound for the engine, nested past what Ray can pickle on the way
-        ({"kv_transfer_params": _nested(MAX_JSON_DEPTH + 1)}, "kv_transfer_params"),
-        ({"structured_outputs": {"json": _nested(600)}}, "structured_outputs.json"),
+        ({"kv_transfer_params": nested_json(MAX_JSON_DEPTH + 1)}, "kv_transfer_params"),
+        ({"structured_outputs": {"json": nested_json(600)}}, "structured_outputs.json"),
         (
             {
                 "response_format": {
                     "type": "json_schema",
-                    "json_schema": {"name": "n", "schema": _nested(MAX_JSON_DEPTH + 1)},
+                    "json_schema": {"name": "n", "schema": nested_json(MAX_JSON_DEPTH + 1)},
                 }
             },
             "response_format.json_schema.schema",
