@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from deploy.local import LocalStack
-from engines.base import Engine
+from engines.base import PUBLISH_INTERVAL_S, Engine
 from engines.vllm_engine import free_port
+from router.state import BUS_POLL_S
 
 if TYPE_CHECKING:
     from deploy.config import ServeConfig
@@ -29,6 +30,7 @@ __all__ = [
     "ray_process_role",
     "redis_server",
     "serve_app",
+    "settle",
     "sim_app_config",
     "sim_stack",
     "wait_for",
@@ -84,6 +86,13 @@ def nested_json(depth: int) -> dict[str, Any]:
     for i in range(depth - 1):
         value = {"a": value} if (depth - 1 - i) % 2 else [value]
     return value  # type: ignore[no-any-return]
+
+
+def settle() -> None:
+    """Wait for KV events of requests that just finished to reach an in-process router's map:
+    at most a publish interval in the forwarder, then a bus poll, at the defaults (three times
+    that, for a busy box)."""
+    time.sleep(3 * (PUBLISH_INTERVAL_S + BUS_POLL_S))
 
 
 def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.05) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -19,7 +18,15 @@ from engines.sim.engine import SimEngine
 from engines.tiny_model import build_tiny_model
 from router.admission import Admission
 from router.tokenizer import PromptTokenizer
-from tests.support import Server, free_port, instance_gauge, sim_stack, span_exporter, wait_for
+from tests.support import (
+    Server,
+    free_port,
+    instance_gauge,
+    settle,
+    sim_stack,
+    span_exporter,
+    wait_for,
+)
 
 MODEL = "tiny-sim"
 KEY = "sk-test"
@@ -53,7 +60,7 @@ def test_chat_completion_and_cached_tokens_on_the_same_instance(client: openai.O
     first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8)
     assert first.choices[0].message.role == "assistant"
     assert first.usage.completion_tokens == 8 and first.choices[0].finish_reason == "length"
-    time.sleep(0.3)  # KV events reach the router's map
+    settle()  # KV events reach the router's map
     again = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
     assert again.usage.prompt_tokens == first.usage.prompt_tokens
     assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32

@@ -7,7 +7,6 @@ does not."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,7 +22,7 @@ from router.admission import Admission
 from router.api import APIError
 from router.kv_control import KvControl, PinBody
 from router.tokenizer import PromptTokenizer
-from tests.support import Server, free_port
+from tests.support import Server, free_port, settle
 
 MODEL = "tiny-sim"
 KEY, ADMIN = "sk-user", "sk-admin"
@@ -101,7 +100,7 @@ class Api:
         return {row["instance"]: row["cached_tokens"] for row in rows}
 
     def settle(self) -> None:
-        time.sleep(0.3)  # KV events reach the router's map
+        settle()  # KV events reach the router's map
 
 
 @pytest.fixture()

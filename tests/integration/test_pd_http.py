@@ -7,7 +7,6 @@ connector is tested in the engine tier."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 
 import openai
@@ -20,7 +19,7 @@ from router.pd import PdPlanner, TransferModel
 from router.placement import PlacementRequest
 from router.pools import Pool
 from router.tokenizer import PromptTokenizer
-from tests.support import SIM_MODEL, Server, free_port, sim_stack, span_exporter, wait_for
+from tests.support import SIM_MODEL, Server, free_port, settle, sim_stack, span_exporter, wait_for
 
 PROFILE = LatencyProfile.load("cpu-tiny-llama")
 TOKENIZER = PromptTokenizer(build_tiny_model())  # the one sim_stack's ingress uses
@@ -83,7 +82,7 @@ def test_the_next_turn_finds_its_prefix_on_the_decode_engine_and_stays_there(pd:
         {"role": "user", "content": "More"},
     ]
     first = client(pd).chat.completions.create(model=SIM_MODEL, messages=CHAT, max_tokens=4)
-    time.sleep(0.3)  # KV events reach the map
+    settle()  # KV events reach the router's map
     d = pd.stack.dispatcher
     colocated_before, split_before = d.pd_colocated, d.pd_split
     nxt = client(pd).chat.completions.create(model=SIM_MODEL, messages=messages, max_tokens=4)
