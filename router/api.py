@@ -17,6 +17,7 @@ from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -60,6 +61,10 @@ def bounded_nesting(value: Any) -> Any:
         children = node.values() if isinstance(node, dict) else node
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
     return value
+
+
+# A free-form JSON object bound for the engine, nested at most ``MAX_JSON_DEPTH`` levels
+EngineJson = Annotated[dict[str, Any], AfterValidator(bounded_nesting)]
 
 
 class APIError(Exception):
@@ -208,10 +213,8 @@ class JsonSchemaFormat(StrictBody):
 
     name: str
     description: str | None = None
-    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    json_schema: EngineJson | None = Field(default=None, alias="schema")
     strict: bool | None = None
-
-    _shallow = field_validator("json_schema")(bounded_nesting)
 
 
 class ResponseFormat(StrictBody):
@@ -233,7 +236,7 @@ class StructuredOutputs(StrictBody):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
-    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    json_: str | EngineJson | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = Field(default=None, min_length=1)
     grammar: str | None = Field(default=None, min_length=1)
@@ -242,8 +245,6 @@ class StructuredOutputs(StrictBody):
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = Field(default=None, min_length=1)
-
-    _shallow = field_validator("json_")(bounded_nesting)
 
     def params(self) -> dict[str, Any]:
         """Keyword arguments of vLLM's ``StructuredOutputsParams`` (set fields only)."""
@@ -360,8 +361,7 @@ class _Common(StrictBody):
     cache_salt: CacheSalt | None = None
     # vLLM's field: a KV connector's per-request parameters, passed on to the engine unchanged
     # (kvroute's policy hints are merged in under "kvroute")
-    kv_transfer_params: dict[str, Any] | None = None
-    _shallow = field_validator("kv_transfer_params")(bounded_nesting)
+    kv_transfer_params: EngineJson | None = None
     # kvroute extension: request type for the CPU-tier policy (text/search/image/file).
     kvroute_category: str | None = None
     # kvroute extension: the client's probability that this conversation sends another turn,
