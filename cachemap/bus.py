@@ -70,19 +70,40 @@ class EventBus(ABC):
 
 
 class InProcessBus(EventBus):
-    """Thread-safe in-memory log, for tests and single-process deployments."""
+    """Thread-safe in-memory log, for tests and single-process deployments (and the Ray hub's
+    logs). It keeps the newest ``maxlen`` entries and, with ``max_bytes``, drops the oldest
+    while their payloads hold more than that (the newest entry always stays); a reader whose
+    cursor fell behind learns how many it lost."""
 
-    def __init__(self, maxlen: int = 100_000) -> None:
+    def __init__(self, maxlen: int = 100_000, max_bytes: int | None = None) -> None:
         if maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
-        self._log: deque[bytes] = deque(maxlen=maxlen)
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        self.maxlen, self.max_bytes = maxlen, max_bytes
+        # NOTE: without a byte bound the deque drops the oldest itself; with one, ``_trim`` does
+        # (so that the byte count follows every entry that leaves)
+        self._log: deque[bytes] = deque(maxlen=maxlen if max_bytes is None else None)
         self._end = 0
+        self.bytes = 0  # payload bytes held (counted with ``max_bytes`` only)
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._log)
+
+    def _trim(self) -> None:
+        log, max_bytes = self._log, self.max_bytes
+        assert max_bytes is not None
+        while len(log) > self.maxlen or (self.bytes > max_bytes and len(log) > 1):
+            self.bytes -= len(log.popleft())
 
     def publish(self, payload: bytes) -> int:
         with self._lock:
             self._log.append(payload)
             self._end += 1
+            if self.max_bytes is not None:
+                self.bytes += len(payload)
+                self._trim()
             return self._end - 1
 
     def publish_many(self, payloads: Sequence[bytes]) -> int:
@@ -91,6 +112,9 @@ class InProcessBus(EventBus):
         with self._lock:
             self._log.extend(payloads)
             self._end += len(payloads)
+            if self.max_bytes is not None:
+                self.bytes += sum(map(len, payloads))
+                self._trim()
             return self._end - 1
 
     def read(self, cursor: int, max_items: int = 4096) -> BusRead:

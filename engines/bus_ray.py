@@ -1,8 +1,8 @@
 """Ray-actor backend of ``cachemap.bus.EventBus``: the embedded default under ``kvroute serve``.
 
 One named actor (``BusHub``) holds a deployment's bounded logs by name (its KV-event log and its
-load log), each an ``InProcessBus``. Engine replicas publish to it and router replicas read from
-it, from any process in the Ray cluster. ``RayEventBus`` is the client of one log: it pickles as
+load log), each an ``InProcessBus``. Engine replicas publish to it and router replicas read from it,
+from any process in the Ray cluster. ``RayEventBus`` is the client of one log: it pickles as
 the hub's and the log's names, so it can be passed to deployments as an argument. Two clients of
 the same hub read together in one actor call (``read_pair``): a router's poll of both buses.
 
@@ -14,11 +14,21 @@ publish together in one call too (``publish_pair``: an engine's KV events and it
 
 The hub also carries resync requests: a router that saw a gap calls ``request_resync(instance)``
 and that instance's forwarder, polling ``take_resync``, publishes a ``Snapshot``.
+
+Bounds: a log keeps at most ``maxlen`` entries and ``max_bytes`` bytes of payload
+(``InProcessBus``'s bounds: the oldest go first; a reader whose cursor fell behind learns how
+many it lost and resyncs, as with every ``EventBus``); a resync request nobody takes within
+``RESYNC_TTL_S`` is forgotten (its instance died: an engine killed after a router asked; a
+router that still needs one asks again every ``EngineWatcher.resync_interval_s``). Nothing else
+in the hub grows with time or with instances.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +37,10 @@ import ray
 from cachemap.bus import BusRead, EventBus, InProcessBus
 
 DEFAULT_NAMESPACE = "kvroute"
+DEFAULT_MAX_BYTES = 256 * 2**20  # payload bytes per log
+# A forwarder polls for its resync requests every second: one untaken for this long is an
+# instance's that is gone (or a forwarder stuck as long); routers re-ask while they need one.
+RESYNC_TTL_S = 60.0
 
 _Read = tuple[list[bytes], int, int]
 
@@ -38,14 +52,24 @@ _quiet = ray.method(enable_task_events=False)
 @dataclass
 class _Log:
     entries: InProcessBus
-    resync: set[str] = field(default_factory=set)  # instances a router asked to resync
+    # instance -> when a router last asked it to resync (the hub's clock)
+    resync: dict[str, float] = field(default_factory=dict)
 
 
 class BusHub:
-    """The actor's state: bounded logs by name, each with its pending resync requests."""
+    """The actor's state: bounded logs by name, each with its pending resync requests.
 
-    def __init__(self) -> None:
+    ``clock`` (seconds) times resync requests; ``resync_ttl_s``: how long one waits to be
+    taken before it is forgotten."""
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, resync_ttl_s: float = RESYNC_TTL_S
+    ) -> None:
+        if resync_ttl_s <= 0:
+            raise ValueError(f"resync_ttl_s must be > 0, got {resync_ttl_s}")
         self._logs: dict[str, _Log] = {}
+        self._clock, self._resync_ttl_s = clock, resync_ttl_s
+        self._next_expiry = clock() + resync_ttl_s
 
     def _log(self, log: str) -> _Log:
         try:
@@ -54,10 +78,11 @@ class BusHub:
             raise KeyError(f"bus hub: no log {log!r} (its creator opens it)") from None
 
     @_quiet
-    def open(self, log: str, maxlen: int) -> None:
-        """Create ``log`` with ``maxlen`` entries unless it exists (then it is kept as it is)."""
+    def open(self, log: str, maxlen: int, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        """Create ``log`` with ``maxlen`` entries and ``max_bytes`` payload bytes at most unless
+        it exists (then it is kept as it is)."""
         if log not in self._logs:
-            self._logs[log] = _Log(InProcessBus(maxlen))
+            self._logs[log] = _Log(InProcessBus(maxlen, max_bytes))
 
     @_quiet
     def publish_many(self, log: str, payloads: list[bytes]) -> int:
@@ -81,17 +106,40 @@ class BusHub:
     def end(self, log: str) -> int:
         return self._log(log).entries.end()
 
+    def _expire(self, now: float) -> None:
+        """Forget the resync requests older than the TTL (a scan at most once per TTL: one
+        lives at most twice the TTL)."""
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + self._resync_ttl_s
+        for lg in self._logs.values():
+            old = [i for i, t in lg.resync.items() if now - t >= self._resync_ttl_s]
+            for inst in old:
+                del lg.resync[inst]
+
     @_quiet
     def request_resync(self, log: str, instance: str) -> None:
-        self._log(log).resync.add(instance)
+        now = self._clock()
+        self._expire(now)
+        self._log(log).resync[instance] = now
 
     @_quiet
     def take_resync(self, log: str, instance: str) -> bool:
-        pending = self._log(log).resync
-        if instance in pending:
-            pending.discard(instance)
-            return True
-        return False
+        now = self._clock()
+        self._expire(now)
+        asked = self._log(log).resync.pop(instance, None)
+        return asked is not None and now - asked < self._resync_ttl_s
+
+    @_quiet
+    def stats(self) -> dict[str, Any]:
+        """What the hub holds (benchmarks, tests): per log its ``entries``, their payload
+        ``bytes`` and its pending ``resync`` requests; this process's ``pid`` and Python's
+        allocated blocks (``py_blocks``)."""
+        logs = {
+            name: {"entries": len(lg.entries), "bytes": lg.entries.bytes, "resync": len(lg.resync)}
+            for name, lg in self._logs.items()
+        }
+        return {"pid": os.getpid(), "py_blocks": sys.getallocatedblocks(), "logs": logs}
 
 
 _RemoteHub = ray.remote(num_cpus=0, max_restarts=0)(BusHub)
@@ -101,12 +149,12 @@ class RayEventBus(EventBus):
     """Client of the log ``name`` on the named hub actor ``hub`` (default: ``name``) in
     ``namespace``.
 
-    ``create``: create the hub if it does not exist and open the log on it (``maxlen`` applies
-    to a new log). Ray ties a non-detached actor's life to its creator, so the composition root
-    (the driver) creates the hub and replicas only connect (``create=False``, what an unpickled
-    client does): a hub created by an engine replica would die with it. A non-detached hub also
-    dies when its creator drops its last handle; ``detached`` hubs live until ``kill`` or the
-    cluster's end.
+    ``create``: create the hub if it does not exist and open the log on it (``maxlen`` entries
+    and ``max_bytes`` payload bytes apply to a new log). Ray ties a non-detached actor's life to
+    its creator, so the composition root (the driver) creates the hub and replicas only connect
+    (``create=False``, what an unpickled client does): a hub created by an engine replica would
+    die with it. A non-detached hub also dies when its creator drops its last handle;
+    ``detached`` hubs live until ``kill`` or the cluster's end.
     """
 
     def __init__(
@@ -116,13 +164,17 @@ class RayEventBus(EventBus):
         hub: str | None = None,
         namespace: str = DEFAULT_NAMESPACE,
         maxlen: int = 100_000,
+        max_bytes: int = DEFAULT_MAX_BYTES,
         detached: bool = False,
         create: bool = True,
         sync: bool = False,
     ) -> None:
         if maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.name, self.namespace, self.maxlen, self.detached = name, namespace, maxlen, detached
+        self.max_bytes = max_bytes
         self.hub = hub if hub is not None else name
         self.sync = sync
         if create:
@@ -133,7 +185,7 @@ class RayEventBus(EventBus):
                 lifetime="detached" if detached else None,
             ).remote()
             # NOTE: waited for: a replica connecting later must find the log
-            ray.get(self._hub.open.remote(name, maxlen))
+            ray.get(self._hub.open.remote(name, maxlen, max_bytes))
         else:
             try:
                 self._hub = ray.get_actor(self.hub, namespace=namespace)
@@ -146,7 +198,7 @@ class RayEventBus(EventBus):
 
     def __reduce__(self) -> tuple[Any, ...]:
         args = (self.name, self.hub, self.namespace, self.maxlen, self.detached, self.sync)
-        return (_reconnect, args)
+        return (_reconnect, (*args, self.max_bytes))
 
     def publish(self, payload: bytes) -> int:
         """Append; fire-and-forget returns -1 (the hub assigns the offset later, see ``flush``),
@@ -217,19 +269,30 @@ class RayEventBus(EventBus):
     def take_resync(self, instance: str) -> bool:
         return bool(ray.get(self._hub.take_resync.remote(self.name, instance)))
 
+    def stats(self) -> dict[str, Any]:
+        """The hub's ``BusHub.stats`` (every log on it, not only this client's)."""
+        return dict(ray.get(self._hub.stats.remote()))
+
     def kill(self) -> None:
         """Destroy the hub, with every log on it (tests, teardown of a detached hub)."""
         ray.kill(self._hub)
 
 
 def _reconnect(
-    name: str, hub: str, namespace: str, maxlen: int, detached: bool, sync: bool
+    name: str,
+    hub: str,
+    namespace: str,
+    maxlen: int,
+    detached: bool,
+    sync: bool,
+    max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> RayEventBus:
     return RayEventBus(
         name,
         hub=hub,
         namespace=namespace,
         maxlen=maxlen,
+        max_bytes=max_bytes,
         detached=detached,
         create=False,
         sync=sync,

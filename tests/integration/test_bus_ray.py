@@ -151,3 +151,28 @@ def test_a_log_nobody_opened_is_named_in_the_error(bus: RayEventBus) -> None:
     stray = RayEventBus("never-opened", hub=bus.hub, create=False)
     with pytest.raises(KeyError, match="no log 'never-opened'"):
         stray.read(0)
+
+
+def test_the_hub_bounds_a_log_by_bytes_and_reports_what_it_holds(ray_cluster) -> None:
+    """Through the real actor: a log past ``max_bytes`` drops its oldest entries (a reader
+    behind learns how many), and a resync request for an instance that never takes it is one
+    pending entry (forgotten after ``RESYNC_TTL_S``: tests/unit/test_bus_hub.py)."""
+    events = RayEventBus("test-bytes-events", hub="test-bytes-hub", maxlen=1000, max_bytes=100)
+    loads = RayEventBus("test-bytes-loads", hub="test-bytes-hub", maxlen=3, sync=True)
+    try:
+        events.publish_many([b"%030d" % i for i in range(10)])  # 30 bytes each
+        events.flush()
+        assert events.read(0) == ([b"%030d" % i for i in (7, 8, 9)], 10, 7)
+        assert pickle.loads(pickle.dumps(events)).max_bytes == 100
+        for i in range(5):
+            loads.publish(b"l%d" % i)
+        events.request_resync("gone")
+        stats = events.stats()  # the same hub: every log on it
+        assert stats["logs"] == {
+            "test-bytes-events": {"entries": 3, "bytes": 90, "resync": 1},
+            "test-bytes-loads": {"entries": 3, "bytes": 6, "resync": 0},
+        }
+    finally:
+        events.kill()
+    with pytest.raises(ValueError, match="max_bytes"):
+        RayEventBus("test-bytes-bad", max_bytes=0)
