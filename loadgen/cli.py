@@ -1,5 +1,7 @@
 """``kvroute loadgen``: replay a trace or a synthetic workload against an OpenAI-compatible
-endpoint, then print the summary and write ``--json`` / ``--report`` outputs."""
+endpoint, then print the summary and write ``--json`` / ``--report`` outputs. Before the run the
+workload is fitted to what the endpoint says of its model (``fit_to_endpoint``: token ids inside
+its vocabulary, prompts inside its context), and says so in one line."""
 
 from __future__ import annotations
 
@@ -34,7 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     t = p.add_argument_group("target")
     t.add_argument("--url", required=True, help="base URL, e.g. http://127.0.0.1:8000")
-    t.add_argument("--model", help="model name (default: first of GET /v1/models)")
+    t.add_argument(
+        "--model",
+        help="model name (default: first of GET /v1/models, which also gives the context "
+        "prompts are fitted to)",
+    )
     t.add_argument(
         "--api", default="completions", help="completions (token-id prompts) | chat (text prompts)"
     )
@@ -42,6 +48,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos=true")
     t.add_argument("--extra-body", default="{}", help="JSON object merged into every body")
     t.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
+    t.add_argument(
+        "--api-key",
+        help="send 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY where set; '' for none)",
+    )
+    t.add_argument(
+        "--header",
+        action="append",
+        metavar="'NAME: VALUE'",
+        help="one more request header, on every request (repeatable)",
+    )
     add_workload_arguments(p)
     w = p.add_argument_group("prompts (HTTP)")
     w.add_argument(
@@ -51,14 +67,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "text prompts)",
     )
     w.add_argument(
-        "--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE, help="synthesized token id range"
+        "--vocab-size",
+        type=int,
+        help=f"synthesized token id range [{DEFAULT_VOCAB_SIZE}, fitted into the model's "
+        "vocabulary where the endpoint states it]",
     )
     w.add_argument(
         "--token-offset",
         type=int,
-        default=DEFAULT_TOKEN_OFFSET,
         help="lowest synthesized token id (ids are offset..offset+vocab-size-1; keep them clear "
-        "of the model's special tokens and inside its vocabulary)",
+        f"of the model's special tokens and inside its vocabulary) [{DEFAULT_TOKEN_OFFSET}, "
+        "likewise fitted]",
     )
     r = p.add_argument_group("runner")
     r.add_argument("--concurrency", type=int, help="closed loop with N workers")
@@ -117,6 +136,24 @@ def add_workload_arguments(p: argparse.ArgumentParser, rate_scale_list: bool = F
             metavar="N" if typ is int else "X",
             help=f"{help_text} [{shown}]",
         )
+
+
+def check_output_dir(path: str, flag: str = "--report") -> Path:
+    """Create directory ``path`` (and its parents) and check a file can be written in it, so a
+    run whose outputs could not be saved fails before it starts. Raises ``ValueError`` naming
+    ``flag``."""
+    import tempfile
+
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{flag}: {path} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot write to directory {path}: {e.strerror or e}") from None
+    return out
 
 
 def _choice(value: str, flag: str, valid: tuple[str, ...]) -> str:
@@ -205,10 +242,11 @@ def plan_workload(args: argparse.Namespace) -> tuple[list[Any], int, str]:
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import os
 
-    from loadgen.client import discover_model, loop_factory
+    from loadgen.client import loop_factory
+    from loadgen.endpoint import parse_headers, redacted_argv
     from loadgen.metrics import summarize
-    from loadgen.prompts import PromptSynth
     from loadgen.report import print_summary, write_json, write_report
     from loadgen.runner import RunConfig, Runner
     from loadgen.workloads import ideal_hit_rate
@@ -225,8 +263,10 @@ def run(args: argparse.Namespace) -> int:
         (args.max_connections, "--max-connections"),
     ):
         _positive(value, flag)
-    if args.token_offset < 0:
+    if args.token_offset is not None and args.token_offset < 0:
         raise ValueError(f"--token-offset must be >= 0, got {args.token_offset}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("OPENAI_API_KEY")
+    headers = parse_headers(args.header, api_key)
     try:
         extra = json.loads(args.extra_body)
     except json.JSONDecodeError as e:
@@ -235,18 +275,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--extra-body must be a JSON object")
     if args.json_path and not Path(args.json_path).resolve().parent.is_dir():
         raise ValueError(f"--json: directory of {args.json_path} does not exist")
-    if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
-        raise ValueError(f"--report: {args.report} exists and is not a directory")
+    if args.report:
+        check_output_dir(args.report, "--report")
     plan, block_size, source = plan_workload(args)
     if not plan:
         raise ValueError("the workload has no requests (check --duration / --max-requests)")
-    synth = PromptSynth(
-        block_size, seed=args.seed, vocab_size=args.vocab_size, token_offset=args.token_offset
-    )
-    ideal = ideal_hit_rate((p.req for p in plan), block_size)
 
     async def main() -> Any:
-        model = args.model or await discover_model(args.url, args.timeout_s)
+        nonlocal plan
+        model, synth, plan = await fit_to_endpoint(args, api, sessions, headers, plan, block_size)
         config = RunConfig(
             args.url,
             model,
@@ -260,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             sessions=sessions,  # type: ignore[arg-type]
             extra_body=extra,
+            headers=headers,
         )
         runner = Runner(config, plan)
         if args.no_progress or not sys.stderr.isatty():
@@ -282,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
         requested_span_s=result.requested_span_s,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_itl_ms=args.slo_itl_ms,
-        ideal_hit_rate=ideal,
+        ideal_hit_rate=ideal_hit_rate((p.req for p in plan), block_size),
     )
     meta = {
         "source": source,
@@ -292,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
         "mode": result.mode,
         "sessions": sessions,
         "interrupted": result.interrupted,
-        "argv": sys.argv[1:],
+        "argv": redacted_argv(sys.argv[1:]),
     }
     stopped = " - interrupted, partial results" if result.interrupted else ""
     print(f"loadgen: {source} -> {meta['url']} ({result.mode} loop){stopped}")
@@ -302,3 +340,69 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         write_report(args.report, summary, result.records, meta)
     return 0 if summary["completed"] else 1
+
+
+async def fit_to_endpoint(
+    args: argparse.Namespace,
+    api: str,
+    sessions: str,
+    headers: dict[str, str],
+    plan: list[Any],
+    block_size: int,
+) -> tuple[str, Any, list[Any]]:
+    """The model to ask for, the prompt synthesizer and the plan, fitted to what the endpoint
+    says of its model (``loadgen.endpoint``): token ids inside its vocabulary, every prompt and
+    its ``max_tokens`` inside its context. Prints one line saying what was fitted, if anything,
+    or why nothing could be."""
+    import aiohttp
+
+    from loadgen import endpoint as ep
+    from loadgen.prompts import DEFAULT_TOKEN_OFFSET, DEFAULT_VOCAB_SIZE, PromptSynth
+
+    timeout = min(args.timeout_s, 60.0)
+    info, notice = await ep.discover(args.url, args.model, headers, timeout)
+    vocab, offset = args.vocab_size, args.token_offset
+    fitted: list[str] = []
+    text = api == "chat" or sessions == "live"  # prompts whose lengths count words
+    try:
+        model_vocab = info.vocab_size
+        if model_vocab is None and notice is None and api == "completions":
+            top = (DEFAULT_TOKEN_OFFSET if offset is None else offset) - 1
+            top += DEFAULT_VOCAB_SIZE if vocab is None else vocab
+            model_vocab = await ep.probe_vocab(args.url, info.model, top, headers, timeout)
+        if model_vocab is not None:
+            vocab, offset, note = ep.fit_ids(
+                vocab, offset, model_vocab, DEFAULT_VOCAB_SIZE, DEFAULT_TOKEN_OFFSET
+            )
+            if note:
+                fitted.append(note)
+        if info.max_model_len is not None:
+            words = None
+            if text:
+                words = await ep.probe_words(args.url, info.model, api == "chat", headers, timeout)
+            if text and words is None:
+                notice = "the endpoint reports no usage.prompt_tokens: prompts are not fitted"
+            else:
+                fit = ep.fit_plan(plan, info.max_model_len, block_size, words)
+                plan = fit.plan
+                if fit.cut:
+                    unit = f" (~{words[0]:.2g} tokens a word)" if words else ""
+                    fitted.append(
+                        f"{fit.cut} of {len(plan)} prompts cut to fit the context of "
+                        f"{info.max_model_len} tokens{unit}"
+                    )
+                if fit.capped:
+                    fitted.append(f"{fit.capped} max_tokens capped at {info.max_model_len // 4}")
+    except (aiohttp.ClientError, TimeoutError) as e:
+        notice = f"probing the endpoint failed ({e!r}): the workload is not fitted"
+    if fitted:
+        print(f"loadgen: fitted to {info.model}: {'; '.join(fitted)}", file=sys.stderr)
+    if notice:
+        print(f"loadgen: {notice}", file=sys.stderr)
+    synth = PromptSynth(
+        block_size,
+        seed=args.seed,
+        vocab_size=DEFAULT_VOCAB_SIZE if vocab is None else vocab,
+        token_offset=DEFAULT_TOKEN_OFFSET if offset is None else offset,
+    )
+    return info.model, synth, plan

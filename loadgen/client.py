@@ -1,5 +1,5 @@
 """One OpenAI-compatible request over aiohttp, streamed, with client-side timing; plus the
-endpoint URL, model discovery and event-loop helpers the runner and the CLI share.
+endpoint URL and event-loop helpers the runner and the CLI share.
 
 ``send`` fills a ``RequestRecord`` in place: send time, first-token time, inter-token gaps, end
 time, token counts and ``usage`` (incl. ``prompt_tokens_details.cached_tokens``), or an error
@@ -159,20 +159,6 @@ def endpoint_url(base: str, api: str) -> str:
     if not base.endswith("/v1"):
         base += "/v1"
     return base + ("/chat/completions" if api == "chat" else "/completions")
-
-
-async def discover_model(url: str, timeout_s: float = 30.0) -> str:
-    """The first model id of ``GET /v1/models`` (for runs without ``--model``)."""
-    models = endpoint_url(url, "completions").removesuffix("/completions") + "/models"
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
-            session.get(models) as resp,
-        ):
-            data = await resp.json(content_type=None)
-            return str(data["data"][0]["id"])
-    except (aiohttp.ClientError, TimeoutError, KeyError, IndexError, TypeError, ValueError) as e:
-        raise ValueError(f"--model not given and GET {models} failed: {e!r}") from None
 
 
 def loop_factory() -> Any:

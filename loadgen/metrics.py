@@ -7,7 +7,9 @@ mean ITL (``tpot_s``: time per output token after the first) meet the SLOs, per 
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +18,7 @@ import numpy as np
 
 from loadgen.records import RequestRecord
 
+_DIGITS = re.compile(r"\d+")
 PERCENTILES: tuple[float, ...] = (50.0, 90.0, 99.0, 99.9)
 # the keys of every ``percentiles_ms`` dict, in order
 PERCENTILE_KEYS: tuple[str, ...] = ("mean", *(f"p{p:g}" for p in PERCENTILES), "max")
@@ -117,8 +120,47 @@ def summarize(
         "ideal_hit_rate_tokens": ideal_hit_rate[1] if ideal_hit_rate else None,
         "errors": dict(sorted(errors.items())),
         "error_examples": examples,
+        "error_messages": error_groups(records),
     }
     return summary
+
+
+def error_message(detail: str | None) -> str:
+    """The message of an error record's ``error_detail``: an OpenAI-shaped error body's
+    ``error.message`` (or FastAPI's ``detail``), else the detail itself."""
+    if not detail:
+        return ""
+    try:
+        doc = json.loads(detail)
+        err = doc.get("error") if isinstance(doc, dict) else None
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if isinstance(doc, dict) and doc.get("detail"):
+            return str(doc["detail"])
+    except ValueError:
+        pass  # not JSON, or cut short at 300 characters
+    return detail
+
+
+def error_groups(records: Sequence[RequestRecord], limit: int = 5) -> list[dict[str, Any]]:
+    """The failed requests grouped by error kind and message (numbers in the message do not
+    split a group), most frequent first: each group's ``error``, ``count`` and first
+    ``message``; at most ``limit`` groups."""
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in records:
+        if r.error is None:
+            continue
+        message = error_message(r.error_detail)
+        key = (r.error, _DIGITS.sub("#", message))
+        group = groups.get(key)
+        if group is None:
+            groups[key] = {"error": r.error, "count": 1, "message": message}
+        else:
+            group["count"] += 1
+    ranked = sorted(groups.values(), key=lambda g: -g["count"])  # stable: first seen first
+    return ranked[:limit]
 
 
 def instance_spread(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
@@ -144,11 +186,15 @@ def instance_spread(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
 
 
 def timeseries(records: Sequence[RequestRecord], bin_s: float = 1.0) -> list[dict[str, Any]]:
-    """Per-bin counts: requests sent, completed, output tokens, server-side hit rate."""
-    done = [r for r in records if r.ok]
-    end = max((r.done_s for r in done), default=0.0)
-    end = max(end, max((r.sent_s for r in records if not math.isnan(r.sent_s)), default=0.0))
+    """Per-bin counts and rates: requests sent, completed, output tokens, server-side hit rate,
+    from 0 to the run's last send or finish (``end``). Every rate is the bin's count over its
+    real width (``width_s``): ``bin_s``, except the last bin, which ends at ``end``; a last
+    remainder under half a bin is folded into the bin before it (a bin 1 to 1.5 ``bin_s``
+    wide), so a few milliseconds holding one request never read as a rate spike."""
+    end = max((t for r in records for t in (r.sent_s, r.done_s) if not math.isnan(t)), default=0.0)
     bins = max(1, math.ceil(end / bin_s))
+    if bins > 1 and end - (bins - 1) * bin_s < bin_s / 2:
+        bins -= 1
     sent = np.zeros(bins, dtype=np.int64)
     completed = np.zeros(bins, dtype=np.int64)
     tokens = np.zeros(bins, dtype=np.int64)
@@ -171,11 +217,13 @@ def timeseries(records: Sequence[RequestRecord], bin_s: float = 1.0) -> list[dic
             cached[b] += r.cached_tokens
     rows = []
     for i in range(bins):
-        # NOTE: the last bin is partial; rates divide by its real width
-        width = max(min(bin_s, end - i * bin_s), bin_s / 100)
+        width = bin_s if i < bins - 1 else end - i * bin_s
+        if width <= 0:  # a run whose every event is at 0
+            width = bin_s
         rows.append(
             {
                 "t_s": round(i * bin_s, 6),
+                "width_s": round(width, 6),
                 "sent": int(sent[i]),
                 "completed": int(completed[i]),
                 "sent_per_s": float(sent[i] / width),

@@ -14,7 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadgen.cli import _positive, add_workload_arguments, parse_floats, plan_workload
+from loadgen.cli import (
+    _positive,
+    add_workload_arguments,
+    check_output_dir,
+    parse_floats,
+    plan_workload,
+)
 from loadgen.simulate_cmd import (
     add_engine_arguments,
     add_jobs_argument,
@@ -169,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
             f"--min-instances ({args.min_instances}) is above --max-instances "
             f"({args.max_instances})"
         )
-    if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
-        raise ValueError(f"--report: {args.report} exists and is not a directory")
+    if args.report:  # before the run: an unwritable --report fails fast
+        check_output_dir(args.report, "--report")
     (label, router, options), *rest = parse_routers(args.router)
     if rest:
         raise ValueError("--router: plan with one router (compare routers with kvroute simulate)")

@@ -158,7 +158,8 @@ def _plots(
 
     ok = [r for r in records if r.ok]
     sent = [r for r in records if not math.isnan(r.sent_s)]
-    t = np.array([row["t_s"] for row in series])
+    # each bin's rate at the bin's middle (the last bin may be up to 1.5 bins wide)
+    t = np.array([row["t_s"] + row["width_s"] / 2 for row in series])
     paths = [out / name for name in PLOTS]
 
     def save(fig: Any, path: Path, title: str) -> None:
@@ -258,6 +259,13 @@ def print_summary(summary: dict[str, Any], file: Any = None) -> None:
     errs = ", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none"
     head.add_row("errors", errs)
     console.print(head)
+    for group in s.get("error_messages") or ():
+        # NOTE: why requests failed, on the terminal (requests.csv has every one); markup off,
+        # a server's message may hold brackets
+        message = group["message"].replace("\n", " ")[:200] or "(no message)"
+        console.print(
+            f"  {group['count']:,} x {group['error']}: {message}", markup=False, highlight=False
+        )
     table = Table(title=None)
     table.add_column("ms")
     for col in PERCENTILE_KEYS:

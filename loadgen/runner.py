@@ -49,6 +49,8 @@ class RunConfig:
     max_connections: int = 4096
     sessions: Literal["recorded", "live"] = "recorded"
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # sent on every request (``--api-key``'s Authorization, ``--header``s)
+    headers: dict[str, str] = field(default_factory=dict)
     # send each request's type (trace ``type``: text, search, api ...) as ``kvroute_category``,
     # the field kvroute's ingress turns into the CPU-tier policy's category (``{type}_{turn}``)
     send_category: bool = False
@@ -144,6 +146,7 @@ class Runner:
             timeout=timeout,
             read_bufsize=2**20,
             skip_auto_headers=["User-Agent"],
+            headers=cfg.headers,
         ) as session:
             self._session = session
             for i in self._children:

@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from loadgen.cli import _positive, add_workload_arguments, plan_workload
+from loadgen.cli import _positive, add_workload_arguments, check_output_dir, plan_workload
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -215,8 +215,8 @@ def run(args: argparse.Namespace) -> int:
     check_jobs(args.jobs)
     if args.admit and args.slo_ttft_ms is None:
         raise ValueError("--admit needs --slo-ttft-ms")
-    if args.report and Path(args.report).exists() and not Path(args.report).is_dir():
-        raise ValueError(f"--report: {args.report} exists and is not a directory")
+    if args.report:  # before the run: an unwritable --report fails fast
+        check_output_dir(args.report, "--report")
     # before the workload is read: a bad flag fails fast
     settings = sim_settings(args, args.instances, args.slo_ttft_ms / 1e3 if args.admit else None)
     routers = parse_routers(args.router)

@@ -12,6 +12,7 @@ import pytest
 from deploy.cli import main
 from loadgen.nullserver import NullServer, serve_in_thread
 from loadgen.report import PLOTS
+from tests.support import Server, free_port, sim_stack
 
 pytestmark = pytest.mark.integration
 
@@ -22,6 +23,18 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def url() -> Iterator[str]:
     with serve_in_thread(NullServer(model="tiny")) as u:
         yield u
+
+
+SIM_KEY = "loadgen-test-key"
+
+
+@pytest.fixture(scope="module")
+def sim_url() -> Iterator[str]:
+    """kvroute's own ingress (in process, no Ray) over two sim engines of the built-in tiny
+    model, as ``kvroute serve`` runs them (512-token vocabulary, 4k context), keyed."""
+    stack = sim_stack(max_model_len=4096, api_keys=frozenset({SIM_KEY}))
+    with Server(stack, free_port()) as s:
+        yield f"http://127.0.0.1:{s.port}"
 
 
 def bailian_trace(path: Path, sessions: int = 6) -> Path:
@@ -106,6 +119,8 @@ def test_synthetic_live_sessions_chat(url: str, tmp_path: Path) -> None:
         (["--trace", "/nonexistent/trace.jsonl"], "--trace"),
         (["--workload", "to-c", "--json", "/nonexistent/dir/run.json"], "--json"),
         (["--workload", "to-c", "--report", "/etc/hostname"], "--report"),
+        (["--workload", "to-c", "--header", "Authorization Bearer k"], "--header"),
+        (["--workload", "to-c", "--header", "Bad Name: v"], "--header"),
     ],
 )
 def test_bad_flags_give_one_line_errors(
@@ -151,3 +166,83 @@ def test_unreachable_server_without_model_is_a_one_line_error(
     rc = main(["loadgen", "--url", "http://127.0.0.1:9", "--workload", "random", "--duration", "1"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and err.count("\n") == 0 and "--model" in err
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_default_to_b_run_fits_the_tiny_model(
+    sim_url: str,
+    api: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The default to-b workload against the defaults of ``kvroute serve``: token ids fitted into
+    the tiny model's 512-token vocabulary, prompts into its context; no request refused. The key
+    comes from $OPENAI_API_KEY; the fitting is said in one line."""
+    monkeypatch.setenv("OPENAI_API_KEY", SIM_KEY)
+    out_json = tmp_path / "run.json"
+    rc = main(
+        ["loadgen", "--url", sim_url, "--workload", "to-b", "--api", api, "--rate", "10",
+         "--duration", "4", "--no-progress", "--json", str(out_json)]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    doc = json.loads(out_json.read_text())
+    s = doc["summary"]
+    assert s["errors"] == {}, s["error_messages"]
+    assert rc == 0 and s["completed"] == s["requests"] > 10
+    fitted = [line for line in err.splitlines() if line.startswith("loadgen: fitted")]
+    assert len(fitted) == 1
+    assert ("vocabulary is 512" if api == "completions" else "context of 4096") in fitted[0]
+    assert SIM_KEY not in json.dumps(doc["meta"])
+
+
+def test_header_carries_the_key_and_failures_are_explained(
+    sim_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--header`` sends a key; a run whose requests fail prints their status and the server's
+    message, grouped, on the terminal (here: the sim engine has no logprobs)."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    rc = main(
+        ["loadgen", "--url", sim_url, "--header", f"Authorization: Bearer {SIM_KEY}",
+         "--workload", "random", "--rate", "20", "--duration", "0.5", "--no-progress",
+         "--extra-body", '{"logprobs": 2}']
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert rc == 1
+    lines = [line for line in out.splitlines() if " x http_400: " in line]
+    assert len(lines) == 1 and "logprobs" in lines[0], out
+    assert lines[0].split(" x ")[0].strip() == "10"
+
+
+def test_keyed_endpoint_without_a_key_is_a_one_line_error(
+    sim_url: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    rc = main(["loadgen", "--url", sim_url, "--workload", "random", "--duration", "1"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0
+    assert "401" in err and "--api-key" in err
+
+
+@pytest.mark.parametrize("command", ["loadgen", "simulate", "plan"])
+def test_unwritable_report_dir_fails_before_the_run(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--report`` under a file: a one-line error naming the flag, before anything runs (the
+    loadgen URL answers nothing; the simulation is not started)."""
+    afile = tmp_path / "file"
+    afile.write_text("")
+    argv = [command, "--workload", "random", "--duration", "1", "--report", str(afile / "r")]
+    if command == "loadgen":
+        argv += ["--url", "http://127.0.0.1:9", "--model", "m"]
+    if command == "plan":
+        argv += ["--slo-ttft-ms", "500"]
+    rc = main(argv)
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert rc == 2 and err.count("\n") == 0 and "Traceback" not in err
+    assert err.startswith(f"kvroute {command}: error: --report:")
+    assert captured.out == ""

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from loadgen.metrics import percentiles_ms, summarize, timeseries
+from loadgen.metrics import error_groups, percentiles_ms, summarize, timeseries
 from loadgen.records import RequestRecord
 
 
@@ -84,3 +84,59 @@ def test_record_rows_read_back_to_the_same_record() -> None:
         assert record_row(back) == record_row(rec)
         assert back.ok == rec.ok
         assert back.tpot_s == pytest.approx(rec.tpot_s, nan_ok=True)
+
+
+def test_timeseries_last_bin_is_its_real_width_and_never_a_sliver() -> None:
+    """A steady 4 req/s whose last request finishes 10 ms into a new second: the old series
+    divided that one request (and its tokens) by a 10 ms bin, a 100 req/s spike that dwarfed
+    the run; the sliver now joins the bin before it, and every rate is its count over the
+    bin's real width."""
+    records = [rec(i * 0.25, 0.05, [0.05]) for i in range(12)]  # sends 0 .. 2.75
+    records[-1].done_s = 3.01  # the last one finishes just past 3 s
+    rows = timeseries(records)
+    assert [r["t_s"] for r in rows] == [0.0, 1.0, 2.0]
+    assert [r["width_s"] for r in rows] == pytest.approx([1.0, 1.0, 1.01])
+    assert [r["sent"] for r in rows] == [4, 4, 4]
+    assert [r["completed"] for r in rows] == [4, 4, 4]
+    assert [r["completed_per_s"] for r in rows] == pytest.approx([4.0, 4.0, 4 / 1.01])
+    assert max(r["output_tokens_per_s"] for r in rows) == pytest.approx(8.0)
+    # a remainder of half a bin or more stays a bin of its own, divided by its width
+    records[-1].done_s = 3.6
+    rows = timeseries(records)
+    assert [r["width_s"] for r in rows] == pytest.approx([1.0, 1.0, 1.0, 0.6])
+    assert rows[-1]["completed_per_s"] == pytest.approx(1 / 0.6)
+    # a failed request's finish ends the series too
+    late = RequestRecord(99, "all", None, 32, 4, 2.9, sent_s=2.9, done_s=5.8, error="timeout")
+    rows = timeseries([*records, late])
+    assert rows[-1]["t_s"] == 5.0 and rows[-1]["errors"] == 1
+    assert sum(r["errors"] for r in rows) == 1
+
+
+def test_error_groups_by_kind_and_message() -> None:
+    def failed(i: int, kind: str, detail: str | None) -> RequestRecord:
+        return RequestRecord(i, "all", None, 8, 4, 0.0, error=kind, error_detail=detail)
+
+    vocab = (
+        '{"error":{"message":"token id %d is outside the vocabulary (size 512)","param":"prompt"}}'
+    )
+    records = [
+        rec(0, 0.1, [0.1]),
+        *(failed(i, "http_400", vocab % (1000 + i)) for i in range(1, 5)),
+        failed(5, "http_400", '{"error":{"message":"logprobs are not supported"}}'),
+        failed(6, "timeout", "TimeoutError: "),
+        failed(7, "http_503", "upstream down"),
+        failed(8, "timeout", "TimeoutError: "),
+    ]
+    groups = error_groups(records)
+    assert groups[0] == {
+        "error": "http_400",
+        "count": 4,
+        "message": "token id 1001 is outside the vocabulary (size 512)",
+    }
+    assert [(g["error"], g["count"]) for g in groups[1:]] == [
+        ("timeout", 2), ("http_400", 1), ("http_503", 1)
+    ]  # fmt: skip
+    assert groups[3]["message"] == "upstream down"
+    assert error_groups(records, limit=2) == groups[:2]
+    s = summarize(records, duration_s=1.0, requested_span_s=1.0)
+    assert s["error_messages"] == groups
