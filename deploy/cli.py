@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
 from deploy.native import warn_if_stale
@@ -36,10 +37,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's), or "unknown" when the tree runs
+    uninstalled."""
+    try:
+        return importlib.metadata.version("kvroute")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvroute", description="KV-cache-aware router and scheduler for LLM serving."
     )
+    parser.add_argument("--version", action="version", version=f"kvroute {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -56,9 +56,34 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig.validated(data, source="settings")
 
 
+def check_local_models(cfg: ServeConfig) -> None:
+    """Fail in a second, naming the field, when a model or tokenizer this machine should load is
+    a path that is not there: otherwise every engine replica and the ingress fail in turn and Serve
+    retries them for minutes. Only a path-like name (``/``, ``.``, ``~``) is checked: anything else
+    is a built-in preset or a hub id, and on a cluster (``--ray-address``) the nodes hold the
+    files."""
+    from pathlib import Path
+
+    from engines.tiny_model import MODEL_PRESETS
+
+    named = [("engines.engine.model", p.engine.model) for p in cfg.engine_pools]
+    if cfg.tokenizer:
+        named.append(("tokenizer", cfg.tokenizer))
+    for field, name in named:
+        if name in MODEL_PRESETS or not name.startswith(("/", ".", "~")):
+            continue
+        path = Path(name).expanduser()
+        if not path.is_dir():
+            raise ValueError(
+                f"{field} (--model): {name!r} is not a directory on this machine: give an HF "
+                f"model directory, a hub id or a built-in model ({', '.join(MODEL_PRESETS)})"
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     if not args.ray_address:  # a cluster's processes take theirs from its ray start
+        check_local_models(cfg)
         apply_ray_serve_env()
     import ray
     from ray import serve
