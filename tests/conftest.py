@@ -3,12 +3,21 @@ engine (also marked explicitly in those modules). `make test-*` selects by folde
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import home_guard
+
 _TIERS = {"unit", "integration", "engine"}
+_HOME_BEFORE = pytest.StashKey[dict[str, home_guard.Manifest]]()
+
+# vLLM reports usage statistics into ~/.config/vllm unless told not to (engines and Ray workers
+# inherit this from the test process).
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -20,6 +29,22 @@ def pytest_configure(config: pytest.Config) -> None:
     if native.stale():
         ok = native.build()
         print(f"kvroute native: sources changed, {'rebuilt' if ok else 'removed'}", file=sys.stderr)
+    config.stash[_HOME_BEFORE] = home_guard.snapshot()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run when a test left something in HOME or changed /etc/ssh (tests/home_guard.py)."""
+    before = session.config.stash.get(_HOME_BEFORE, None)
+    if before is None:
+        return
+    changed = home_guard.differences(before, home_guard.snapshot())
+    if changed:
+        print(
+            "\nkvroute home guard: the tests changed the machine outside their temporary "
+            "directories:\n  " + "\n  ".join(changed[:50]),
+            file=sys.stderr,
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
