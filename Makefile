@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvroute-installed
 
-.PHONY: native serve test test-unit test-integration test-engine lint format typecheck redis ssh bench clean
+.PHONY: native serve test test-unit test-integration test-engine lint format typecheck redis ssh prometheus bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,14 +16,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-# The hot modules compiled with mypyc (deploy/native.py): rebuilt when a source is newer, a
-# no-op otherwise; pure Python (and a message) where no C compiler is at hand; code mypyc
+# The hot modules compiled with mypyc (deploy/native.py): rebuilt when a source they import
+# (transitively) changed content, a no-op otherwise; pure Python (and a message) where no C compiler is at hand; code mypyc
 # refuses fails the target.
 native: $(STAMP)
 	$(PY) -m deploy.native build --strict
 
+# `make serve PORT=8100 HOST=0.0.0.0 ARGS='--router round_robin'`: any flag of `kvroute serve`.
 serve: native
-	$(VENV)/bin/kvroute serve
+	$(VENV)/bin/kvroute serve $(if $(PORT),--port $(PORT)) $(if $(HOST),--host $(HOST)) $(ARGS)
 
 # A real Redis server for the integration tier (Debian package; root on CI machines).
 redis:
@@ -39,14 +40,22 @@ ssh:
 		$$SUDO apt-get update -qq && \
 		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server rsync; }
 
+# A real Prometheus server for the dashboard test of the integration tier (Debian package; its
+# service is not started: the test runs its own on a temporary directory).
+prometheus:
+	@command -v prometheus >/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update -qq && \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
 # The whole suite: lint, types, then every test tier.
-test: native redis ssh lint typecheck
-	$(PY) -m pytest tests
+test: native redis ssh prometheus lint typecheck
+	$(PY) -m pytest --durations=30 tests
 
 test-unit: native
 	$(PY) -m pytest tests/unit
 
-test-integration: native redis ssh
+test-integration: native redis ssh prometheus
 	$(PY) -m pytest tests/integration
 
 test-engine: native

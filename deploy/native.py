@@ -13,10 +13,18 @@ core in an ingress replica runs the same compiled code.
 
 ``make`` builds them (the ``native`` target, before ``serve`` and every test target), and so
 does a cluster node's set-up (``deploy/node-setup.sh``). The extensions sit next to their
-sources, and Python imports an extension before a ``.py`` of the same name: an extension older
-than its source would run old code. So every module is rebuilt whenever a source of the project
-changed (a compiled module also bakes in the types and constants it imports), the test suite
-rebuilds before it starts (``tests/conftest.py``), and ``kvroute`` warns.
+sources, and Python imports an extension before a ``.py`` of the same name: an extension built
+from other sources than those on disk would run old code. A compiled module bakes in its own
+code, every other compiled module's (one build holds them all) and the types and constants of
+what it imports, so what a build depends on is the import closure of MODULES: every module of
+PACKAGES they import, transitively, as mypy reads them (``TYPE_CHECKING`` and function-level
+imports count; see ``closure``). A build records a hash of each of those sources (with
+pyproject's ``[tool.mypy]`` table and the build's recipe) in ``build/native/stamp.json``; the
+compiled files are stale when the sources on disk hash otherwise. Editing a module outside the
+closure (``deploy/cli.py``), or touching or checking out a file without changing its content,
+costs no rebuild; editing one inside rebuilds the whole group (one runtime library holds every
+compiled module's code). The test suite rebuilds stale modules before it starts
+(``tests/conftest.py``), and ``kvroute`` warns.
 Without a compiler (no mypy, no C compiler, no Python headers) ``build`` says so and leaves the
 pure-Python modules to run: slower, the same results. mypyc type-checks the compiled modules
 and every module they import, more strictly than ``make typecheck``: code it refuses fails
@@ -34,10 +42,14 @@ annotation turns an int into a float.
 from __future__ import annotations
 
 import argparse
+import ast
+import hashlib
 import importlib.machinery
-import os
+import json
 import sys
+import tomllib
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +80,7 @@ def extension(module: str) -> Path:
     return src.with_name(src.stem + SUFFIX)
 
 
-# where compiled modules and what they import live: any source here may be baked into them
+# the project's packages: where compiled modules, and the modules they import, live
 PACKAGES: tuple[str, ...] = ("cachemap", "deploy", "engines", "loadgen", "policies", "router")
 
 
@@ -83,6 +95,17 @@ def runtime_library() -> Path:
     return ROOT / (GROUP.replace(".", "/") + "__mypyc" + SUFFIX)
 
 
+def work_dir() -> Path:
+    """The build's C sources, objects and setup script, and its stamp (git-ignored)."""
+    return ROOT / "build" / "native"
+
+
+def stamp() -> Path:
+    """What the compiled files in the tree were built from (``fingerprint``) and the compiled
+    files themselves (size and mtime: any other file in their place is not this build's)."""
+    return work_dir() / "stamp.json"
+
+
 def _present() -> list[Path]:
     """Every compiled file in the tree: in PACKAGES (extensions, this build's runtime library),
     and a runtime library at the root (mypyc's default place: an earlier layout's)."""
@@ -90,17 +113,137 @@ def _present() -> list[Path]:
     return sorted(found + list(ROOT.glob(f"*__mypyc{SUFFIX}")))
 
 
+def _module_file(module: str) -> Path | None:
+    """The source of a module of PACKAGES (None: not one, or no such module)."""
+    if module.split(".")[0] not in PACKAGES:
+        return None
+    base = ROOT / module.replace(".", "/")
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imported(module: str, path: Path, text: bytes) -> set[str]:
+    """Every module name ``text`` (``module``'s source) may import, anywhere in it: at the top,
+    under ``if TYPE_CHECKING:``, in a function (mypy reads them all); for ``from x import y``,
+    both ``x`` and ``x.y`` (``y`` may be a module). A source that does not parse imports
+    nothing known (its hash has changed anyway)."""
+    try:
+        tree = ast.parse(text, filename=str(path))
+    except (SyntaxError, ValueError):
+        return set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join([*parts[: len(parts) - node.level + 1], node.module or ""])
+                base = base.strip(".")
+            else:
+                base = node.module or ""
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
+    return names
+
+
+def closure(modules: tuple[str, ...] | None = None) -> dict[str, bytes]:
+    """The sources a build of ``modules`` (MODULES) depends on, by path relative to ROOT: the
+    modules themselves and every module of PACKAGES they import, transitively, with the
+    packages (``__init__.py``) above each (Python runs them and mypy reads them)."""
+    todo = list(MODULES if modules is None else modules)
+    done: set[str] = set()
+    found: dict[str, bytes] = {}
+    while todo:
+        module = todo.pop()
+        if module in done:
+            continue
+        done.add(module)
+        path = _module_file(module)
+        if path is None:
+            continue
+        text = path.read_bytes()
+        found[path.relative_to(ROOT).as_posix()] = text
+        parts = module.split(".")
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
+        todo.extend(_imported(module, path, text) - done)
+    return dict(sorted(found.items()))
+
+
+def _recipe() -> str:
+    """The setup script a build runs (what mypyc compiles, and how)."""
+    paths = [str(source(m).relative_to(ROOT)) for m in MODULES]
+    return (
+        "from setuptools import setup\n"
+        "from mypyc.build import mypycify\n"
+        f"setup(name='kvroute-native', ext_modules=mypycify({paths!r}, opt_level='3', "
+        f"group_name={GROUP!r}, target_dir={str(work_dir().relative_to(ROOT))!r}))\n"
+    )
+
+
+def fingerprint() -> dict[str, Any]:
+    """What the compiled code depends on: a hash of each source of MODULES' closure, mypy's
+    configuration (pyproject's ``[tool.mypy]``: mypyc type-checks with it) and the recipe."""
+    try:
+        config = tomllib.loads((ROOT / "pyproject.toml").read_text()).get("tool", {}).get("mypy")
+    except (OSError, tomllib.TOMLDecodeError):
+        config = None
+    return {
+        "recipe": _recipe(),
+        "mypy": config,
+        "sources": {p: hashlib.sha256(t).hexdigest() for p, t in closure().items()},
+    }
+
+
+def _identity(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
+def _record(built_from: dict[str, Any]) -> None:
+    """Note in the stamp that the compiled files now present were built from ``built_from``."""
+    built = {str(p.relative_to(ROOT)): _identity(p) for p in _present()}
+    stamp().parent.mkdir(parents=True, exist_ok=True)
+    stamp().write_text(json.dumps({"fingerprint": built_from, "built": built}, indent=1) + "\n")
+
+
+def changes() -> list[str]:
+    """Why the compiled files in the tree may run other code than the sources on disk: the
+    sources of the closure added, removed or edited since the build (paths relative to ROOT),
+    or a sentence (no record of the build, another configuration, a compiled file this build
+    did not write). Empty: they were built from what is on disk."""
+    try:
+        record = json.loads(stamp().read_text())
+        then, built = record["fingerprint"], record["built"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"no record of what they were built from ({stamp().relative_to(ROOT)})"]
+    now = fingerprint()
+    why = []
+    if then.get("recipe") != now["recipe"]:
+        why.append("the build's recipe changed (deploy/native.py)")
+    if then.get("mypy") != now["mypy"]:
+        why.append("pyproject.toml's [tool.mypy] changed")
+    old, new = then.get("sources") or {}, now["sources"]
+    why += [p for p in sorted(old.keys() | new.keys()) if old.get(p) != new.get(p)]
+    for path in _present():
+        rel = str(path.relative_to(ROOT))
+        if rel in built and built[rel] != _identity(path):
+            why.append(f"{rel} was replaced after the build")
+    return why
+
+
 def stale() -> list[str]:
-    """Compiled files (relative paths) that may run other code than the sources on disk: older
-    than the newest source in PACKAGES (a compiled module bakes in what it was compiled
-    against: its own code, every other compiled module's, and the types and constants it
-    imported), or not this MODULES list's build (left by an earlier build)."""
+    """Compiled files (relative paths) that may run other code than the sources on disk: all of
+    them when the sources they were built from changed (``changes``), and any that is not this
+    MODULES list's build (left by an earlier build)."""
     present = _present()
     if not present:
         return []
-    newest = max(p.stat().st_mtime for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py"))
     wanted = {extension(m) for m in MODULES} | {runtime_library()}
-    old = [p for p in present if p.stat().st_mtime < newest or p not in wanted]
+    old = present if changes() else [p for p in present if p not in wanted]
     return [str(p.relative_to(ROOT)) for p in old]
 
 
@@ -111,6 +254,7 @@ def missing() -> list[str]:
 def clean() -> None:
     for path in _present():
         path.unlink(missing_ok=True)
+    stamp().unlink(missing_ok=True)
 
 
 def unavailable() -> str | None:
@@ -144,18 +288,16 @@ def build(force: bool = False, strict: bool = False) -> bool:
         return False
     import subprocess
 
-    paths = [str(source(m).relative_to(ROOT)) for m in MODULES]
+    # NOTE: taken before compiling: a source edited while mypyc runs leaves the build stale
+    built_from = fingerprint()
     # NOTE: what the ``mypyc`` command runs, with the group named; C sources, objects and
-    # this script go under build/native (git-ignored)
-    work = ROOT / "build" / "native"
+    # this script go under build/native (git-ignored). mypyc writes a C file only when its
+    # text changes, and setuptools recompiles only an extension whose C changed: a build after
+    # an edit that changes no compiled code costs mypy's type check alone.
+    work = work_dir()
     work.mkdir(parents=True, exist_ok=True)
     script = work / "setup.py"
-    script.write_text(
-        "from setuptools import setup\n"
-        "from mypyc.build import mypycify\n"
-        f"setup(name='kvroute-native', ext_modules=mypycify({paths!r}, opt_level='3', "
-        f"group_name={GROUP!r}, target_dir={str(work.relative_to(ROOT))!r}))\n"
-    )
+    script.write_text(_recipe())
     cmd = [sys.executable, str(script), "build_ext", "--inplace", "--build-temp", str(work)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0 or missing() or not runtime_library().exists():
@@ -169,21 +311,24 @@ def build(force: bool = False, strict: bool = False) -> bool:
             file=sys.stderr,
         )
         return False
-    # NOTE: setuptools copies an extension it did not need to relink (its C is unchanged)
-    # with the old file's time, which would leave it "older than the sources" for good
-    for path in _present():
-        os.utime(path)
+    _record(built_from)
     return True
+
+
+def describe(why: list[str]) -> str:
+    """``changes``, shortened for one line."""
+    more = f" and {len(why) - 3} more" if len(why) > 3 else ""
+    return ", ".join(why[:3]) + more
 
 
 def warn_if_stale() -> None:
     """For entry points: say so on stderr when compiled files may run old code."""
     old = stale()
     if old:
+        why = changes() or [f"{p} is not this build's" for p in old]
         print(
-            f"kvroute: {len(old)} compiled files are older than the sources (e.g. {old[0]}) "
-            "and may run old code: rebuild with `make native`, or remove them with "
-            "`python -m deploy.native clean`",
+            f"kvroute: {len(old)} compiled files may run old code ({describe(why)}): rebuild "
+            "with `make native`, or remove them with `python -m deploy.native clean`",
             file=sys.stderr,
         )
 
@@ -205,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         old = stale()
         for path in old:
             print(f"stale: {path}")
+        if old and (why := changes()):
+            print(f"kvroute native: changed since the build: {describe(why)}", file=sys.stderr)
         return 1 if old else 0
     try:
         ok = build(force=args.force, strict=args.strict)

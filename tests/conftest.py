@@ -21,14 +21,16 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Never test old code: compiled modules older than the sources (deploy/native.py) are
-    rebuilt first (or removed, where compiling fails: the suite then tests pure Python). A tree
-    with nothing compiled is left as it is."""
+    """Never test old code: compiled modules built from other sources than those on disk
+    (deploy/native.py: their own, or a module they import) are rebuilt first (or removed, where
+    compiling fails: the suite then tests pure Python). A tree with nothing compiled is left as
+    it is, and so is a build that an edit elsewhere (outside what they import) does not touch."""
     from deploy import native
 
     if native.stale():
+        why = native.describe(native.changes() or ["files of another build"])
         ok = native.build()
-        print(f"kvroute native: sources changed, {'rebuilt' if ok else 'removed'}", file=sys.stderr)
+        print(f"kvroute native: {why}: {'rebuilt' if ok else 'removed'}", file=sys.stderr)
     config.stash[_HOME_BEFORE] = home_guard.snapshot()
 
 
