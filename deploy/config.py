@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,11 @@ class RouterConfig(StrictModel):
         "separated) in production, which count too: a config file is not a secret store",
     )
     api_key_file: str | None = Field(None, description="a file of client API keys, one per line")
+    allow_unauthenticated: bool = Field(
+        False,
+        description="serve an address other than loopback (host) without client API keys: "
+        "anyone who reaches it may use the engines; without it such a config is refused",
+    )
     rate_limit_rps: float | None = Field(
         None, gt=0, description="requests/s per API key (per address without keys); None: none"
     )
@@ -164,6 +170,16 @@ def api_keys(cfg: RouterConfig) -> frozenset[str]:
     return frozenset([*cfg.api_keys, *_keys(API_KEYS_ENV, cfg.api_key_file, "api_key_file")])
 
 
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is this machine's loopback only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
 def placement_recorder(cfg: RouterConfig) -> JsonlRecorder | None:
     """The placement log ``cfg`` asks for, or ``$KVROUTE_PLACEMENT_LOG``, or none."""
     path = cfg.placement_log or os.environ.get("KVROUTE_PLACEMENT_LOG")
@@ -194,6 +210,21 @@ class ServeConfig(StrictModel):
     )
     router: RouterConfig = Field(default_factory=RouterConfig)
     tokenizer: str | None = Field(None, description="HF tokenizer dir; default: the model's")
+
+    @model_validator(mode="after")
+    def _keys_off_loopback(self) -> ServeConfig:
+        """A host other than loopback (``0.0.0.0``, a private address) takes client API keys
+        (``router.api_key_file`` or ``router.api_keys``; ``$KVROUTE_API_KEYS`` alone does not
+        count: the config must say so where it is read) unless
+        ``router.allow_unauthenticated`` says it is meant to be open."""
+        r = self.router
+        if not (is_loopback(self.host) or r.api_keys or r.api_key_file or r.allow_unauthenticated):
+            raise ValueError(
+                f"router.api_key_file: host {self.host!r} is not loopback, so clients need API "
+                "keys: set router.api_key_file (or router.api_keys), or "
+                "router.allow_unauthenticated: true to serve it open"
+            )
+        return self
 
     @model_validator(mode="after")
     def _pools_fit(self) -> ServeConfig:

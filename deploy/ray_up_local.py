@@ -2,29 +2,35 @@
 ``kvroute serve --ray-address auto`` on the Redis bus, requests through it, and ``ray down``.
 Prints JSON (seconds per step, what the requests got); exits non-zero if a step fails.
 
-    .venv/bin/python deploy/ray_up_local.py [--timeout-s 600]
+    .venv/bin/python deploy/ray_up_local.py [--timeout-s 600] [--no-install]
 
-What it prepares first (idempotent; root or passwordless sudo for the packages):
-- Debian's ``openssh-server`` and ``rsync`` (``ray up`` uses both), an SSH key
-  ``~/.ssh/kvroute_local`` authorised for this user, and an ``sshd`` on 127.0.0.1:22 if none
-  listens there (stopped again at the end);
-- ``~/kvroute`` linked to this repository (the path ``deploy/cluster-local.yaml`` names, as
-  ``/home/ubuntu/kvroute`` is on AWS);
-- the secrets ``deploy/cluster.yaml`` takes from ``~/.kvroute``: ``redis.password`` and
-  ``admin.key`` (random, created if missing).
+Everything runs inside a temporary HOME, removed at the end (also on failure, SIGTERM or
+SIGINT), so nothing of this machine's HOME or SSH set-up is used or changed:
+- the ``ray up`` client, the driver and (through ``sshd``'s ``SetEnv``) every command on the
+  "node" see that HOME: its ``~/kvroute`` links this repository (the path
+  ``deploy/cluster-local.yaml`` names, as ``/home/ubuntu/kvroute`` is on AWS), its ``~/.kvroute``
+  holds the secrets ``deploy/cluster.yaml`` takes from there (``redis.password``, ``admin.key``:
+  random) and what the head adds (Ray's ``ray.token``, Redis's CA);
+- SSH: a key in that HOME, authorised only by an ``sshd`` that ``ssh`` runs per connection as
+  its ProxyCommand (inetd mode: no listening port) with that HOME's config, host key and
+  ``authorized_keys``; ``/run/sshd`` (its privilege separation directory) is made only if
+  missing and removed again. Debian's ``openssh-server`` and ``rsync`` must be installed
+  (``make test`` does: root or passwordless sudo).
 
-Then, each step timed: ``ray up -y deploy/cluster-local.yaml`` (the node set-up of
-``deploy/node-setup.sh``: install, Redis behind its ACL user; ``ray start --head``);
-``kvroute serve --ray-address auto`` with ``deploy/serve-sim.yaml`` moved onto that Redis; a
-chat completion, the same prompt again (its cached tokens: the KV events went engine -> Redis ->
-router), the bus's streams in Redis (read as the ACL user; the default user is refused); then
-``kvroute serve`` stopped, ``ray down -y`` (and ``ray stop`` here: ray down's own runs where
-this venv's ``ray`` is not on PATH), Redis stopped.
+Then, each step timed: ``ray up -y`` (the node set-up of ``deploy/node-setup.sh``: install
+unless ``--no-install``, Ray's token, Redis over TLS behind its ACL user; ``ray start --head``
+with token auth); a Ray client without the token, refused; ``kvroute serve --ray-address
+auto`` (with the token) with ``deploy/serve-sim.yaml`` moved onto that Redis; a chat
+completion, the same prompt again (its cached tokens: the KV events went engine -> Redis ->
+router), the bus's log in Redis (read as the ACL user over TLS; the default user, plain TCP and
+admin commands refused); then ``kvroute serve`` stopped, ``ray down -y`` (and ``ray stop``
+here: ray down's own runs where this venv's ``ray`` is not on PATH), Redis stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
@@ -46,19 +52,41 @@ from engines.vllm_engine import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-HOME = Path.home()
-KEY = HOME / ".ssh" / "kvroute_local"
-SECRETS = HOME / ".kvroute"
 CLUSTER = REPO / "deploy" / "cluster-local.yaml"
 GCS_PORT = 6379  # Ray's head (deploy/cluster-local.yaml)
 REDIS_PORT = 6390
+PRIVSEP = Path("/run/sshd")
+
+
+class Home:
+    """The run's temporary HOME and the paths in it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.key = root / ".ssh" / "kvroute_local"
+        self.secrets = root / ".kvroute"
+        self.sshd = root / ".kvroute-sshd"
+        self.redis_pid = root / ".kvroute-redis" / "redis.pid"
+        self.token = self.secrets / "ray.token"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """This process's environment with HOME the temporary one (and no Ray address)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        env.pop("RAY_ADDRESS", None)
+        return {**env, "HOME": str(self.root), **extra}
+
+    def ray_auth(self) -> dict[str, str]:
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token)}
 
 
 def sh(
-    *cmd: str | Path, timeout: float = 600, check: bool = True
+    *cmd: str | Path,
+    timeout: float = 600,
+    check: bool = True,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, check=check
+        [str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, check=check, env=env
     )
 
 
@@ -81,84 +109,83 @@ def ensure_packages() -> None:
     sh(*sudo, "apt-get", "install", "-y", "-qq", *missing)
 
 
-def ensure_ssh() -> subprocess.Popen[bytes] | None:
-    """Key, authorisation, and an sshd on 127.0.0.1:22; returns the sshd this run started."""
-    KEY.parent.mkdir(mode=0o700, exist_ok=True)
-    if not KEY.exists():
-        sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "kvroute-local", "-f", KEY)
-    auth = KEY.parent / "authorized_keys"
-    pub = KEY.with_suffix(".pub").read_text().strip()
-    if pub not in (auth.read_text() if auth.exists() else ""):
-        with auth.open("a") as f:
-            f.write(pub + "\n")
+def prepare_home(home: Home, cluster: Path, install: bool) -> bool:
+    """Key, sshd config and host key, secrets and the ``~/kvroute`` link in ``home``, and the
+    cluster file the run uses (``deploy/cluster-local.yaml``, its set-up without the install
+    step when ``install`` is off); returns whether it made ``/run/sshd``."""
+    for d in (home.key.parent, home.secrets, home.sshd):
+        d.mkdir(mode=0o700, parents=True)
+    sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "kvroute-local", "-f", home.key)
+    host_key = home.sshd / "host_key"
+    sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", host_key)
+    auth = home.sshd / "authorized_keys"
+    auth.write_text(home.key.with_suffix(".pub").read_text())
     auth.chmod(0o600)
-    started = None
-    if not listening(22):
-        Path("/run/sshd").mkdir(exist_ok=True)
-        sh("ssh-keygen", "-A")
-        started = subprocess.Popen(
+    (home.sshd / "sshd_config").write_text(
+        "\n".join(
             [
-                "/usr/sbin/sshd",
-                "-D",
-                "-o",
-                "ListenAddress=127.0.0.1",
-                "-o",
-                "PermitRootLogin=prohibit-password",
-                "-o",
-                "PasswordAuthentication=no",
+                f"HostKey {host_key}",
+                f"AuthorizedKeysFile {auth}",
+                "StrictModes no",  # the temporary directory sits under world-writable /tmp
+                "PermitRootLogin prohibit-password",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "UsePAM no",
+                "PrintMotd no",
+                "PrintLastLog no",
+                "PidFile none",
+                f"SetEnv HOME={home.root}",
+                "",
             ]
         )
-        deadline = time.monotonic() + 10
-        while not listening(22):
-            if time.monotonic() > deadline or started.poll() is not None:
-                raise RuntimeError("sshd did not start on 127.0.0.1:22")
-            time.sleep(0.1)
+    )
+    (home.root / ".bashrc").write_text("")  # Ray's commands source it
+    (home.root / "kvroute").symlink_to(REPO)
+    for name in ("redis.password", "admin.key"):
+        path = home.secrets / name
+        path.write_text(secrets.token_hex(32) + "\n")
+        path.chmod(0o600)
+    cfg = yaml.safe_load(CLUSTER.read_text())
+    # NOTE: ssh expands a `~` of its own (-i, and the ProxyCommand's shell does not run for
+    # it) from the passwd entry, not $HOME: the copy names the temporary HOME's paths
+    cfg["auth"]["ssh_private_key"] = str(home.key)
+    cfg["auth"]["ssh_proxy_command"] = cfg["auth"]["ssh_proxy_command"].replace(
+        "~/", f"{home.root}/"
+    )
+    if not install:
+        cfg["setup_commands"] = []
+    cluster.write_text(yaml.safe_dump(cfg))
+    made = not PRIVSEP.exists()
+    if made:
+        PRIVSEP.mkdir(mode=0o755)
+    user = os.environ.get("USER", "root")
     sh(
         "ssh",
-        "-i",
-        KEY,
-        "-o",
-        "StrictHostKeyChecking=no",
-        "-o",
-        "UserKnownHostsFile=/dev/null",
-        "-o",
-        "BatchMode=yes",
-        f"{os.environ.get('USER', 'root')}@127.0.0.1",
+        *("-i", home.key, "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes"),
+        *("-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null"),
+        *("-o", f"ProxyCommand={cfg['auth']['ssh_proxy_command']}"),
+        f"{user}@127.0.0.1",
         "true",
         timeout=30,
+        env=home.env(),
     )
-    return started
+    return made
 
 
-def ensure_layout() -> None:
-    link = HOME / "kvroute"
-    if link.is_symlink() and link.resolve() != REPO:
-        link.unlink()
-    if not link.exists():
-        link.symlink_to(REPO)
-    elif link.resolve() != REPO:
-        raise RuntimeError(f"{link} exists and is not this repository ({REPO}): move it away")
-    SECRETS.mkdir(mode=0o700, exist_ok=True)
-    for name in ("redis.password", "admin.key"):
-        path = SECRETS / name
-        if not path.exists() or not path.read_text().strip():
-            path.write_text(secrets.token_hex(32) + "\n")
-        path.chmod(0o600)
-
-
-def serve_config(workdir: Path, port: int) -> Path:
+def serve_config(home: Home, port: int) -> Path:
     cfg = yaml.safe_load((REPO / "deploy" / "serve-sim.yaml").read_text())
     cfg["port"] = port
     cfg["app_name"] = "kvroute-local"
     cfg["engines"]["bus"] = {
         "backend": "redis",
         "name": "kvroute-local",
-        "redis_url": f"redis://127.0.0.1:{REDIS_PORT}/0",
+        "redis_url": f"rediss://127.0.0.1:{REDIS_PORT}/0",
+        "redis_ca_file": str(home.secrets / "redis-ca.crt"),
         "redis_username": "kvroute",
-        "redis_password_file": str(SECRETS / "redis.password"),
+        "redis_password_file": str(home.secrets / "redis.password"),
     }
-    cfg["router"]["admin_key_file"] = str(SECRETS / "admin.key")
-    path = workdir / "serve-local.yaml"
+    cfg["router"]["admin_key_file"] = str(home.secrets / "admin.key")
+    path = home.root / "serve-local.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -188,16 +215,49 @@ def requests_through(base: str) -> dict[str, Any]:
     }
 
 
-def redis_streams() -> dict[str, Any]:
-    password = (SECRETS / "redis.password").read_text().split()[0]
-    cli = ["redis-cli", "-p", str(REDIS_PORT), "--no-auth-warning"]
-    keys = sh(*cli, "--user", "kvroute", "--pass", password, "--scan", "--pattern", "kvroute*")
-    anonymous = sh(*cli, "ping", check=False)
+def redis_streams(home: Home) -> dict[str, Any]:
+    """The bus's log as the ACL user sees it, over TLS (the password in ``REDISCLI_AUTH``, never
+    on a command line), and what that Redis refuses."""
+    password = (home.secrets / "redis.password").read_text().split()[0]
+    tls = ["--tls", "--cacert", str(home.secrets / "redis-ca.crt")]
+    cli = ["redis-cli", "-h", "127.0.0.1", "-p", str(REDIS_PORT)]
+    user = [*cli, *tls, "--user", "kvroute"]
+    as_user = home.env(REDISCLI_AUTH=password)
+
+    def said(r: subprocess.CompletedProcess[str]) -> str:
+        return (r.stdout + r.stderr).strip()
+
+    counter = sh(*user, "GET", "kvroute-local-kv-events:next", env=as_user, check=False)
+    config = sh(*user, "CONFIG", "GET", "*", env=as_user, check=False)
+    keys = sh(*user, "KEYS", "*", env=as_user, check=False)
+    anonymous = sh(*cli, *tls, "ping", env=home.env(), check=False, timeout=30)
+    plain = sh(*cli, "--user", "kvroute", "ping", env=as_user, check=False, timeout=30)
     return {
-        "streams": sorted(keys.stdout.split()),
-        "default_user_refused": "NOAUTH" in anonymous.stdout + anonymous.stderr
-        or "WRONGPASS" in anonymous.stdout + anonymous.stderr,
+        "kv_events_published": int(counter.stdout.strip() or 0) if counter.returncode == 0 else -1,
+        "default_user_refused": "NOAUTH" in said(anonymous) or "WRONGPASS" in said(anonymous),
+        "acl_refuses_config_and_keys": "NOPERM" in said(config) and "NOPERM" in said(keys),
+        "plain_tcp_refused": "PONG" not in said(plain),
     }
+
+
+def ray_without_token(home: Home) -> dict[str, Any]:
+    """A Ray client that connects to the head without the token, and one with a wrong one."""
+    code = f"import ray; ray.init(address='127.0.0.1:{GCS_PORT}'); print('CONNECTED')"
+    out = {}
+    for name, env in (
+        ("no_token", home.env(HOME=str(home.root / "nobody"))),
+        ("wrong_token", home.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)),
+    ):
+        try:
+            r = sh(sys.executable, "-c", code, env=env, check=False, timeout=120)
+            text = r.stdout + r.stderr
+            out[name] = {
+                "refused": r.returncode != 0 and "CONNECTED" not in text,
+                "says_auth": "auth" in text.lower() or "token" in text.lower(),
+            }
+        except subprocess.TimeoutExpired:
+            out[name] = {"refused": True, "says_auth": False, "timed_out": True}
+    return out
 
 
 def ensure_ports_free() -> None:
@@ -209,99 +269,133 @@ def ensure_ports_free() -> None:
             raise RuntimeError(f"port {port}, the cluster's {what}, is in use here: stop it first")
 
 
-def stop_ray(ray: Path) -> None:
-    sh(ray, "stop", "--force", timeout=120, check=False)
+def stop_ray(ray: Path, home: Home) -> None:
+    sh(ray, "stop", "--force", timeout=120, check=False, env=home.env())
     if listening(GCS_PORT):
         raise RuntimeError(f"the cluster's GCS still listens on {GCS_PORT} after ray stop")
 
 
-def stop_redis() -> None:
-    pid = SECRETS / "redis.pid"
-    if pid.exists():
+def stop_redis(home: Home) -> None:
+    if home.redis_pid.exists():
         with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid.read_text().strip()), signal.SIGTERM)
+            os.kill(int(home.redis_pid.read_text().strip()), signal.SIGTERM)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--timeout-s", type=float, default=600, help="per step")
+    ap.add_argument(
+        "--no-install",
+        action="store_true",
+        help="skip node-setup.sh install (its pip install and native build into this "
+        "repository's venv): the head is this checkout, already installed",
+    )
     args = ap.parse_args()
     out: dict[str, Any] = {"ok": False}
     ray = BIN / "ray"
-    sshd = None
+    home = Home(Path(tempfile.mkdtemp(prefix="kvroute-ray-up-")))
+    cluster = home.root / "cluster-local.yaml"
     serve: subprocess.Popen[str] | None = None
-    up = False
+    state = {"up": False, "privsep": False, "cleaned": False}
+
+    def cleanup() -> None:
+        """Stop what this run started, remove its HOME and /run/sshd if it made it (once)."""
+        if state["cleaned"]:
+            return
+        state["cleaned"] = True
+        if serve is not None and serve.poll() is None:
+            serve.kill()
+        if state["up"]:
+            sh(ray, "down", "-y", cluster, timeout=args.timeout_s, check=False, env=home.env())
+            sh(ray, "stop", "--force", timeout=120, check=False, env=home.env())
+        stop_redis(home)
+        if state["privsep"]:
+            shutil.rmtree(PRIVSEP, ignore_errors=True)
+        shutil.rmtree(home.root, ignore_errors=True)
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)  # unwinds through the finally below
+
+    atexit.register(cleanup)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     t0 = time.monotonic()
     try:
         ensure_ports_free()  # first: before installing or starting anything
         ensure_packages()
-        sshd = ensure_ssh()
-        ensure_layout()
+        state["privsep"] = prepare_home(home, cluster, install=not args.no_install)
         out["prepare_s"] = round(time.monotonic() - t0, 1)
         t = time.monotonic()
-        res = sh(ray, "up", "-y", "--no-config-cache", CLUSTER, timeout=args.timeout_s, check=False)
-        up = True
+        res = sh(
+            ray,
+            "up",
+            "-y",
+            "--no-config-cache",
+            cluster,
+            timeout=args.timeout_s,
+            check=False,
+            env=home.env(),
+        )
+        state["up"] = True
         if res.returncode != 0:
             raise RuntimeError(
                 f"ray up failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
             )
         out["ray_up_s"] = round(time.monotonic() - t, 1)
-        with tempfile.TemporaryDirectory() as tmp:
-            port = free_port()
-            config = serve_config(Path(tmp), port)
-            t = time.monotonic()
-            serve = subprocess.Popen(
-                [str(BIN / "kvroute"), "serve", "--ray-address", "auto", "--config", str(config)],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                cwd=REPO,
-            )
-            assert serve.stdout is not None
-            lines: list[str] = []
-            deadline = time.monotonic() + args.timeout_s
-            for line in serve.stdout:
-                lines.append(line)
-                if line.startswith("kvroute serving"):
-                    break
-                if time.monotonic() > deadline:
-                    break
-            if not lines or not lines[-1].startswith("kvroute serving"):
-                raise RuntimeError("kvroute serve did not start:\n" + "".join(lines[-40:]))
-            out["serve_ready_s"] = round(time.monotonic() - t, 1)
-            out["requests"] = requests_through(f"http://127.0.0.1:{port}")
-            out["redis"] = redis_streams()
-            serve.send_signal(signal.SIGTERM)
-            serve.wait(timeout=120)
-            serve = None
+        out["ray_auth"] = ray_without_token(home)
+        port = free_port()
+        config = serve_config(home, port)
         t = time.monotonic()
-        res = sh(ray, "down", "-y", CLUSTER, timeout=args.timeout_s, check=False)
-        up = False
+        serve = subprocess.Popen(
+            [str(BIN / "kvroute"), "serve", "--ray-address", "auto", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+            env=home.env(**home.ray_auth()),
+        )
+        assert serve.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + args.timeout_s
+        for line in serve.stdout:
+            lines.append(line)
+            if line.startswith("kvroute serving"):
+                break
+            if time.monotonic() > deadline:
+                break
+        if not lines or not lines[-1].startswith("kvroute serving"):
+            raise RuntimeError("kvroute serve did not start:\n" + "".join(lines[-40:]))
+        out["serve_ready_s"] = round(time.monotonic() - t, 1)
+        out["requests"] = requests_through(f"http://127.0.0.1:{port}")
+        out["redis"] = redis_streams(home)
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=120)
+        serve = None
+        t = time.monotonic()
+        res = sh(ray, "down", "-y", cluster, timeout=args.timeout_s, check=False, env=home.env())
+        state["up"] = False
         if res.returncode != 0:
             raise RuntimeError(f"ray down failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
         out["ray_down_s"] = round(time.monotonic() - t, 1)
         # NOTE: ray down's own `ray stop` runs in an SSH login shell, where this venv's `ray`
         # is not on PATH: it stops nothing. The head is this machine: stop it here.
         out["left_running_after_ray_down"] = listening(GCS_PORT)
-        stop_ray(ray)
-        req, red = out["requests"], out["redis"]
+        stop_ray(ray, home)
+        req, red, auth = out["requests"], out["redis"], out["ray_auth"]
         out["ok"] = (
             req["completion_tokens"] == 8
             and req["cached_tokens_again"] > 0
-            and any("kvroute-local" in k for k in red["streams"])
+            and red["kv_events_published"] > 0
             and red["default_user_refused"]
+            and red["acl_refuses_config_and_keys"]
+            and red["plain_tcp_refused"]
+            and all(a["refused"] for a in auth.values())
         )
     except Exception as e:  # report what failed, as JSON, and exit non-zero
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
-        if serve is not None:
-            serve.kill()
-        if up:
-            sh(ray, "down", "-y", CLUSTER, timeout=args.timeout_s, check=False)
-            stop_ray(ray)
-        stop_redis()
-        if sshd is not None:
-            sshd.terminate()
+        cleanup()
+        out["home_removed"] = not home.root.exists()
         out["total_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(out, indent=2))
     return 0 if out["ok"] else 1

@@ -48,13 +48,11 @@ class RedisStreamBus(EventBus):
         ``username``, ``password``, ``ssl``, ``ssl_ca_certs``)."""
         if maxlen < 1:
             raise ValueError(f"maxlen must be >= 1, got {maxlen}")
-        import redis
-
         self.url, self.stream, self.maxlen = url, stream, maxlen
         self._counter = f"{stream}:next"
         self._epoch_key = f"{stream}:epoch"
         self._epoch: bytes | None = None  # the log's epoch this reader last saw
-        self._redis = client if client is not None else redis.Redis.from_url(url, **auth)
+        self._redis = client if client is not None else redis_client(url, **auth)
 
     def publish(self, payload: bytes) -> int:
         return self.publish_many((payload,))
@@ -132,6 +130,17 @@ class RedisStreamBus(EventBus):
 
     def close(self) -> None:
         self._redis.close()
+
+
+def redis_client(url: str, *, ssl: bool = False, **options: Any) -> Any:
+    """A ``redis.Redis`` for ``url`` with ``options`` (``BusConfig.redis_auth``): ``ssl`` (TLS
+    on a ``redis://`` URL, as a ``rediss://`` one asks) opens it as the ``rediss://`` URL, since
+    redis-py's ``from_url`` takes TLS from the scheme only (an ``ssl`` keyword fails there)."""
+    import redis
+
+    if ssl and url.startswith("redis://"):
+        url = "rediss://" + url.removeprefix("redis://")
+    return redis.Redis.from_url(url, **options)
 
 
 def _offset(stream_id: bytes | str) -> int:

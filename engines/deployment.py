@@ -173,11 +173,9 @@ def open_buses(cfg: BusConfig, create: bool = True) -> tuple[EventBus, EventBus]
             RayEventBus(cfg.events_name, maxlen=cfg.maxlen, **kw),
             RayEventBus(cfg.loads_name, maxlen=cfg.load_maxlen, **kw),
         )
-    import redis
+    from engines.bus_redis import RedisStreamBus, redis_client
 
-    from engines.bus_redis import RedisStreamBus
-
-    client = redis.Redis.from_url(cfg.redis_url, **cfg.redis_auth())
+    client = redis_client(cfg.redis_url, **cfg.redis_auth())
     return (
         RedisStreamBus(cfg.redis_url, stream=cfg.events_name, maxlen=cfg.maxlen, client=client),
         RedisStreamBus(cfg.redis_url, stream=cfg.loads_name, maxlen=cfg.load_maxlen, client=client),

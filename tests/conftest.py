@@ -3,8 +3,12 @@ engine (also marked explicitly in those modules). `make test-*` selects by folde
 
 from __future__ import annotations
 
+import atexit
 import os
+import secrets
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,24 @@ _HOME_BEFORE = pytest.StashKey[dict[str, home_guard.Manifest]]()
 # inherit this from the test process).
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def _ray_token() -> None:
+    """Ray 2.60 turns token authentication on for a new local cluster and, with no token
+    anywhere, writes one to ~/.ray/auth_token. The tests' clusters take theirs from a file of
+    the session's own (``RAY_AUTH_TOKEN_PATH``, inherited by every Ray process and subprocess),
+    removed at exit: authenticated as in production, and nothing left in HOME."""
+    if any(k in os.environ for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
+        return
+    folder = tempfile.mkdtemp(prefix="kvroute-tests-ray-")
+    path = Path(folder) / "auth_token"
+    path.write_text(secrets.token_hex(32))
+    path.chmod(0o600)
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
+    atexit.register(shutil.rmtree, folder, True)
+
+
+_ray_token()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,12 +1,19 @@
 """The Redis bus with auth on (a real redis-server with an ACL user and the default user off):
 credentials from the environment or a file, never the config; a wrong password or an
 unauthenticated publisher is refused; a router that cannot authenticate keeps serving on its
-stale state; forged events (another instance's id, a replayed sequence) never steer placement."""
+stale state; forged events (another instance's id, a replayed sequence) never steer placement.
+The cluster's own ACL rule (``deploy/redis-bus.acl``) lets the bus run and refuses all else; the
+bus runs over TLS with the certificates ``deploy/node-setup.sh`` makes."""
 
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
+import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -21,8 +28,77 @@ from engines.sim import LatencyProfile
 from router.placement import PlacementRequest
 from router.state import RouterState
 from tests.integration.conftest import REDIS_PASSWORD, REDIS_USER
+from tests.support import free_port, redis_server
 
 PROFILE = LatencyProfile.load("cpu-tiny-llama")
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def node_acl() -> list[str]:
+    """The server arguments of the cluster's bus user: ``deploy/redis-bus.acl``'s rule, read as
+    ``deploy/node-setup.sh`` reads it (its one line that is not a comment)."""
+    lines = (DEPLOY / "redis-bus.acl").read_text().splitlines()
+    rule = " ".join(x for x in lines if x.strip() and not x.lstrip().startswith("#")).split()
+    return ["--user", "default", "off", "--user", REDIS_USER, "on", f">{REDIS_PASSWORD}", *rule]
+
+
+@pytest.fixture(scope="module")
+def node_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis whose bus user has exactly the cluster's ACL rule."""
+    with redis_server(
+        tmp_path_factory.mktemp("redis-node"),
+        *node_acl(),
+        username=REDIS_USER,
+        password=REDIS_PASSWORD,
+    ) as url:
+        yield url
+
+
+@contextmanager
+def tls_redis(workdir: Path) -> Iterator[tuple[str, Path]]:
+    """A TLS-only redis-server (the cluster's: ACL rule, certificates by ``node-setup.sh tls``);
+    yields its ``rediss://`` URL and the CA's certificate."""
+    exe = shutil.which("redis-server")
+    assert exe is not None, "redis-server is not installed: `make test` installs it (apt-get)"
+    certs = workdir / "tls"
+    subprocess.run(
+        ["bash", str(DEPLOY / "node-setup.sh"), "tls", str(certs), "localhost", "127.0.0.1"],
+        check=True,
+        timeout=60,
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            exe,
+            *("--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1"),
+            *("--tls-cert-file", str(certs / "server.crt")),
+            *("--tls-key-file", str(certs / "server.key")),
+            *("--tls-ca-cert-file", str(certs / "ca.crt")),
+            *("--tls-auth-clients", "no", "--save", "", "--appendonly", "no"),
+            *("--dir", str(workdir), *node_acl()),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"rediss://localhost:{port}/0"
+    client = redis.Redis.from_url(
+        url, username=REDIS_USER, password=REDIS_PASSWORD, ssl_ca_certs=str(certs / "ca.crt")
+    )
+    deadline = time.monotonic() + 20
+    try:
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("redis-server (TLS) did not start") from None
+                time.sleep(0.05)
+        client.close()
+        yield url, certs / "ca.crt"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 def bus_config(url: str, **extra: object) -> BusConfig:
@@ -110,3 +186,91 @@ def test_forged_events_never_steer_placement() -> None:
         state.place(PlacementRequest(f"r{i}", 64, prefix), now=0.5).instance_id for i in range(4)
     }
     assert "evil" not in chosen and chosen <= {"a", "b"}
+
+
+def test_the_clusters_acl_user_runs_the_bus_and_nothing_else(
+    node_redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With exactly ``deploy/redis-bus.acl``: every bus operation works (a fresh server has no
+    publish script, so SCRIPT LOAD runs too); admin commands and keys outside ``kvroute*``
+    are refused."""
+    name = f"kvroute-{uuid.uuid4().hex[:8]}"
+    cfg = bus_config(node_redis_url, name=name, redis_username=REDIS_USER)
+    monkeypatch.setenv("KVROUTE_REDIS_PASSWORD", REDIS_PASSWORD)
+    events, loads = open_buses(cfg)
+    assert events.publish(b"e0") == 0 and events.publish_many([b"e1", b"e2"]) == 2
+    assert events.publish_pair([b"e3"], loads, [b"l0"]) == (3, 0)
+    got, got_loads = events.read_pair(1, loads, 0)
+    assert got.items == [b"e1", b"e2", b"e3"] and got_loads.items == [b"l0"]
+    assert events.end() == 4
+    assert isinstance(events, RedisStreamBus)
+    events.request_resync("engine-0")
+    assert events.take_resync("engine-0") and not events.take_resync("engine-0")
+    db1 = RedisStreamBus(
+        node_redis_url.removesuffix("/0") + "/1",
+        name,
+        username=REDIS_USER,
+        password=REDIS_PASSWORD,
+    )
+    assert db1.publish(b"x") == 0  # a redis_url's database (SELECT)
+
+    raw = redis.Redis.from_url(node_redis_url, username=REDIS_USER, password=REDIS_PASSWORD)
+    refused = [
+        ("CONFIG", "GET", "*"),
+        ("CONFIG", "SET", "save", "60 1"),
+        ("ACL", "LIST"),
+        ("ACL", "SETUSER", REDIS_USER, "+@all"),
+        ("SAVE",),
+        ("BGSAVE",),
+        ("FLUSHALL",),
+        ("FLUSHDB",),
+        ("KEYS", "*"),
+        ("KEYS", "kvroute*"),
+        ("SHUTDOWN",),
+        ("SCRIPT", "FLUSH"),
+        ("EVAL", "return redis.call('FLUSHALL')", "0"),
+        ("PUBLISH", "kvroute", "x"),
+        ("SET", f"{name}:next", "0"),  # a kvroute key, but not a command the bus sends
+        ("DEL", f"{name}-kv-events"),
+        ("GET", "other"),  # outside kvroute*
+        ("XADD", "other", "*", "d", "x"),
+    ]
+    for cmd in refused:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            raw.execute_command(*cmd)
+    assert raw.ping()
+    assert events.end() == 4  # nothing refused changed the log
+
+
+def test_the_bus_runs_over_tls_with_the_clusters_certificates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cluster's TLS set-up (``node-setup.sh tls``, the config's ``rediss://`` URL and
+    ``redis_ca_file``): the bus publishes and reads; a client without TLS, or one that does
+    not trust the CA, gets nothing."""
+    monkeypatch.setenv("KVROUTE_REDIS_PASSWORD", REDIS_PASSWORD)
+    with tls_redis(tmp_path) as (url, ca):
+        cfg = bus_config(url, redis_username=REDIS_USER, redis_ca_file=str(ca))
+        events, loads = open_buses(cfg)
+        assert events.publish(b"over tls") == 0 and loads.publish(b"load") == 0
+        assert events.read(0).items == [b"over tls"]
+        # redis_tls on a redis:// URL: the same TLS connection
+        plain_url = url.replace("rediss://", "redis://")
+        tls_flag = RedisStreamBus(
+            plain_url,
+            cfg.events_name,
+            username=REDIS_USER,
+            password=REDIS_PASSWORD,
+            ssl=True,
+            ssl_ca_certs=str(ca),
+        )
+        assert tls_flag.read(0).items == [b"over tls"]
+        no_tls = RedisStreamBus(
+            plain_url, cfg.events_name, username=REDIS_USER, password=REDIS_PASSWORD
+        )
+        untrusted = RedisStreamBus(  # the system's CAs: they never signed this server
+            url, cfg.events_name, username=REDIS_USER, password=REDIS_PASSWORD
+        )
+        for bus in (no_tls, untrusted):
+            with pytest.raises(redis.ConnectionError):
+                bus.read(0)

@@ -238,3 +238,43 @@ def test_a_pools_pd_settings_become_the_engines_kv_transfer_config() -> None:
                 ]
             }
         )
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.0.0.5", "kvroute.example.com"])
+def test_a_host_off_loopback_needs_api_keys_or_says_it_is_open(host: str) -> None:
+    with pytest.raises(ValueError, match=r"router\.api_key_file: host .* is not loopback"):
+        ServeConfig.validated({"host": host})
+    for router in (
+        {"api_key_file": "/secrets/api.keys"},
+        {"api_keys": ["k1"]},
+        {"allow_unauthenticated": True},
+    ):
+        assert ServeConfig.validated({"host": host, "router": router}).host == host
+    for loopback in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        assert ServeConfig.validated({"host": loopback}).router.api_key_file is None
+
+
+def test_the_cluster_files_start_ray_with_its_token_and_keep_secrets_out() -> None:
+    """Every ``ray start`` of ``deploy/cluster*.yaml`` runs with token auth and the token file
+    the head made (``node-setup.sh ray-token``, before it starts); no secret is in a YAML."""
+    import yaml
+
+    for path in sorted(DEPLOY.glob("cluster*.yaml")):
+        data = yaml.safe_load(path.read_text())
+        starts = [
+            c
+            for key in ("head_start_ray_commands", "worker_start_ray_commands")
+            for c in data.get(key) or []
+            if "ray start" in c
+        ]
+        assert starts, path.name
+        for c in starts:
+            assert "RAY_AUTH_MODE=token" in c and "RAY_AUTH_TOKEN_PATH=" in c, (path.name, c)
+            assert "/.kvroute/ray.token" in c, (path.name, c)
+        head = " ".join(data["head_setup_commands"])
+        assert "node-setup.sh ray-token" in head and "node-setup.sh redis" in head
+        text = path.read_text()
+        assert "RAY_AUTH_TOKEN=" not in text and "requirepass" not in text
+    aws = yaml.safe_load((DEPLOY / "cluster.yaml").read_text())
+    for node_type in aws["available_node_types"].values():
+        assert node_type["node_config"]["SecurityGroupIds"], "explicit security groups"
