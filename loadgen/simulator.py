@@ -60,6 +60,7 @@ from engines.sim.virtual import VirtualInstance, trace_arrival
 from loadgen.cachesim import request_info
 from loadgen.records import RequestRecord
 from loadgen.workloads import Planned
+from router import lifecycle
 from router.admission import Admission, Rejected
 from router.pd import (
     DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
@@ -222,8 +223,6 @@ class SimRun:
 
 ProgressFn = Callable[[int, int], None]  # (requests placed, total)
 
-PREFILL_SUFFIX = "-prefill"  # a split request's prefill leg is request ``<id>-prefill``
-_REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False}
 
 # the young generation's collection threshold during a replay (CPython's default: 700)
 _REPLAY_GC_THRESHOLD = 20_000
@@ -355,7 +354,7 @@ class ClusterSimulator:
         """A prefill leg finished at ``t``: its request goes to its decode instance with the
         prefill's ``kv_transfer_params`` (queued there until that instance runs up to ``t``).
         A prefill aborted without them (none here) would leave its request unserved."""
-        rid = prefill.request_id.removesuffix(PREFILL_SUFFIX)
+        rid = lifecycle.request_of_prefill_leg(prefill.request_id)
         decode, _ = self._split[rid]
         inst = self.by_id[decode.instance_id]
         _, req = trace_arrival(
@@ -518,9 +517,8 @@ class ClusterSimulator:
                 session_key=session,
                 category=tr.category,
             )
-            placement = core.place(preq, t)
             try:
-                core.admission.check_slo(placement.estimated_ttft_s)
+                placement = lifecycle.admit(core, preq, t)
             except Rejected as e:
                 rec.error, rec.status, rec.error_detail, rec.done_s = "http_429", 429, e.reason, t
                 self._refused()
@@ -529,7 +527,7 @@ class ClusterSimulator:
             if placement.prefill is not None:  # PD: the prefill leg now, the decode on handover
                 leg_place = placement.prefill
                 _, leg = trace_arrival(
-                    rid + PREFILL_SUFFIX,
+                    lifecycle.prefill_leg_id(rid),
                     t,
                     tr.input_length,
                     1,
@@ -538,7 +536,7 @@ class ClusterSimulator:
                     bs,
                     mml,
                     req.info,
-                    kv_transfer_params=_REMOTE_DECODE,
+                    kv_transfer_params=lifecycle.prefill_params(None),
                 )
             inst = by_id[leg_place.instance_id]
             try:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import msgspec
 
 from engines.base import EngineError, EngineOutput, KvCommand, RoutedRequest, Usage, whole
-from router import tracing
+from router import lifecycle, tracing
 from router.hints import HINTS_KEY
 from router.placement import NoInstanceError, Placement, PlacementRequest
 from router.state import RouterState
@@ -113,20 +113,20 @@ class Dispatcher:
         ``rerun``: a failover (with prefill/decode pools: whole on a decode engine)."""
         if not self.pre_place:
             return None
-        placement = self.state.place(preq, exclude=exclude, rerun=rerun)
-        if self.state.disaggregated and not rerun:
+        state = self.state
+        placement = lifecycle.admit(
+            state, preq, state.clock(), waited_s, gate=gate, exclude=exclude, rerun=rerun
+        )
+        if state.disaggregated and not rerun:
             if placement.prefill is not None:
                 self.pd_split += 1
             else:
                 self.pd_colocated += 1
-        estimate = placement.estimated_ttft_s
-        if gate:
-            self.state.admission.check_slo(estimate + waited_s if estimate is not None else None)
         return placement
 
     async def stream(
         self, routed: RoutedRequest, first: Placement | None = None
-    ) -> AsyncIterator[tuple[Placement, EngineOutput]]:
+    ) -> AsyncGenerator[tuple[Placement, EngineOutput], None]:
         """Yield ``(placement, output)`` as one stream whatever fails underneath. An engine that
         fails before the first token: the request is retried on another instance (up to
         ``max_attempts`` tries). One that fails after it: the request migrates (Dynamo calls it
@@ -200,7 +200,7 @@ class Dispatcher:
                         "engine %s failed after %d tokens, migrating: %s", where, len(generated), e
                     )
                     legs += 1
-                    leg = _continuation(routed, generated, legs)
+                    leg = lifecycle.continuation(routed, generated, legs)
                     if leg is None:  # it failed with every owed token already yielded
                         yield placement or Placement(where), _finished(routed, generated)
                         return
@@ -241,7 +241,7 @@ class Dispatcher:
         then computes the prompt itself)."""
         prefill: Placement | None = placement.prefill
         tried: set[str] = set()
-        leg = _prefill_leg(routed)
+        leg = lifecycle.prefill_leg(routed)
         leg_preq = self.placement_request(leg)
         started = time.monotonic()
         while prefill is not None:
@@ -272,12 +272,7 @@ class Dispatcher:
                 return None
             self.pd_prefill_s += time.monotonic() - started
             self.pd_handed_tokens += placement.transfer_tokens
-            params = {**(routed.request.kv_transfer_params or {}), **out.kv_transfer_params}
-            hints = (routed.request.kv_transfer_params or {}).get(HINTS_KEY)
-            if hints is not None:
-                params[HINTS_KEY] = hints
-            request = msgspec.structs.replace(routed.request, kv_transfer_params=params)
-            return msgspec.structs.replace(routed, request=request)
+            return lifecycle.decode_leg(routed, out.kv_transfer_params)
         return None
 
     def _pulled(self, params: dict[str, Any]) -> None:
@@ -300,42 +295,6 @@ class Dispatcher:
         except NoInstanceError:
             return None
         return again.prefill
-
-
-def _prefill_leg(routed: RoutedRequest) -> RoutedRequest:
-    """The prefill leg of ``routed``: request ``<id>-prefill``, one token, answered whole, with
-    ``do_remote_decode`` added to its ``kv_transfer_params`` (vLLM's contract)."""
-    r = routed.request
-    sampling = msgspec.structs.replace(r.sampling, max_tokens=1, min_tokens=0)
-    params = {**(r.kv_transfer_params or {}), "do_remote_decode": True, "do_remote_prefill": False}
-    request = msgspec.structs.replace(
-        r,
-        request_id=f"{r.request_id}-prefill",
-        sampling=sampling,
-        stream=False,
-        kv_transfer_params=params,
-    )
-    return msgspec.structs.replace(routed, request=request, target_instance=None)
-
-
-def _continuation(routed: RoutedRequest, generated: list[int], leg: int) -> RoutedRequest | None:
-    """Leg ``leg`` (2, 3 ...) of ``routed`` after ``generated`` tokens: its prompt plus those
-    tokens, for the tokens still owed (None: none is), as request ``<id>-leg<leg>``. Placement
-    keeps the prompt's block hashes (the generated tail is cached nowhere else)."""
-    r, sampling = routed.request, routed.request.sampling
-    left = sampling.max_tokens - len(generated)
-    if left < 1:
-        return None
-    owed = msgspec.structs.replace(
-        sampling, max_tokens=left, min_tokens=max(0, sampling.min_tokens - len(generated))
-    )
-    request = msgspec.structs.replace(
-        r,
-        request_id=f"{r.request_id}-leg{leg}",
-        prompt_token_ids=[*r.prompt_token_ids, *generated],
-        sampling=owed,
-    )
-    return msgspec.structs.replace(routed, request=request, target_instance=None)
 
 
 def _leg_usage(out: EngineOutput, routed: RoutedRequest, completion: int) -> EngineOutput:
