@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.deployment import Application
+from ray.serve.deployment import Application, Deployment
 
 from deploy.config import (
     RAY_PREFIX_ROUTER,
@@ -147,16 +147,20 @@ def build_serve_app(cfg: ServeConfig) -> Application:
     for pool in cfg.engine_pools:
         if cfg.router.scorer == RAY_PREFIX_ROUTER:
             rr = RequestRouterConfig(
-                request_router_class="ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+                # NOTE: Ray types RequestRouterConfig.__init__(**kwargs: dict[str, Any])
+                request_router_class="ray.serve.llm.request_router:PrefixCacheAffinityRouter"  # type: ignore[arg-type]
             )
         else:
             rr = RequestRouterConfig(
-                request_router_class="router.serve_router:KvRequestRouter",
+                request_router_class="router.serve_router:KvRequestRouter",  # type: ignore[arg-type]
                 request_router_kwargs={"state_key": cfg.app_name, "pool": pool.name},
             )
         engines[pool.name] = build_engine_app(pool, request_router_config=rr)
     router = cfg.router
-    return IngressDeployment.options(
+    # NOTE: mypy does not apply class decorators: the class is the Deployment
+    # @serve.deployment made of it
+    deployment = cast(Deployment, IngressDeployment)
+    return deployment.options(
         num_replicas=router.replicas,
         health_check_period_s=router.health_check_period_s,
         # NOTE: Serve's default is 5 requests per replica; past them the proxy queues and backs
@@ -168,17 +172,19 @@ def build_serve_app(cfg: ServeConfig) -> Application:
 
 
 def wait_until_ready(base_url: str, instances: int, timeout_s: float = 300.0) -> None:
-    """Block until the ingress at ``base_url`` knows ``instances`` live engines (their load
-    samples arrived), or raise ``TimeoutError``."""
+    """Block until the ingress at ``base_url`` is ready (``/ready`` answers 200: its buses are
+    read) with ``instances`` engines routable (healthy, their load samples arrived), or raise
+    ``TimeoutError``."""
     import httpx
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if httpx.get(f"{base_url}/health", timeout=10).json().get("instances", 0) >= instances:
+            r = httpx.get(f"{base_url}/ready", timeout=10)
+            if r.status_code == 200 and r.json().get("routable_instances", 0) >= instances:
                 return
-        except httpx.HTTPError:
-            pass  # the proxy may not route to the app yet
+        except (httpx.HTTPError, ValueError):
+            pass  # the proxy may not route to the app yet (and answers it in plain text)
         if time.monotonic() > deadline:
             raise TimeoutError(f"{base_url}: {instances} engines did not report in {timeout_s} s")
         time.sleep(0.2)

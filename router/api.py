@@ -4,6 +4,10 @@ support.
 The request models list exactly the fields vLLM's own OpenAI server accepts for chat and text
 completions (``vllm.entrypoints.openai.*.protocol``), with the same meanings, plus kvroute's
 extensions (``kvroute_category``, ``kvroute_continuation``); any other field is a 400 naming it.
+Clients are untrusted (docs/architecture.md, "Trust boundaries"): ``kv_transfer_params`` is
+accepted only empty (every key is a 400 naming ``kv_transfer_params.<key>``: the router's PD legs
+and admin commands alone set transfer parameters), and ``vllm_xargs`` may not set the
+``extra_args`` keys vLLM itself reads (``RESERVED_XARGS``).
 Nothing is dropped silently: a field kvroute cannot honour (tools, beam search, prompt
 logprobs ...) is accepted only at its default value and is a 400 naming it otherwise, and on sim
 engines so is every field whose effect a client could check but a model-free engine cannot
@@ -27,6 +31,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from cachemap.hashing import as_u32
 from engines.base import SamplingParams
@@ -34,14 +39,19 @@ from engines.base import SamplingParams
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # vLLM's VLLM_MAX_STOP_STRINGS default (and OpenAI's limit)
 MAX_STOP_STRINGS = 4
+# prompts in one /v1/completions request (each is ``n`` engine requests of its own)
+MAX_PROMPTS = 64
 
 EngineKind = Literal["sim", "vllm"]
+# a request category (``kvroute_category``, x-kvroute-category): the CPU-tier policies keep
+# state per category, so it is a short name, and an ingress takes a bounded number of them
+CATEGORY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$"
 NonEmpty = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 # vLLM's rule for a cache salt: 1-128 characters, none of '@', '/', '\\', NUL
 CacheSalt = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^@/\\\x00]+$")]
 _RENDER_ONLY = "only for vLLM's render endpoints, which this server does not serve"
-# Free-form JSON that goes on to the engine (kv_transfer_params, a structured-output schema) is
+# Free-form JSON that goes on to the engine (a structured-output schema) is
 # pickled on the way by Ray, and pickle gives up a few hundred levels down: nested deeper than
 # this it is a 400 naming the field (a request carrying one 500 levels deep was a 500).
 MAX_JSON_DEPTH = 64
@@ -65,6 +75,35 @@ def bounded_nesting(value: Any) -> Any:
 
 # A free-form JSON object bound for the engine, nested at most ``MAX_JSON_DEPTH`` levels
 EngineJson = Annotated[dict[str, Any], AfterValidator(bounded_nesting)]
+
+
+def _router_only(value: Any) -> Any:
+    raise PydanticCustomError(
+        "router_only",
+        "transfer parameters are set by the router only (its PD legs and admin commands); "
+        "a client may not send any",
+    )
+
+
+# ``kv_transfer_params`` as clients may send it: empty. The dict is opaque (its keys change
+# between vLLM versions) and every key of it steers a KV connector (do_remote_*: where the
+# engine pulls KV from and what it stores it under; "kvroute": the CPU-tier policy), so the
+# allowlist is empty: each key is an error located at ``kv_transfer_params.<key>``.
+RouterOnlyParams = Annotated[
+    dict[str, Annotated[Any, AfterValidator(_router_only)]],
+    WithJsonSchema(
+        {
+            "type": "object",
+            "maxProperties": 0,
+            "description": "set by the router only: a client may send it empty, no key",
+        }
+    ),
+]
+# vLLM's own keys of ``SamplingParams.extra_args`` (``vllm.v1.request.Request``): the KV and
+# encoder-cache connectors' parameters, and ``kv_cache_report_mode`` ("full" makes the engine
+# re-publish a BlockStored event for every cached block a request reuses: an event storm on the
+# cache-map bus). A client's ``vllm_xargs`` may not set them.
+RESERVED_XARGS = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode")
 
 
 class APIError(Exception):
@@ -359,11 +398,13 @@ class _Common(StrictBody):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     cache_salt: CacheSalt | None = None
-    # vLLM's field: a KV connector's per-request parameters, passed on to the engine unchanged
-    # (kvroute's policy hints are merged in under "kvroute")
-    kv_transfer_params: EngineJson | None = None
-    # kvroute extension: request type for the CPU-tier policy (text/search/image/file).
-    kvroute_category: str | None = None
+    # vLLM's field: a KV connector's per-request parameters. Set by the router's own PD legs and
+    # admin commands only (docs/architecture.md, "Trust boundaries"): a client may send it empty
+    # or null, and every key is a 400 naming it (``kv_transfer_params.<key>``)
+    kv_transfer_params: RouterOnlyParams | None = None
+    # kvroute extension: request type for the CPU-tier policy (text/search/image/file); also
+    # header x-kvroute-category (the header wins). A short name (``CATEGORY_PATTERN``)
+    kvroute_category: str | None = Field(default=None, pattern=CATEGORY_PATTERN)
     # kvroute extension: the client's probability that this conversation sends another turn,
     # for the CPU-tier policy (also header x-kvroute-continuation; this field wins)
     kvroute_continuation: float | None = Field(default=None, ge=0, le=1)
@@ -449,6 +490,13 @@ class _Common(StrictBody):
             raise APIError(400, "n must be 1 with greedy sampling (temperature 0)", param="n")
         if self.logprob_token_ids and self.top_candidates() is None:
             raise APIError(400, "logprob_token_ids: needs logprobs", param="logprob_token_ids")
+        for key in RESERVED_XARGS:
+            if key in (self.vllm_xargs or {}):
+                raise APIError(
+                    400,
+                    f"vllm_xargs.{key}: reserved for the router (vLLM reads it from extra_args)",
+                    param=f"vllm_xargs.{key}",
+                )
         if engine_kind == "sim":
             for name, why in SIM_UNSUPPORTED.items():
                 if self._is_set(name):
@@ -636,7 +684,8 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    # one prompt: text or token ids, or a list of exactly one of those
+    # a prompt (text or token ids) or, as vLLM takes them, a list of prompts (texts, or token-id
+    # lists): each prompt gets its own ``n`` choices, indexed ``prompt * n + choice``
     prompt: Annotated[
         str | list[int] | list[str] | list[list[int]],
         WithJsonSchema(
@@ -647,10 +696,10 @@ class CompletionRequest(_Common):
                     {
                         "type": "array",
                         "minItems": 1,
-                        "maxItems": 1,
+                        "maxItems": MAX_PROMPTS,
                         "items": {"type": "string", "minLength": 1},
                     },
-                    {"type": "array", "minItems": 1, "maxItems": 1, "items": _TOKEN_IDS},
+                    {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": _TOKEN_IDS},
                 ]
             }
         ),
@@ -662,16 +711,23 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> str | list[int]:
+    def _prompts(cls, v: Any) -> Any:
+        batch = v if isinstance(v, list) and v and isinstance(v[0], str | list) else [v]
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        for p in batch:
+            if not p:
+                raise ValueError("prompt must not be empty")
+            if isinstance(p, list) and not _fits_u32(p) and min(p) < 0:
+                raise ValueError("token ids must be non-negative")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the list it gives (vLLM's batch of prompts)."""
+        v = self.prompt
         if isinstance(v, list) and v and isinstance(v[0], str | list):
-            if len(v) != 1:
-                raise ValueError("exactly one prompt per request is supported")
-            v = v[0]
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be empty")
-        if isinstance(v, list) and not _fits_u32(v) and min(v) < 0:
-            raise ValueError("token ids must be non-negative")
-        return v  # type: ignore[no-any-return]
+            return list(v)
+        return [v]  # type: ignore[list-item]
 
     def top_candidates(self) -> int | None:
         return self.logprobs
@@ -744,6 +800,26 @@ _USAGE_SCHEMA: dict[str, Any] = {
 }
 
 
+def error_responses(described: dict[int, str]) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses: each status of ``described`` with its description and the
+    OpenAI-shaped error body."""
+    error = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+    return {status: {"description": why, **error} for status, why in described.items()}
+
+
+# the errors of every endpoint that reads a JSON body (``_read_json_body``)
+BODY_ERRORS = {
+    400: "Malformed body, or a field not valid",
+    413: "Body over the limit",
+    415: "Content type not application/json",
+}
+# the errors of an endpoint behind the admin key
+ADMIN_ERRORS = {
+    401: "Missing or invalid admin key",
+    403: "Off: no admin key is configured",
+}
+
+
 def openapi_responses(chat: bool) -> dict[int | str, dict[str, Any]]:
     """The documented responses of a completion endpoint: the body (or an SSE stream with
     ``stream: true``) and the OpenAI-shaped errors."""
@@ -796,6 +872,7 @@ def openapi_responses(chat: bool) -> dict[int | str, dict[str, Any]]:
         401: {"description": "Missing or invalid API key", **error},
         404: {"description": "Unknown model", **error},
         413: {"description": "Body over the limit", **error},
+        415: {"description": "Content type not application/json", **error},
         429: {"description": "Overloaded (admission); see Retry-After", **error},
         500: {"description": "Internal error", **error},
         503: {"description": "No engine could serve the request; see Retry-After", **error},

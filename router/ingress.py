@@ -4,20 +4,23 @@ stream. Every client mistake is an OpenAI-shaped 4xx; nothing accepted is droppe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -27,11 +30,14 @@ from engines.base import EngineError, EngineOutput, EngineRequest, RoutedRequest
 from router import tracing
 from router.admission import Rejected, Ticket
 from router.api import (
+    ADMIN_ERRORS,
+    CATEGORY_PATTERN,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     EngineKind,
     checked_token_ids,
+    error_responses,
     json_body_schema,
     openapi_responses,
     validation_error,
@@ -39,10 +45,11 @@ from router.api import (
 from router.dispatch import ChoiceStreams, Dispatcher, StreamBroken
 from router.hints import PolicyHints, conversation_ids, parse_continuation
 from router.kv_control import KvControl, kv_routes
+from router.lifecycle import choice_requests
 from router.metrics import RouterMetrics
 from router.placement import NoInstanceError
 from router.ratelimit import RateLimiter
-from router.responses import ResponseBuilder, choice_requests
+from router.responses import ResponseBuilder
 from router.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -77,6 +84,9 @@ class IngressConfig:
     category_header: str = "x-kvroute-category"
     session_header: str = "x-session-id"
     continuation_header: str = "x-kvroute-continuation"
+    # distinct request categories (kvroute_category, x-kvroute-category) this ingress passes
+    # to the engines' CPU-tier policies, which keep state per category; a new one past it: 400
+    max_categories: int = 64
 
 
 # NOTE: msgspec's decoder, not json.loads: a 1k-token-id prompt's body decodes in ~31 us
@@ -84,11 +94,35 @@ class IngressConfig:
 _json_decoder = msgspec.json.Decoder()
 
 
+def _check_json_content_type(request: Request) -> None:
+    """415 unless the body is declared ``application/json`` (a ``charset`` parameter, if any,
+    UTF-8: RFC 8259's only encoding). A web page can POST text/plain, form or typeless bodies
+    cross-origin without a CORS preflight; application/json needs one, so a keyless router on
+    localhost is not an open door to every page its user visits."""
+    declared = request.headers.get("content-type")
+    media, _, rest = (declared or "").partition(";")
+    params = {}
+    for part in rest.split(";") if rest.strip() else ():
+        key, _, value = part.strip().partition("=")
+        params[key.strip().lower()] = value.strip().strip('"').lower()
+    charset = params.pop("charset", "utf-8")
+    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8") or params:
+        raise APIError(
+            415,
+            "the body must be JSON sent as content-type application/json; got "
+            + (repr(declared) if declared is not None else "no content-type"),
+            param="content-type",
+            code="unsupported_media_type",
+        )
+
+
 async def _read_json_body(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object; 413 as soon as it is known to exceed ``limit`` bytes (from
+    """The body as a JSON object; 415 unless declared ``application/json``
+    (``_check_json_content_type``); 413 as soon as it is known to exceed ``limit`` bytes (from
     Content-Length, or while streaming it in), so an oversized body is never held whole; 400
     for a body that is not standard JSON (RFC 8259: no NaN or Infinity) or is nested past the
     parser's depth."""
+    _check_json_content_type(request)
     too_large = APIError(
         413, f"request body exceeds the limit of {limit} bytes", code="request_too_large"
     )
@@ -138,14 +172,42 @@ class RequestPreparer:
         which only Ray's ``PrefixCacheAffinityRouter`` reads); without it the text is empty."""
         self.config, self.tokenizer, self.prompt_text = config, tokenizer, prompt_text
         self.hasher = BlockHasher(config.model, config.block_size)
+        self.categories: set[str] = set()  # those passed on so far (``max_categories``)
+
+    def category(self, request: Request, req: ChatCompletionRequest | CompletionRequest) -> str:
+        """The request's type (header, else body, else "text"): a short name, one of at most
+        ``max_categories`` distinct ones (each is state in every engine's CPU-tier policy)."""
+        config = self.config
+        header = request.headers.get(config.category_header)
+        kind = header or req.kvroute_category or "text"
+        param = config.category_header if header else "kvroute_category"
+        if header and not re.match(CATEGORY_PATTERN, header):
+            raise APIError(
+                400, f"{param} must match {CATEGORY_PATTERN}, got {header[:64]!r}", param=param
+            )
+        if kind not in self.categories:
+            if len(self.categories) >= config.max_categories:
+                raise APIError(
+                    400,
+                    f"{param}: at most {config.max_categories} distinct request categories; "
+                    f"known: {', '.join(sorted(self.categories))}",
+                    param=param,
+                    code="too_many_categories",
+                )
+            self.categories.add(kind)
+        return kind
 
     def __call__(
-        self, request: Request, req: ChatCompletionRequest | CompletionRequest
+        self,
+        request: Request,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompt: str | list[int] | None = None,
     ) -> tuple[RoutedRequest, str]:
         """The engine request and routing record of a validated body (tokenized once, chat
         template for chats; checked against the context, hashed, with its policy hints), and
         the response's id: the body's ``request_id`` prefixed as OpenAI's ids are, or else
-        the engine request's (always a random one)."""
+        the engine request's (always a random one). ``prompt``: which of a completions body's
+        prompts (default: its first)."""
         config, tokenizer = self.config, self.tokenizer
         chat = isinstance(req, ChatCompletionRequest)
         req.refusals(config.engine_kind)
@@ -166,13 +228,13 @@ class RequestPreparer:
             text = "".join(m["content"] for m in messages) if self.prompt_text else ""
             turn = sum(1 for m in req.messages if m.role == "user")
             node, parent = conversation_ids(messages, session)
-        elif isinstance(req.prompt, str):
+        elif isinstance(p := req.prompts()[0] if prompt is None else prompt, str):
             # vLLM's rule: a completions prompt gets the tokenizer's special tokens unless
             # the request says add_special_tokens: false
             special = req.add_special_tokens is not False
-            ids, text, turn = tokenizer.encode(req.prompt, special), req.prompt, 1
+            ids, text, turn = tokenizer.encode(p, special), p, 1
         else:
-            ids = checked_token_ids(req.prompt, tokenizer.vocab_size, "prompt")  # type: ignore[arg-type]
+            ids = checked_token_ids(p, tokenizer.vocab_size, "prompt")
             text, turn = " ".join(map(str, ids[:256])) if self.prompt_text else "", 1
         keep = req.truncate_prompt_tokens
         if keep is not None:  # vLLM's rule: -1 is the context less one; default side "left"
@@ -208,8 +270,7 @@ class RequestPreparer:
                 else "max_tokens",
                 code="context_length_exceeded",
             )
-        kind = request.headers.get(config.category_header) or req.kvroute_category or "text"
-        category = f"{kind}_{turn}"
+        category = f"{self.category(request, req)}_{turn}"
         header = config.continuation_header
         try:
             continuation = parse_continuation(request.headers.get(header), header)
@@ -232,7 +293,8 @@ class RequestPreparer:
             rid,
             ids,
             sampling,
-            kv_transfer_params=hints.merged_into(req.kv_transfer_params),
+            # a client's kv_transfer_params is empty (``RouterOnlyParams``): the hints alone
+            kv_transfer_params=hints.merged_into(None),
             cache_salt=req.cache_salt,
             # whole at the end unless someone reads it first: the client, or the ingress's
             # stop strings (an engine that detokenizes applies them itself)
@@ -261,7 +323,7 @@ class Ingress:
         # places by itself); with pre-placement nothing reads it, and a token-id prompt's
         # stand-in text costs ~30 us to build
         self.prepare = RequestPreparer(config, tokenizer, prompt_text=not dispatcher.pre_place)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(config.model, config.router_id, config.max_model_len)
         self.created = int(time.time())
         self.limiter = (
             RateLimiter(config.rate_limit, config.rate_burst)
@@ -348,13 +410,16 @@ class Ingress:
                     "created": self.created,
                     "owned_by": "kvroute",
                     "max_model_len": config.max_model_len,
+                    # token ids a prompt may carry (loadgen fits its token-id prompts to it)
+                    "vocab_size": self.tokenizer.vocab_size,
                 }
             ],
         }
 
     async def completion(self, request: Request, chat: bool) -> Response:
         """A chat or completions request; admission's and the rate limit's refusals raise
-        ``Rejected`` (429 + Retry-After, ``rejected``)."""
+        ``Rejected`` (429 + Retry-After, ``rejected``). A completions body with several prompts
+        is vLLM's batch (``_batch``)."""
         self.check_auth(request)
         self.check_rate(request)
         body = await self.read_body(request)
@@ -364,6 +429,8 @@ class Ingress:
         except ValidationError as e:
             raise validation_error(e, model) from None
         self.check_model(req.model)
+        if isinstance(req, CompletionRequest) and len(prompts := req.prompts()) > 1:
+            return await self._batch(request, req, prompts)
         dispatcher, metrics = self.dispatcher, self.metrics
         with tracing.span("kvroute.ingress", request.headers) as span:
             routed, response_id = self.prepare(request, req)
@@ -375,6 +442,7 @@ class Ingress:
             )
             queued_at = time.monotonic()
             ticket = await dispatcher.state.admission.acquire()
+            metrics.admitted(builder, queued_at, routed.request.stream)
             streams: ChoiceStreams | None = None
             handed_off = False
             try:
@@ -453,6 +521,193 @@ class Ingress:
             ticket.release()
         yield b"data: [DONE]\n\n"
 
+    async def _batch(
+        self, request: Request, req: CompletionRequest, prompts: list[str | list[int]]
+    ) -> Response:
+        """A completions body with several prompts, as vLLM's serving_completion runs it: every
+        prompt checked first (a 400 before any runs), then each a request of its own (admitted
+        and placed on its own), all at once; prompt ``k``'s choice ``i`` is choice ``k * n + i``
+        of one response, whose usage is the sum. Streamed, chunks interleave as they come and
+        the 200 waits for every prompt's first output (an engine's refusal is still a 4xx)."""
+        dispatcher, n = self.dispatcher, req.n
+        with tracing.span("kvroute.ingress", request.headers) as span:
+            prepared = [self.prepare(request, req, p) for p in prompts]
+            response_id = prepared[0][1]
+            span.set_attribute(
+                "kvroute.prompt_tokens",
+                sum(len(r.request.prompt_token_ids) for r, _ in prepared),
+            )
+            runs: list[_Run] = []
+            queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = asyncio.Queue()
+            tasks: list[asyncio.Task[None]] = []
+
+            async def pump(k: int, run: _Run) -> None:
+                dispatcher.client.isolate()  # a task per prompt: engine calls of their own
+                try:
+                    async for item in run.streams.items():
+                        queue.put_nowait((k, item, None))
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:
+                    queue.put_nowait((k, None, e))
+                    return
+                queue.put_nowait((k, None, None))
+
+            async def outputs() -> AsyncIterator[tuple[int, Any]]:
+                left = len(runs)
+                while left:
+                    k, item, err = await queue.get()
+                    if err is not None:
+                        raise err
+                    if item is None:
+                        left -= 1
+                    else:
+                        yield k, item
+
+            async def close() -> None:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                for run in runs:
+                    await run.streams.close()
+                    run.ticket.release()
+
+            handed_off = False
+            try:
+                for routed, _ in prepared:
+                    runs.append(await self._open(req, routed, response_id))
+                tasks.extend(asyncio.create_task(pump(k, r)) for k, r in enumerate(runs))
+                items = outputs()
+                if req.stream:
+                    head: list[dict[str, Any]] = []
+                    started: set[int] = set()
+                    async for k, (i, placement, out) in items:
+                        head += _reindexed(
+                            runs[k].builder.chunks(i, out, placement.instance_id), k * n
+                        )
+                        await _stop_if_ended(runs[k].streams, runs[k].builder, i, out)
+                        started.add(k)
+                        if len(started) == len(runs):
+                            break
+                    handed_off = True
+                    return StreamingResponse(
+                        self._batch_sse(items, runs, head, close, n),
+                        media_type="text/event-stream",
+                        background=BackgroundTask(close),
+                    )
+                async for k, (i, placement, out) in items:
+                    run = runs[k]
+                    run.builder.add(i, out, placement.instance_id)
+                    await _stop_if_ended(run.streams, run.builder, i, out)
+                finals = []
+                for run in runs:
+                    run.builder.estimate_cached_tokens(run.expected_cached_tokens)
+                    self.metrics.finished(run.builder)
+                    finals.append(run.builder.final())
+                body = finals[0]
+                body["choices"] = [
+                    c | {"index": c["index"] + k * n}
+                    for k, f in enumerate(finals)
+                    for c in f["choices"]
+                ]
+                body["usage"] = _summed_usage([f["usage"] for f in finals])
+                return JSONResponse(body)
+            finally:
+                if not handed_off:
+                    await close()
+
+    async def _open(self, req: CompletionRequest, routed: RoutedRequest, response_id: str) -> _Run:
+        """One prompt of a batch admitted and placed, its engine streams not yet started."""
+        dispatcher = self.dispatcher
+        prompt_ids = routed.request.prompt_token_ids
+        children = choice_requests(routed, req.n)
+        builder = ResponseBuilder(
+            req, False, self.tokenizer, response_id, len(prompt_ids), prompt_token_ids=prompt_ids
+        )
+        queued_at = time.monotonic()
+        ticket = await dispatcher.state.admission.acquire()
+        self.metrics.admitted(builder, queued_at, routed.request.stream)
+        try:
+            first = dispatcher.place(
+                dispatcher.placement_request(children[0]),
+                set(),
+                waited_s=time.monotonic() - queued_at,
+            )
+            if first is not None:
+                self.metrics.placed(first)
+            streams = ChoiceStreams(dispatcher, children, first)
+        except BaseException:
+            ticket.release()
+            raise
+        return _Run(builder, streams, ticket, children[0].request.expected_cached_tokens)
+
+    async def _batch_sse(
+        self,
+        items: AsyncIterator[tuple[int, Any]],
+        runs: list[_Run],
+        head: list[dict[str, Any]],
+        close: Callable[[], Awaitable[None]],
+        n: int,
+    ) -> AsyncIterator[bytes]:
+        """``_sse`` for a batch of prompts: one usage chunk at the end, summed."""
+        try:
+            for chunk in head:
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            with tracing.span("kvroute.engine_call"):
+                async for k, (i, placement, out) in items:
+                    run = runs[k]
+                    for chunk in _reindexed(
+                        run.builder.chunks(i, out, placement.instance_id), k * n
+                    ):
+                        yield f"data: {json.dumps(chunk)}\n\n".encode()
+                    await _stop_if_ended(run.streams, run.builder, i, out)
+            for run in runs:
+                run.builder.estimate_cached_tokens(run.expected_cached_tokens)
+            if runs[0].builder.include_usage:
+                chunk = runs[0].builder.usage_chunk()
+                chunk["usage"] = _summed_usage([r.builder.usage() for r in runs])
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            for run in runs:
+                self.metrics.finished(run.builder)
+        except Exception as e:  # the client already has a 200: end the stream with an error
+            self.metrics.errors.labels("stream").inc()
+            err = (
+                e
+                if isinstance(e, APIError)
+                else APIError(500, f"engine failed mid-stream: {e}", type_="server_error")
+            )
+            yield f"data: {json.dumps(err.body())}\n\n".encode()
+        finally:
+            await close()
+        yield b"data: [DONE]\n\n"
+
+    # -- readiness -----------------------------------------------------------------------
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """``(ready, body)``: ready once at least one engine is routable (known, healthy, and
+        with a load sample on the bus within the watcher's timeout) and the buses are read
+        (a sample came within that timeout: a bus that is down or refuses this router sends
+        none). A router whose state is driven by hand (no buses) needs a routable engine only."""
+        state = self.dispatcher.state
+        views, _ = state.observe(())
+        healthy = [v.instance_id for v in views if v.healthy]
+        watcher = state.core.watcher
+        if watcher is None:
+            bus, routable = "none", healthy
+        else:
+            now, timeout = state.clock(), watcher.timeout_s
+            heard = {i for i, t in dict(watcher.last_seen).items() if now - t <= timeout}
+            bus = "connected" if heard else "silent"
+            routable = [i for i in healthy if i in heard]
+        ready = bool(routable) and bus != "silent"
+        body = {
+            "status": "ready" if ready else "not ready",
+            "routable_instances": len(routable),
+            "instances": len(views),
+            "bus": bus,
+        }
+        return ready, body
+
     # -- errors --------------------------------------------------------------------------
 
     def api_error(self, e: APIError) -> JSONResponse:
@@ -487,6 +742,33 @@ class Ingress:
         return self.api_error(
             APIError(500, f"internal error: {type(e).__name__}", type_="server_error")
         )
+
+
+@dataclass
+class _Run:
+    """One prompt of a completions batch: its response builder, engine streams, admission
+    ticket, and the router's estimate of its cached prefix."""
+
+    builder: ResponseBuilder
+    streams: ChoiceStreams
+    ticket: Ticket
+    expected_cached_tokens: int
+
+
+def _reindexed(chunks: list[dict[str, Any]], offset: int) -> list[dict[str, Any]]:
+    """``chunks`` with their choices' indexes moved by ``offset`` (a batch's later prompts)."""
+    for chunk in chunks if offset else ():
+        for c in chunk["choices"]:
+            c["index"] += offset
+    return chunks
+
+
+def _summed_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The usage of a batch: every count summed (vLLM's)."""
+    out = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens")}
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    cached = sum(u.get("prompt_tokens_details", {}).get("cached_tokens", 0) for u in usages)
+    return {**out, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class RouterIdHeader:
@@ -546,13 +828,37 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
+        """Liveness: the router process answers (it may not be able to route yet: /ready)."""
         return ingress.health()
 
-    @app.get("/metrics")
+    @app.get(
+        "/ready",
+        responses={
+            200: {"description": "Ready: an engine is routable and the buses are read"},
+            503: {"description": "Not ready yet (or any more): see the body"},
+        },
+    )
+    async def ready() -> JSONResponse:
+        """Readiness: 200 once at least one engine is routable and the cache-map bus is
+        connected, 503 until then (and whenever that stops being true)."""
+        ok, body = ingress.readiness()
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={
+            200: {
+                "description": "Prometheus text exposition",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+            **(error_responses(ADMIN_ERRORS) if config.metrics_admin else {}),
+        },
+    )
     async def prometheus(request: Request) -> Response:
         return ingress.prometheus(request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses({401: "Missing or invalid API key"}))
     async def models(request: Request) -> dict[str, Any]:
         return ingress.models(request)
 
@@ -572,4 +878,26 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
     async def completions(request: Request) -> Response:
         return await ingress.completion(request, chat=False)
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, with the bearer scheme declared (always) and required by the
+        operations that check a key: /v1/* with API keys configured, the KV control API (the
+        admin key), /metrics when it is the admins'."""
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            doc.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "an API key (/v1/*), or an admin key (/v1/kv/*)",
+                }
+            }
+            for path, ops in doc["paths"].items():
+                admin = path.startswith("/v1/kv/") or (path == "/metrics" and config.metrics_admin)
+                if admin or (path.startswith("/v1/") and config.api_keys):
+                    for op in ops.values():
+                        op["security"] = [{"bearer": []}]
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -28,20 +28,24 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cachemap import BlockHasher
 from cachemap.map import Match
 from engines.base import EngineError, EngineRequest, KvCommand, RoutedRequest, SamplingParams
 from router.api import (
+    ADMIN_ERRORS,
+    BODY_ERRORS,
+    CATEGORY_PATTERN,
     APIError,
     CacheSalt,
     ChatMessage,
     StrictBody,
     checked_token_ids,
+    error_responses,
     validation_error,
 )
 from router.api import json_body_schema as _schema
@@ -60,9 +64,16 @@ class KvPrompt(_Body):
     """A prompt as the OpenAI endpoints take it: exactly one of ``text`` (a completion prompt),
     ``messages`` (a chat, through the model's chat template) or ``token_ids``."""
 
-    text: str | None = Field(None, min_length=1)
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    token_ids: list[int] | None = Field(None, min_length=1)
+    # NOTE: typed without None (a null is a 400, as the documented oneOf says): absent is None
+    model_config = ConfigDict(
+        extra="forbid",
+        allow_inf_nan=False,
+        json_schema_extra={"oneOf": [{"required": [k]} for k in ("text", "messages", "token_ids")]},
+    )
+
+    text: str = Field(None, min_length=1)  # type: ignore[assignment]
+    messages: list[ChatMessage] = Field(None, min_length=1)  # type: ignore[arg-type]
+    token_ids: list[Annotated[int, Field(ge=0)]] = Field(None, min_length=1)  # type: ignore[arg-type]
     cache_salt: CacheSalt | None = None  # as the OpenAI endpoints take it
 
     @model_validator(mode="after")
@@ -73,8 +84,6 @@ class KvPrompt(_Body):
                 "give exactly one of text, messages and token_ids"
                 + (f"; got {', '.join(given)}" if given else "")
             )
-        if self.token_ids is not None and min(self.token_ids) < 0:
-            raise ValueError("token_ids must be non-negative")
         for m in self.messages or ():
             m.text()
         return self
@@ -89,7 +98,10 @@ class PinBody(KvPrompt):
         None, min_length=1, description="instance ids; default: every instance"
     )
     category: str = Field(
-        "text", min_length=1, description="request type the CPU-tier policy files the blocks under"
+        "text",
+        pattern=CATEGORY_PATTERN,
+        description="request type the CPU-tier policy files the blocks under (a short name: "
+        "each one is state in every engine's CPU-tier policy)",
     )
 
 
@@ -318,27 +330,54 @@ def kv_routes(control: KvControl, check_admin: Any, read_body: Any) -> APIRouter
         except ValidationError as e:
             raise validation_error(e, model) from None
 
+    def errors(**more: str) -> dict[int | str, dict[str, Any]]:
+        extra = {int(k.removeprefix("e")): v for k, v in more.items()}
+        return error_responses({**BODY_ERRORS, **ADMIN_ERRORS, **extra})
+
+    unknown = "An instance named is not known"
+
     @api.post(
         "/lookup",
         response_model=LookupResponse,
         openapi_extra=_schema(LookupBody),
+        responses=errors(),
     )
     async def lookup(request: Request) -> LookupResponse:
         return control.lookup(await body_of(request, LookupBody))
 
-    @api.post("/pin", response_model=ActionResponse, openapi_extra=_schema(PinBody))
+    @api.post(
+        "/pin",
+        response_model=ActionResponse,
+        openapi_extra=_schema(PinBody),
+        responses=errors(e404=unknown, e409="These engines have no CPU tier to pin in"),
+    )
     async def pin(request: Request) -> ActionResponse:
         return await control.pin(await body_of(request, PinBody), True)
 
-    @api.post("/unpin", response_model=ActionResponse, openapi_extra=_schema(PinBody))
+    @api.post(
+        "/unpin",
+        response_model=ActionResponse,
+        openapi_extra=_schema(PinBody),
+        responses=errors(e404=unknown, e409="These engines have no CPU tier to pin in"),
+    )
     async def unpin(request: Request) -> ActionResponse:
         return await control.pin(await body_of(request, PinBody), False)
 
-    @api.post("/warm", response_model=ActionResponse, openapi_extra=_schema(WarmBody))
+    @api.post(
+        "/warm",
+        response_model=ActionResponse,
+        openapi_extra=_schema(WarmBody),
+        responses=errors(e404=unknown, e503="No healthy engine instance to warm"),
+    )
     async def warm(request: Request) -> ActionResponse:
         return await control.warm(await body_of(request, WarmBody))
 
-    @api.post("/clear", response_model=ActionResponse, openapi_extra=_schema(ClearBody))
+    @api.post(
+        "/clear",
+        response_model=ActionResponse,
+        openapi_extra=_schema(ClearBody),
+        responses=errors(e404=unknown),
+    )
     async def clear(request: Request) -> ActionResponse:
         return await control.clear(await body_of(request, ClearBody))
 

@@ -7,25 +7,25 @@ strings exactly as vLLM's detokenizer does (earliest match, ``min_tokens``, the 
 text left out, the held-back tail while streaming), and reports the choice done so that the
 ingress aborts its engine request.
 
-``choice_requests`` makes the engine requests of a request's choices (``n``, each its own engine
-request, seeded as vLLM seeds its own ``n`` children); ``router.dispatch.ChoiceStreams`` runs
-them.
+``router.lifecycle.choice_requests`` makes the engine requests of a request's choices (``n``,
+each its own engine request, seeded as vLLM seeds its own ``n`` children);
+``router.dispatch.ChoiceStreams`` runs them.
 """
 
 from __future__ import annotations
 
-import secrets
 import sys
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from engines.base import EngineOutput, RoutedRequest, TopLogprob
+from engines.base import EngineOutput, TopLogprob
 from router.api import APIError, ChatCompletionRequest, CompletionRequest
 from router.tokenizer import IncrementalDetokenizer, PromptTokenizer
+
+if TYPE_CHECKING:
+    from router.metrics import RequestTimer
 
 _LOGPROB_FLOOR = -9999.0  # vLLM's (and OpenAI's) stand-in for -inf
 
@@ -88,6 +88,9 @@ class ResponseBuilder:
         self.model = req.model
         self.request_id = request_id
         self.created = int(time.time())
+        self.arrived = time.monotonic()  # the request's latencies run from here
+        # the request's clock (``RouterMetrics.admitted``): told of every output's new tokens
+        self.timer: RequestTimer | None = None
         opts = req.stream_options
         self.include_usage = bool(opts and opts.include_usage)
         self.continuous_usage = self.include_usage and bool(opts and opts.continuous_usage_stats)
@@ -142,6 +145,8 @@ class ResponseBuilder:
             hold = self._hold
         c.token_ids.extend(ids)
         c.new_ids.extend(ids)
+        if ids and self.timer is not None:
+            self.timer.tokens(index, len(ids), instance_id)
         if out.finished and not c.done:
             c.done = True
             c.finish_reason = _openai_reason(out.finish_reason)
@@ -350,24 +355,3 @@ def _openai_reason(reason: str | None) -> str | None:
         return reason
     return "stop" if reason == "abort" else reason
 
-
-def choice_requests(routed: RoutedRequest, n: int) -> list[RoutedRequest]:
-    """The engine requests of ``n`` choices of ``routed``: ``routed`` itself for one; for more,
-    copies with ids ``"{i}_{id}"`` and seeds ``seed + i`` (vLLM's rule for its own ``n``
-    children), from a random seed when the request has none (so that choices differ on every
-    engine, the sim's prompt-derived default seed included)."""
-    if n == 1:
-        return [routed]
-    r = routed.request
-    base = r.sampling.seed if r.sampling.seed is not None else secrets.randbits(62)
-    return [
-        msgspec.structs.replace(
-            routed,
-            request=msgspec.structs.replace(
-                r,
-                request_id=f"{i}_{r.request_id}",
-                sampling=msgspec.structs.replace(r.sampling, seed=base + i),
-            ),
-        )
-        for i in range(n)
-    ]

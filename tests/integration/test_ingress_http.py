@@ -110,7 +110,7 @@ def _error(
         (b'{"model": "' + MODEL.encode() + b'", "temperature": NaN}', 400, None),
         (b'{"model": "\xff"}', 400, None),
         ({"model": MODEL, "messages": []}, 400, "messages"),
-        # PD parameters the engine cannot use (no remote to pull from): the engine's refusal
+        # transfer parameters are the router's alone: a client's is a 400 naming the key
         (
             {
                 "model": MODEL,
@@ -118,7 +118,7 @@ def _error(
                 "kv_transfer_params": {"do_remote_prefill": True},
             },
             400,
-            None,
+            "kv_transfer_params.do_remote_prefill",
         ),
         (
             {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 0},
@@ -163,11 +163,16 @@ def test_body_limit_auth_and_sdk_errors(server: Server, client: openai.OpenAI) -
     r = httpx.post(
         f"http://127.0.0.1:{server.port}/v1/completions",
         content=chunked(),
-        headers={"authorization": f"Bearer {KEY}"},
+        headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
     )
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     r = httpx.get(f"http://127.0.0.1:{server.port}/v1/models")
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.get(
+        f"http://127.0.0.1:{server.port}/v1/models", headers={"authorization": f"Bearer {KEY}"}
+    )
+    entry = r.json()["data"][0]  # what a client fits its prompts to
+    assert entry["max_model_len"] > 0 and entry["vocab_size"] > 256
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError):
@@ -318,11 +323,10 @@ def test_kv_control_api_is_off_without_an_admin_key(server: Server) -> None:
     assert r.status_code == 403 and r.json()["error"]["code"] == "admin_api_off"
 
 
-def test_client_kv_transfer_params_pass_through_without_forged_hints(
-    server: Server, monkeypatch
-) -> None:
-    """vLLM's kv_transfer_params reach the engine unchanged, with kvroute's hints merged in; a
-    client cannot forge the hints (a pin order is the admin API's alone)."""
+def test_client_transfer_params_are_refused_before_any_engine(server: Server, monkeypatch) -> None:
+    """The issue's request (a decode engine sent to pull KV from a host the client chose, with
+    a made-up cached-token count: on sim engines a 200 reporting 999999 cached tokens) and a
+    forged pin order in kvroute's own hints are 400s naming the key, and reach no engine."""
     seen: list[dict | None] = []
     for engine in server.stack.engines.values():
         original = engine.generate
@@ -332,14 +336,143 @@ def test_client_kv_transfer_params_pass_through_without_forged_hints(
             return original(request)
 
         monkeypatch.setattr(engine, "generate", spy)
-    params = {"do_remote_decode": False, "kvroute": {"pin": True, "category": "forged"}}
-    r = httpx.post(
-        f"http://127.0.0.1:{server.port}/v1/completions",
-        json={"model": MODEL, "prompt": "hello", "max_tokens": 2, "kv_transfer_params": params},
-        headers={"authorization": f"Bearer {KEY}"},
-        timeout=30,
+    forged = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_request_id": "r",
+        "remote_block_ids": [0],
+        "remote_host": "example.invalid",
+        "remote_port": 1,
+        "remote_prefill_cached_tokens": 999999,
+    }
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = _error(server, "/v1/chat/completions", {**chat, "kv_transfer_params": forged})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "kv_transfer_params.do_remote_prefill"
+    pin = {"kvroute": {"pin": True, "category": "forged"}}
+    r = _error(
+        server, "/v1/completions", {"model": MODEL, "prompt": "x", "kv_transfer_params": pin}
     )
-    assert r.status_code == 200, r.text
-    (sent,) = seen
-    assert sent is not None and sent["do_remote_decode"] is False
-    assert sent["kvroute"] == {"category": "text_1", "turn": 1}
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params.kvroute"
+    assert seen == []
+    ok = _error(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                            "kv_transfer_params": {}})  # fmt: skip
+    assert ok.status_code == 200, ok.text
+    (sent,) = seen  # the router's hints alone
+    assert sent == {"kvroute": {"category": "text_1", "turn": 1}}
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+     "multipart/form-data; boundary=x", "application/json; charset=latin-1", "application/jsonx"],
+)  # fmt: skip
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_post_bodies_must_be_declared_json(server: Server, path: str, content_type) -> None:
+    """What a web page can POST cross-origin without a CORS preflight (text/plain, forms, a
+    typeless body) is a 415 naming the type, on the OpenAI endpoints and the KV control API."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "text": "x"}
+    headers = {"authorization": f"Bearer {KEY}"}
+    if content_type is not None:
+        headers["content-type"] = content_type
+    r = httpx.post(f"http://127.0.0.1:{server.port}{path}", content=json.dumps(body).encode(),
+                   headers=headers)  # fmt: skip
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert err["code"] == "unsupported_media_type" and err["param"] == "content-type"
+    assert (
+        repr(content_type) in err["message"]
+        if content_type
+        else "no content-type" in err["message"]
+    )
+
+
+def test_json_with_a_utf8_charset_passes(server: Server) -> None:
+    for ct in (
+        "application/json",
+        "Application/JSON; charset=utf-8",
+        'application/json;charset="UTF-8"',
+    ):
+        r = httpx.post(
+            f"http://127.0.0.1:{server.port}/v1/completions",
+            content=json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode(),
+            headers={"authorization": f"Bearer {KEY}", "content-type": ct},
+            timeout=30,
+        )
+        assert r.status_code == 200, (ct, r.text)
+
+
+def test_a_batch_of_prompts_gets_choices_per_prompt_and_summed_usage(
+    client: openai.OpenAI, server: Server
+) -> None:
+    """vLLM's list of prompts: prompt k's choice i is choice k * n + i, usage is the sum; the
+    same streamed, with one usage chunk at the end."""
+    one = [client.completions.create(model=MODEL, prompt=p, max_tokens=3, n=2, seed=4)
+           for p in ("first prompt", "the second one")]  # fmt: skip
+    both = client.completions.create(
+        model=MODEL, prompt=["first prompt", "the second one"], max_tokens=3, n=2, seed=4
+    )
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [c.text for r in one for c in r.choices]
+    assert both.usage.prompt_tokens == sum(r.usage.prompt_tokens for r in one)
+    assert both.usage.completion_tokens == 12
+    ids = client.completions.create(model=MODEL, prompt=[[40, 41, 42], [50, 51]], max_tokens=2)
+    assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=["a", "b", "c"], max_tokens=3, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    done = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert done == [0, 1, 2]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 9
+    bad = _error(server, "/v1/completions", {"model": MODEL, "prompt": ["ok", [10**9]]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+
+
+def test_request_categories_are_short_names_of_a_bounded_set() -> None:
+    """A category is state in every engine's CPU-tier policy: a malformed one is a 400 naming
+    the header, and a new one past ``max_categories`` a 400 (the known ones keep working)."""
+    stack = sim_stack(max_categories=2)
+    with Server(stack, free_port()) as s:
+        url = f"http://127.0.0.1:{s.port}/v1/completions"
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+
+        def post(category: str) -> httpx.Response:
+            return httpx.post(url, json=body, headers={"x-kvroute-category": category}, timeout=30)
+
+        assert post("search").status_code == 200
+        bad = post("a" * 200)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-kvroute-category"
+        assert post("text").status_code == 200  # the second distinct one
+        over = post("image")
+        assert over.status_code == 400 and over.json()["error"]["code"] == "too_many_categories"
+        assert post("search").status_code == 200
+
+
+def test_ready_waits_for_a_routable_engine_heard_on_the_bus() -> None:
+    """/health is liveness (200 at once); /ready is 503 while no engine's load sample has come
+    over the bus, 200 once one has, and 503 again when they stop (the engines gone silent)."""
+    engines = sim_stack().engines
+    quiet = sim_stack(forward=False)  # this router's engines publish nothing yet
+    quiet_buses = (quiet.kv_bus, quiet.load_bus)
+    with Server(quiet, free_port()) as s:
+        base = f"http://127.0.0.1:{s.port}"
+        assert httpx.get(f"{base}/health").status_code == 200
+        r = httpx.get(f"{base}/ready")
+        assert r.status_code == 503 and r.json()["bus"] == "silent", r.text
+        publisher = LocalStack(
+            engines,
+            model=MODEL,
+            block_size=quiet.block_size,
+            max_model_len=2048,
+            latency=LatencyProfile.load("cpu-tiny-llama"),
+            tokenizer=PromptTokenizer(build_tiny_model()),
+            buses=quiet_buses,
+        )
+        with Server(publisher, free_port()):  # its forwarders publish on the same buses
+            assert wait_for(lambda: httpx.get(f"{base}/ready").status_code == 200, timeout_s=20)
+            body = httpx.get(f"{base}/ready").json()
+            assert body["routable_instances"] == 2 and body["bus"] == "connected"
+        assert wait_for(lambda: httpx.get(f"{base}/ready").status_code == 503, timeout_s=20)

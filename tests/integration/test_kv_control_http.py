@@ -144,9 +144,35 @@ def test_admin_key_and_bad_bodies(api: Api) -> None:
     # a salt the OpenAI endpoints refuse (vLLM's rule) names no cache a request could fill
     salt = api.kv("lookup", {"text": "hi", "cache_salt": "a/b"})
     assert salt.status_code == 400 and salt.json()["error"]["param"] == "cache_salt"
+    # a category is state in every engine's CPU-tier policy: short names only, as for clients
+    odd = api.kv("warm", {"text": "hi", "category": "x" * 200})
+    assert odd.status_code == 400 and odd.json()["error"]["param"] == "category"
     spec = httpx.get(f"{api.base}/openapi.json").json()["paths"]
     assert "requestBody" in spec["/v1/kv/pin"]["post"]
     assert "messages" in str(spec["/v1/kv/lookup"]["post"]["requestBody"])
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", None, "application/json; charset=latin-1"])
+def test_a_body_not_sent_as_json_is_a_415_even_with_the_admin_key(
+    api: Api, content_type: str | None
+) -> None:
+    """A KV control POST is JSON declared as such: a page in the operator's browser can send a
+    text/plain (or typeless) body cross-origin without a CORS preflight; application/json
+    needs one. The body is valid JSON, the key valid: only the content type is wrong."""
+    headers = {"authorization": f"Bearer {ADMIN}"}
+    if content_type is not None:
+        headers["content-type"] = content_type
+    for op, body in (("lookup", b'{"text": "hi"}'), ("clear", b"{}")):
+        r = httpx.post(f"{api.base}/v1/kv/{op}", content=body, headers=headers, timeout=60)
+        assert r.status_code == 415, r.text
+        err = r.json()["error"]
+        assert err["param"] == "content-type" and err["code"] == "unsupported_media_type"
+    # the same body, declared JSON, is served
+    headers["content-type"] = "application/json"
+    r = httpx.post(
+        f"{api.base}/v1/kv/lookup", content=b'{"text": "hi"}', headers=headers, timeout=60
+    )
+    assert r.status_code == 200, r.text
 
 
 def test_metrics_behind_the_admin_key(api: Api) -> None:

@@ -2,13 +2,18 @@
 cut the text at the ingress (finish_reason "stop", the engine request aborted), stop tokens and
 seeds are honoured, ``n`` fans out, unknown fields and what a sim engine cannot produce are 400s
 naming the field, the official client's parameters pass, the request bodies are documented in
-the OpenAPI schema, and schemathesis finds no server error and no schema violation."""
+the OpenAPI schema, and schemathesis finds no server error and no schema violation, on the OpenAI
+endpoints and on the KV control API (with the admin key, over engines with a CPU tier)."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,12 +25,20 @@ from router.admission import Admission
 from tests.support import Server, free_port, sim_stack
 
 MODEL = "tiny-sim"
+ADMIN = "sk-admin"  # the KV control API's admin key (IngressConfig.admin_keys)
 MSGS = [{"role": "user", "content": "tell me a story"}]
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    stack = sim_stack(time_scale=0.02, admission=Admission(max_in_flight=64, max_queue=256))
+    stack = sim_stack(
+        time_scale=0.02,
+        admission=Admission(max_in_flight=64, max_queue=256),
+        # a CPU tier that honours pins, so that /v1/kv/pin and /unpin can answer 200
+        engine={"cpu_capacity_blocks": 64, "cpu_policy": "wa"},
+        pins=True,
+        admin_keys=frozenset({ADMIN}),
+    )
     with Server(stack, free_port()) as s:
         yield s
 
@@ -269,15 +282,30 @@ def test_request_bodies_are_in_the_openapi_document(server: Server) -> None:
         assert {"200", "400", "404", "429", "503"} <= set(op["responses"])
 
 
+# the operations each schemathesis run covers
+SURFACES = {
+    "openai": r"^/(v1/(chat/)?completions|v1/models|health|ready|metrics)$",
+    "kv": r"^/v1/kv/(lookup|pin|unpin|warm|clear)$",
+}
+COMPLETIONS = ("POST /v1/chat/completions", "POST /v1/completions")
+
+
+@pytest.mark.parametrize("surface", list(SURFACES))
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(
-    server: Server, mode: str
+    server: Server, mode: str, surface: str
 ) -> None:
-    """Every schemathesis check on both completion endpoints and the GET ones, with generated
-    schema-valid (positive) and schema-invalid (negative) bodies, bounded to 60 cases a mode.
-    ``positive_data_acceptance`` is left out: a schema-valid body can still be refused, and must
-    be (an unknown model is a 404, a prompt over the context a 400, a field the sim engine cannot
-    honour a 400). Positive bodies name the served model, so that they reach an engine."""
+    """Every schemathesis check (status codes, content types, headers and bodies against the
+    document, negative data rejected, auth enforced ...) on the OpenAI endpoints and the GET
+    ones, and on the KV control API, with generated schema-valid (positive) and schema-invalid
+    (negative) bodies, bounded to 60 cases a run. Every request carries the admin key, so the
+    KV operations run (``ignored_auth`` probes each one without it and with a wrong key: 401).
+
+    ``positive_data_acceptance`` is left out on the completion endpoints only: a schema-valid
+    body can still be refused there, and must be (an unknown model is a 404, a prompt over the
+    context a 400, a field the sim engine cannot honour a 400). Positive bodies name the served
+    model, so that they reach an engine, and the KV bodies' token ids are taken into the
+    vocabulary (the served model's, which the document cannot state)."""
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis.checks import CHECKS, load_all_checks
@@ -286,12 +314,12 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(
     load_all_checks()
     base = f"http://127.0.0.1:{server.port}"
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json").include(
-        path_regex=r"^/(v1/(chat/)?completions|v1/models|health)$"
+        path_regex=SURFACES[surface]
     )
-    checks = [c for c in CHECKS.get_all() if c is not positive_data_acceptance]
+    vocab = httpx.get(f"{base}/v1/models").json()["data"][0]["vocab_size"]
     generation = getattr(schemathesis.GenerationMode, mode.upper())
     failures: list[str] = []
-    statuses: dict[int, int] = {}
+    statuses: dict[tuple[str, int], int] = {}
 
     @settings(
         max_examples=60,
@@ -303,21 +331,84 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(
     )
     @given(case=schema.as_strategy(generation))
     def run(case: Any) -> None:
-        if mode == "positive" and isinstance(case.body, dict) and "model" in case.body:
-            case.body["model"] = MODEL
+        label = case.operation.label
+        body = case.body if isinstance(case.body, dict) else {}
+        if mode == "positive" and "model" in body:
+            body["model"] = MODEL
+        if mode == "positive" and isinstance(body.get("token_ids"), list):
+            body["token_ids"] = [t % vocab for t in body["token_ids"]]
+        checks = [
+            c
+            for c in CHECKS.get_all()
+            if c is not positive_data_acceptance or label not in COMPLETIONS
+        ]
         try:
-            response = case.call_and_validate(base_url=base, checks=checks, timeout=60)
-        except AssertionError as e:  # a check failed: collect them all, fail at the end
-            failures.append(f"{case.operation.label}: {e}")
+            response = case.call_and_validate(
+                base_url=base,
+                checks=checks,
+                headers={"Authorization": f"Bearer {ADMIN}"},  # as the probes spell it
+                timeout=60,
+            )
+        except (AssertionError, BaseExceptionGroup) as e:  # collect them all, fail at the end
+            failures.append(f"{label}: {e}")
             return
-        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        key = (label, response.status_code)
+        statuses[key] = statuses.get(key, 0) + 1
 
     run()
     assert not failures, "\n\n".join(failures[:5])
-    assert not any(code >= 500 for code in statuses), statuses
+    assert not any(code >= 500 for _, code in statuses), statuses
     assert sum(statuses.values()) >= 50, statuses
-    if mode == "positive":
-        assert statuses.get(200, 0) >= 10, statuses
+    ok = {label for label, code in statuses if code == 200}
+    if mode == "positive" and surface == "openai":
+        assert sum(n for (_, code), n in statuses.items() if code == 200) >= 10, statuses
+    if mode == "positive" and surface == "kv":  # each operation ran, not only refusals
+        assert {f"POST /v1/kv/{op}" for op in ("lookup", "pin", "unpin", "warm", "clear")} <= ok
+        assert not any(code in (401, 403) for _, code in statuses), statuses
+
+
+@pytest.mark.parametrize("surface", list(SURFACES))
+def test_schemathesis_coverage_phase_finds_nothing(
+    server: Server, surface: str, tmp_path: Path
+) -> None:
+    """Schemathesis's coverage phase (its CLI, every check): each field's boundary values and
+    each way a request can break the document (a missing or wrong-typed field, an undeclared
+    method: 405 with Allow, no body or content type ...), on every operation of ``surface``.
+    ``positive_data_acceptance`` is left out on the completion endpoints, as above (here their
+    positive bodies do not even name the served model: most are 404s, which schemathesis warns
+    of; a warning is not a failure)."""
+    pytest.importorskip("schemathesis")
+    checks = ["--checks", "all"]
+    if surface == "openai":
+        checks += ["--exclude-checks", "positive_data_acceptance"]
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "schemathesis.cli",
+            "run",
+            f"http://127.0.0.1:{server.port}/openapi.json",
+            "--phases",
+            "coverage",
+            *checks,
+            "--include-path-regex",
+            SURFACES[surface],
+            "--header",
+            f"Authorization: Bearer {ADMIN}",
+            "--seed",
+            "1",
+            "--no-color",
+        ],
+        cwd=tmp_path,  # where it keeps its state (.hypothesis, .schemathesis)
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    # every case passed (its warnings, the completions' 404s for a generated model, are not
+    # failures)
+    counts = re.search(r"(\d+) generated, (\d+) passed", run.stdout)
+    assert counts and counts[1] == counts[2] and int(counts[1]) >= 100, run.stdout[-6000:]
 
 
 def test_truncate_prompt_tokens_and_continuous_usage(server: Server) -> None:

@@ -26,7 +26,8 @@ from router.api import (
     json_body_schema,
     validation_error,
 )
-from router.responses import ResponseBuilder, check_stop_strings, choice_requests
+from router.lifecycle import choice_requests
+from router.responses import ResponseBuilder, check_stop_strings
 from tests.support import nested_json
 
 VOCAB = 512
@@ -164,11 +165,9 @@ def test_defaults_stay_unset_for_the_engines_generation_config() -> None:
 
 
 def test_free_form_json_bound_for_the_engine_may_nest_up_to_the_limit() -> None:
-    ok = {**CHAT, "kv_transfer_params": {"remote_block_ids": [1, 2], "p": {"q": [{}]}}}
-    assert ChatCompletionRequest.model_validate(ok).kv_transfer_params == ok["kv_transfer_params"]
     deep = nested_json(MAX_JSON_DEPTH)
-    kept = ChatCompletionRequest.model_validate({**CHAT, "kv_transfer_params": deep})
-    assert kept.kv_transfer_params == deep
+    kept = ChatCompletionRequest.model_validate({**CHAT, "structured_outputs": {"json": deep}})
+    assert kept.structured_outputs is not None and kept.structured_outputs.json_ == deep
     assert bounded_nesting([[[]]]) == [[[]]]
     assert bounded_nesting("[" * 1000) == "[" * 1000  # a schema given as text is not read
     with pytest.raises(ValueError, match=f"nested deeper than {MAX_JSON_DEPTH} levels"):
@@ -216,7 +215,16 @@ def _field_error(body: dict[str, Any], chat: bool = True) -> str | None:
         ({"vllm_xargs": {"list[str]": [{}]}}, "vllm_xargs.list[str]"),
         ({"vllm_xargs": {"K": [{}]}}, "vllm_xargs.K"),
         # free-form JSON bound for the engine, nested past what Ray can pickle on the way
-        ({"kv_transfer_params": nested_json(MAX_JSON_DEPTH + 1)}, "kv_transfer_params"),
+        # transfer parameters are the router's: every key a client sends is an error naming it
+        (
+            {"kv_transfer_params": {"do_remote_prefill": True}},
+            "kv_transfer_params.do_remote_prefill",
+        ),
+        ({"kv_transfer_params": {"kvroute": {"pin": True}}}, "kv_transfer_params.kvroute"),
+        ({"kv_transfer_params": {"remote_host": "x"}}, "kv_transfer_params.remote_host"),
+        ({"kv_transfer_params": nested_json(MAX_JSON_DEPTH + 1)}, "kv_transfer_params.a"),
+        ({"kvroute_category": "a" * 33}, "kvroute_category"),
+        ({"kvroute_category": "a b"}, "kvroute_category"),
         ({"structured_outputs": {"json": nested_json(600)}}, "structured_outputs.json"),
         (
             {
@@ -231,6 +239,55 @@ def _field_error(body: dict[str, Any], chat: bool = True) -> str | None:
 )
 def test_unknown_and_malformed_fields_are_errors_naming_them(body: dict, loc: str) -> None:
     assert _field_error(body) == loc
+
+
+def test_client_kv_transfer_params_may_only_be_empty() -> None:
+    """The request of the issue (a decode engine told to pull from a host the client chose, and
+    a cached-token count it made up) is a 400 naming the key; empty or null passes."""
+    forged = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_request_id": "r",
+        "remote_block_ids": [0],
+        "remote_host": "example.invalid",
+        "remote_port": 1,
+        "remote_prefill_cached_tokens": 999999,
+    }
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({**CHAT, "kv_transfer_params": forged})
+    err = validation_error(e.value, ChatCompletionRequest)
+    assert err.param == "kv_transfer_params.do_remote_prefill"
+    assert "set by the router only" in err.message
+    for empty in ({}, None):
+        ok = ChatCompletionRequest.model_validate({**CHAT, "kv_transfer_params": empty})
+        assert not ok.kv_transfer_params
+
+
+@pytest.mark.parametrize(
+    "key", ["kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"]
+)
+def test_vllm_xargs_may_not_set_what_vllm_reads_from_extra_args(key: str) -> None:
+    """vLLM's Request reads these keys of ``extra_args`` (``kv_cache_report_mode: full`` makes
+    the engine re-publish every reused block as stored: an event storm on the cache-map bus)."""
+    req = ChatCompletionRequest.model_validate({**CHAT, "vllm_xargs": {key: "full"}})
+    with pytest.raises(APIError) as e:
+        req.refusals("vllm")
+    assert e.value.status == 400 and e.value.param == f"vllm_xargs.{key}"
+    fine = ChatCompletionRequest.model_validate({**CHAT, "vllm_xargs": {"my_processor_arg": 1}})
+    fine.refusals("vllm")
+
+
+def test_completion_prompts_come_as_one_or_a_batch() -> None:
+    """vLLM's forms: a text, token ids, a list of texts, a list of token-id lists."""
+    one = CompletionRequest.model_validate({**COMPLETION, "prompt": "a"})
+    assert one.prompts() == ["a"]
+    batch = CompletionRequest.model_validate({**COMPLETION, "prompt": ["a", "b"]})
+    assert batch.prompts() == ["a", "b"]
+    ids = CompletionRequest.model_validate({**COMPLETION, "prompt": [[1, 2], [3]]})
+    assert ids.prompts() == [[1, 2], [3]]
+    assert _field_error({"prompt": ["a", ""]}, chat=False) == "prompt"
+    assert _field_error({"prompt": [[1], []]}, chat=False) == "prompt"
+    assert _field_error({"prompt": ["a"] * 65}, chat=False) == "prompt"
 
 
 def test_every_error_location_drops_union_tags_and_keeps_keys() -> None:
@@ -256,12 +313,12 @@ def test_token_id_prompts_are_checked_against_sign_and_vocabulary(prompt: list[A
         assert _field_error({"prompt": prompt}, chat=False) == "prompt"
         return
     req = CompletionRequest.model_validate({**COMPLETION, "prompt": prompt})
-    assert req.prompt == flat
+    assert req.prompts() == [flat]
     if max(flat) < VOCAB:
-        assert checked_token_ids(req.prompt, VOCAB, "prompt") == flat  # type: ignore[arg-type]
+        assert checked_token_ids(flat, VOCAB, "prompt") == flat
         return
     with pytest.raises(APIError) as e:
-        checked_token_ids(req.prompt, VOCAB, "prompt")  # type: ignore[arg-type]
+        checked_token_ids(flat, VOCAB, "prompt")
     assert e.value.status == 400 and e.value.param == "prompt"
     assert f"token id {max(flat)} is outside the vocabulary" in str(e.value)
 
