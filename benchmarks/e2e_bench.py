@@ -203,7 +203,9 @@ def scrape_router_metrics(base: str) -> dict[str, Any]:
                 per_instance[s.labels.get("instance", "")] = s.value
             elif s.name == "kvroute_ttft_calibration":
                 calibration[s.labels["coef"]] = round(s.value, 4)
-            elif not s.labels:
+            elif s.name in ("kvroute_prompt_tokens_total", "kvroute_cached_prompt_tokens_total"):
+                values[s.name] = values.get(s.name, 0.0) + s.value  # over instances
+            elif set(s.labels) <= {"model_name", "router"}:
                 values[s.name] = s.value
     return {
         "requests_per_instance": sorted(per_instance.values()),

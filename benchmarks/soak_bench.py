@@ -79,7 +79,7 @@ def sample_rss() -> dict[str, float]:
 def map_state(base: str) -> tuple[int, int]:
     """(blocks in the router's cache map, live instances)."""
     text = httpx.get(f"{base}/metrics", timeout=30).text
-    line = next(x for x in text.splitlines() if x.startswith("kvroute_cache_map_blocks "))
+    line = next(x for x in text.splitlines() if x.startswith("kvroute_cache_map_blocks{"))
     instances = httpx.get(f"{base}/health", timeout=30).json()["instances"]
     return int(float(line.split()[1])), int(instances)
 

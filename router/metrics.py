@@ -1,12 +1,50 @@
 """Prometheus metrics of one router replica (its own registry, so several apps can coexist in
-one process, as in tests)."""
+one process, as in tests).
+
+Every series carries the replica's ``router`` label (``IngressConfig.router_id``, the
+``x-kvroute-router`` header's value) and the served ``model_name``: several replicas behind one
+address (Ray Serve's proxy) stay apart as series instead of one series whose counters reset
+whenever another replica answers a scrape.
+
+The request-level histograms and token counters are vLLM's (``vllm/v1/metrics/loggers.py``),
+measured at the ingress, with vLLM's suffixes and buckets under the ``kvroute_`` prefix, so a
+vLLM dashboard or autoscaler reads them with ``vllm:`` replaced by ``kvroute_``:
+
+- ``kvroute_time_to_first_token_seconds``: ``vllm:time_to_first_token_seconds``
+  (``dynamo_frontend_time_to_first_token_seconds``)
+- ``kvroute_inter_token_latency_seconds``: ``vllm:inter_token_latency_seconds``
+  (``dynamo_frontend_inter_token_latency_seconds``)
+- ``kvroute_request_time_per_output_token_seconds``: ``vllm:request_time_per_output_token_seconds``
+- ``kvroute_e2e_request_latency_seconds``: ``vllm:e2e_request_latency_seconds``
+  (``dynamo_frontend_request_duration_seconds``)
+- ``kvroute_request_queue_time_seconds``: ``vllm:request_queue_time_seconds``
+- ``kvroute_prompt_tokens_total``: ``vllm:prompt_tokens_total``
+- ``kvroute_generation_tokens_total``: ``vllm:generation_tokens_total``
+  (``dynamo_frontend_output_tokens_total``)
+- ``kvroute_request_prompt_tokens``, ``kvroute_request_generation_tokens``: vLLM's per-request
+  histograms (``dynamo_frontend_input_sequence_tokens``, ``..._output_sequence_tokens``)
+- ``kvroute_request_success_total{finished_reason}``: ``vllm:request_success_total``
+
+What the ingress sees: TTFT runs from the request's arrival (tokenized; before admission) to
+its first token of any choice, so it includes the admission queue, placement and the engine's
+queue and prefill (a prefill/decode split: both legs); the inter-token latency is one sample
+per output of a choice after its first (the gap since that choice's previous output, as vLLM
+samples one per engine step); the queue time is the wait in admission before dispatch. TTFT
+and inter-token samples come only from requests whose engine output streams (every streamed
+request; a non-streamed one when the ingress applies stop strings): a response the engine
+delivers whole has no first-token time here, and counts in the latency, queue and token series
+only.
+"""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
 
 from router.placement import Placement
 
@@ -15,16 +53,154 @@ if TYPE_CHECKING:
     from router.responses import ResponseBuilder
 
 
+# vLLM 0.32's default buckets (vllm/v1/metrics/buckets.py), kept equal to them by a unit test
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+
+def request_tokens_buckets(max_model_len: int) -> list[float]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50 ... up to ``max_model_len``."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return out
+            out.append(float(m * scale))
+        scale *= 10
+
+
+def placement_reason(p: Placement) -> str:
+    """Why a request went where it did, as ``kvroute_placements_total`` counts it:
+    ``pd_split`` (its prompt is computed on a prefill engine, then handed over), Ray's
+    PrefixCacheAffinityRouter's branch (``ray_prefix``, ``ray_smallest``, ``ray_pow2``), else
+    ``cached_prefix`` (the chosen engine holds a leading run of its blocks) or
+    ``no_cached_prefix``."""
+    if p.prefill is not None:
+        return "pd_split"
+    branch = p.detail.get("ray_branch") if p.detail else None
+    if branch:
+        return f"ray_{branch}"
+    return "cached_prefix" if p.cached_blocks > 0 else "no_cached_prefix"
+
+
+class _Labelled:
+    """A collector that is ``registry`` with ``labels`` added to every sample (last, in order)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.registry, self.labels = registry, labels
+
+    def collect(self) -> Iterator[Metric]:
+        extra = self.labels
+        for family in self.registry.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**s.labels, **extra}) for s in family.samples]
+            yield out
+
+
 class RouterMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = "", router_id: str = "", max_model_len: int = 131072) -> None:
+        """``model``, ``router_id``: the ``model_name`` and ``router`` labels of every series;
+        ``max_model_len`` bounds the per-request token-count buckets."""
         self.registry = r = CollectorRegistry()
+        self.exposed = _Labelled(r, {"model_name": model, "router": router_id})
         self.requests = Counter("kvroute_requests", "Requests completed", ["instance"], registry=r)
         self.errors = Counter("kvroute_errors", "Client-visible errors", ["status"], registry=r)
-        self.prompt_tokens = Counter("kvroute_prompt_tokens", "Prompt tokens", registry=r)
+        self.prompt_tokens = Counter(
+            "kvroute_prompt_tokens", "Prompt tokens of completed requests", ["instance"], registry=r
+        )
         self.cached_tokens = Counter(
-            "kvroute_cached_prompt_tokens", "Prompt tokens served from cache", registry=r
+            "kvroute_cached_prompt_tokens",
+            "Prompt tokens of completed requests served from cache",
+            ["instance"],
+            registry=r,
+        )
+        # -- vLLM's request series, at the ingress ---------------------------------------------
+        self.generation_tokens = Counter(
+            "kvroute_generation_tokens",
+            "Output tokens sent to clients (counted as they arrive)",
+            ["instance"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvroute_time_to_first_token_seconds",
+            "Time from the request's arrival at the ingress to its first token",
+            ["instance"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kvroute_inter_token_latency_seconds",
+            "Time between consecutive outputs of a choice (one sample per output)",
+            ["instance"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "kvroute_request_time_per_output_token_seconds",
+            "Per choice: (last token time - first token time) / (output tokens - 1)",
+            ["instance"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvroute_e2e_request_latency_seconds",
+            "Time from the request's arrival at the ingress to its last output",
+            ["instance"],
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "kvroute_request_queue_time_seconds",
+            "Time a request waited in admission before dispatch",
+            buckets=REQUEST_LATENCY_BUCKETS,
+            registry=r,
+        )
+        token_buckets = request_tokens_buckets(max_model_len)
+        self.request_prompt_tokens = Histogram(
+            "kvroute_request_prompt_tokens",
+            "Prompt tokens per completed request",
+            buckets=token_buckets,
+            registry=r,
+        )
+        self.request_generation_tokens = Histogram(
+            "kvroute_request_generation_tokens",
+            "Output tokens per completed request (all its choices)",
+            buckets=token_buckets,
+            registry=r,
+        )
+        self.request_success = Counter(
+            "kvroute_request_success",
+            "Choices completed, by finish reason",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.placements = Counter(
+            "kvroute_placements",
+            "Placements by reason (router.metrics.placement_reason)",
+            ["reason"],
+            registry=r,
+        )
+        self.admission_running = Gauge(
+            "kvroute_admission_running", "Requests holding an admission slot", registry=r
+        )
+        self.admission_rejected = Gauge(
+            "kvroute_admission_rejected",
+            "Requests admission refused (429): over the TTFT SLO, or the queue full or too slow",
+            ["reason"],
+            registry=r,
         )
         self.predicted_cached_blocks = Histogram(
             "kvroute_placement_cached_blocks",
@@ -125,13 +301,29 @@ class RouterMetrics:
 
     def placed(self, p: Placement) -> None:
         self.predicted_cached_blocks.observe(p.cached_blocks)
+        self.placements.labels(placement_reason(p)).inc()
         if p.estimated_ttft_s is not None:
             self.estimated_ttft.observe(p.estimated_ttft_s)
 
+    def admitted(self, b: ResponseBuilder, queued_at: float, token_times: bool) -> RequestTimer:
+        """``b``'s request left admission (it queued at ``queued_at``, ``time.monotonic()``);
+        ``token_times``: its engine output streams, so outputs arrive as tokens are made. The
+        request's timer, attached to ``b`` (which reports its outputs to it)."""
+        b.timer = timer = RequestTimer(self, b.arrived, len(b.choices), token_times)
+        self.queue_time.observe(max(time.monotonic() - queued_at, 0.0))
+        return timer
+
     def finished(self, b: ResponseBuilder) -> None:
-        self.requests.labels(b.instance_id or "").inc()
-        self.prompt_tokens.inc(b.prompt_tokens)
-        self.cached_tokens.inc(b.cached_tokens)
+        instance = b.instance_id or ""
+        self.requests.labels(instance).inc()
+        self.prompt_tokens.labels(instance).inc(b.prompt_tokens)
+        self.cached_tokens.labels(instance).inc(b.cached_tokens)
+        self.request_prompt_tokens.observe(b.prompt_tokens)
+        self.request_generation_tokens.observe(b.completion_tokens)
+        for c in b.choices:
+            self.request_success.labels(c.finish_reason or "abort").inc()
+        if b.timer is not None:
+            b.timer.finished(instance)
 
     def observe(self, dispatcher: Dispatcher) -> None:
         state = dispatcher.state
@@ -140,7 +332,11 @@ class RouterMetrics:
         self.overrides.set(dispatcher.overrides)
         self.cache_map_blocks.set(len(state.cache_map))
         self.in_flight.set(state.load.in_flight())
-        self.queued.set(state.admission.queued)
+        admission = state.admission
+        self.queued.set(admission.queued)
+        self.admission_running.set(admission.running)
+        self.admission_rejected.labels("slo").set(admission.rejected_slo)
+        self.admission_rejected.labels("queue").set(admission.rejected_queue)
         self.bus_errors.set(state.bus_errors)
         self.resync_pending.set(len(state.needs_resync()))
         if state.disaggregated:
@@ -174,4 +370,50 @@ class RouterMetrics:
                 self.ttft_calibration.labels(coef).set(getattr(cal, coef))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text: every series with its ``model_name`` and ``router`` labels."""
+        return generate_latest(self.exposed)
+
+
+class RequestTimer:
+    """One request's clock at the ingress (``time.monotonic()``): observes its TTFT at the first
+    token of any choice, an inter-token latency per later output of a choice, and at the end
+    its latency and each choice's time per output token."""
+
+    __slots__ = ("_first", "_last", "_m", "_n", "arrived", "choices", "first", "token_times")
+
+    def __init__(self, metrics: RouterMetrics, arrived: float, choices: int, token_times: bool):
+        self._m = metrics
+        self.arrived = arrived
+        self.choices = choices
+        self.token_times = token_times
+        self.first: float | None = None  # the request's first token
+        self._first: list[float | None] = [None] * choices  # per choice: its first output
+        self._last: list[float] = [0.0] * choices  # its latest output
+        self._n = [0] * choices  # its tokens
+
+    def tokens(self, index: int, count: int, instance: str, now: float | None = None) -> None:
+        """``count`` (> 0) new tokens of choice ``index`` arrived from ``instance``."""
+        now = time.monotonic() if now is None else now
+        m = self._m
+        m.generation_tokens.labels(instance).inc(count)
+        self._n[index] += count
+        if not self.token_times:
+            return
+        if self._first[index] is None:
+            self._first[index] = now
+            if self.first is None:
+                self.first = now
+                m.ttft.labels(instance).observe(now - self.arrived)
+        else:
+            m.itl.labels(instance).observe(now - self._last[index])
+        self._last[index] = now
+
+    def finished(self, instance: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        m = self._m
+        m.e2e.labels(instance).observe(now - self.arrived)
+        if not self.token_times:
+            return
+        for first, last, n in zip(self._first, self._last, self._n, strict=True):
+            if first is not None and n > 1:
+                m.tpot.labels(instance).observe((last - first) / (n - 1))

@@ -49,8 +49,11 @@ def instance_gauge(base: str, name: str, headers: dict[str, str] | None = None) 
 
 
 def metric(base: str, name: str, headers: dict[str, str] | None = None) -> dict[str, float]:
-    """``name``'s samples on the /metrics of the router at ``base``, by their label text ('' for
-    one without labels), e.g. ``{'{path="split"}': 1.0}``."""
+    """``name``'s samples on the /metrics of the router at ``base``, by their label text less
+    the ``model_name`` and ``router`` labels every series carries ('' for none other), e.g.
+    ``{'{path="split"}': 1.0}``."""
+    import re
+
     import httpx
 
     out = {}
@@ -58,7 +61,9 @@ def metric(base: str, name: str, headers: dict[str, str] | None = None) -> dict[
         if line.startswith(name) and not line.startswith("#"):
             key, value = line.rsplit(" ", 1)
             if key[len(name) :][:1] in ("", "{"):
-                out[key[len(name) :]] = float(value)
+                labels = re.sub(r'\b(model_name|router)="[^"]*",?', "", key[len(name) :])
+                labels = labels.replace(",}", "}")
+                out["" if labels == "{}" else labels] = float(value)
     return out
 
 

@@ -23,6 +23,7 @@ from engines.deployment import open_buses
 from tests.support import (
     free_port,
     instance_gauge,
+    metric,
     named_replicas,
     nested_json,
     serve_app,
@@ -158,10 +159,10 @@ def test_a_client_gone_frees_its_engine(served: tuple[str, ServeConfig], stream:
         # Ray cannot pickle JSON this deep on its way to the engine: this was a 500
         (
             "/v1/completions",
-            {"model": "sim-tiny", "prompt": "a", "kv_transfer_params": nested_json(500)},
+            {"model": "sim-tiny", "prompt": "a", "structured_outputs": {"json": nested_json(500)}},
             400,
         ),
-        # PD parameters the engine cannot use: refused, not retried on every engine (a 503)
+        # transfer parameters are the router's: a client's are refused before any engine
         (
             "/v1/completions",
             {"model": "sim-tiny", "prompt": "a", "kv_transfer_params": {"do_remote_prefill": True}},
@@ -173,7 +174,7 @@ def test_error_statuses(served: tuple[str, ServeConfig], path: str, body: Any, s
     r = httpx.post(
         served[0] + path,
         content=json.dumps(body),
-        headers={"authorization": f"Bearer {KEY}"},
+        headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
         timeout=60,
     )
     assert r.status_code == status
@@ -189,9 +190,7 @@ def test_placements_are_honoured_and_follow_ups_hit(
     # (The by-value pickling that once lost the RouterState is caught by test_serve_router:
     # with sequential requests on idle engines Serve's own choice happens to agree.)
     def overrides() -> float:
-        text = httpx.get(f"{served[0]}/metrics").text
-        line = next(x for x in text.splitlines() if x.startswith("kvroute_placement_overrides "))
-        return float(line.split()[1])
+        return metric(served[0], "kvroute_placement_overrides")[""]
 
     before = overrides()
     hits = []
