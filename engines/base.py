@@ -343,7 +343,7 @@ class RoutedRequest(msgspec.Struct):
 
     request: EngineRequest
     prompt: str
-    block_hashes: list[int] = msgspec.field(default_factory=list)
+    block_hashes: Sequence[int] = msgspec.field(default_factory=list)
     session_key: str | None = None
     category: str = "all"
     target_instance: str | None = None

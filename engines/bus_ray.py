@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
@@ -46,7 +46,16 @@ _Read = tuple[list[bytes], int, int]
 
 # NOTE: every publish and every poll is an actor call; with task events on, each would also be
 # recorded in the GCS (memory and CPU for a task table nobody reads): they are off.
-_quiet = ray.method(enable_task_events=False)
+_quiet_events: Callable[[Any], Any] = ray.method(enable_task_events=False)
+_M = TypeVar("_M", bound=Callable[..., Any])
+
+
+def _quiet(method: _M) -> _M:
+    """``ray.method(enable_task_events=False)`` typed as what it does: it marks ``method`` and
+    returns it. (Ray types a decorated method as a remote-only one, but ``BusHub`` also calls
+    its own methods in-process, and runs in-process in tests.)"""
+    marked: _M = _quiet_events(method)
+    return marked
 
 
 @dataclass
@@ -177,15 +186,19 @@ class RayEventBus(EventBus):
         self.max_bytes = max_bytes
         self.hub = hub if hub is not None else name
         self.sync = sync
+        # NOTE: Any: Ray types a created actor as "ActorHandle[BusHub] | type[BusHub]", whose
+        # methods have no ``.remote``
+        self._hub: Any
         if create:
-            self._hub: Any = _RemoteHub.options(
+            created: Any = _RemoteHub.options(
                 name=self.hub,
                 namespace=namespace,
                 get_if_exists=True,
                 lifetime="detached" if detached else None,
             ).remote()
+            self._hub = created
             # NOTE: waited for: a replica connecting later must find the log
-            ray.get(self._hub.open.remote(name, maxlen, max_bytes))
+            ray.get(created.open.remote(name, maxlen, max_bytes))
         else:
             try:
                 self._hub = ray.get_actor(self.hub, namespace=namespace)

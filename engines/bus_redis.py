@@ -174,7 +174,7 @@ def _publish_all(client: Any, parts: list[tuple[RedisStreamBus, Sequence[bytes]]
 
 
 def _run_publish(
-    client: Any, parts: list[tuple[RedisStreamBus, Sequence[bytes]]]
+    client: Any, parts: Sequence[tuple[RedisStreamBus, Sequence[bytes]]]
 ) -> list[list[Any]]:
     """The script's replies for each part's payloads, errors included (one pipeline)."""
     pipe = client.pipeline(transaction=False)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import msgspec
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.deployment import Application
+from ray.serve.deployment import Application, Deployment
 
 from cachemap.bus import EventBus
 from cachemap.ingest import EngineEventTranslator
@@ -43,6 +43,13 @@ from engines.tiny_model import MODEL_PRESETS, resolve_model
 log = logging.getLogger(__name__)
 
 
+class _Limits(TypedDict, total=False):
+    """The engine limits a config sets (an unset one keeps ``VllmEngine``'s default)."""
+
+    max_model_len: int
+    max_num_seqs: int
+
+
 def _vllm_engine(cfg: EngineConfig, instance_id: str) -> Engine:
     from engines.vllm_engine import VllmEngine
 
@@ -50,11 +57,11 @@ def _vllm_engine(cfg: EngineConfig, instance_id: str) -> Engine:
     if cfg.cpu_bind and not cfg.on_gpu:
         bind = cfg.cpu_bind[replica_local_rank() % len(cfg.cpu_bind)]
 
-    limits = {
-        k: v
-        for k, v in (("max_model_len", cfg.max_model_len), ("max_num_seqs", cfg.max_num_seqs))
-        if v is not None
-    }
+    limits = _Limits()
+    if cfg.max_model_len is not None:
+        limits["max_model_len"] = cfg.max_model_len
+    if cfg.max_num_seqs is not None:
+        limits["max_num_seqs"] = cfg.max_num_seqs
     return VllmEngine(
         resolve_model(cfg.model),
         instance_id,
@@ -210,7 +217,8 @@ def replica_instance_id() -> str:
 class EngineDeployment:
     """One engine instance. Call ``generate`` with ``handle.options(stream=True)``."""
 
-    async def __init__(self, config: dict[str, Any]) -> None:
+    # NOTE: Serve awaits an async __init__; mypy wants __init__ to return None, not a coroutine
+    async def __init__(self, config: dict[str, Any]) -> None:  # type: ignore[misc]
         gc_tuning.tune_for_serving()
         self.config = EngineDeploymentConfig.model_validate(config)
         ecfg = self.config.engine
@@ -325,7 +333,10 @@ def build_engine_app(
     extra: dict[str, Any] = {}
     if request_router_config is not None:
         extra["request_router_config"] = request_router_config
-    return EngineDeployment.options(
+    # NOTE: mypy does not apply class decorators: the class is the Deployment
+    # @serve.deployment made of it
+    deployment = cast(Deployment, EngineDeployment)
+    return deployment.options(
         name=cfg.name,
         num_replicas=cfg.instances,
         ray_actor_options={"num_cpus": cfg.resources.num_cpus, "num_gpus": cfg.resources.num_gpus},

@@ -130,13 +130,15 @@ async def measure(engine: Any, grid: dict[str, Any], repeats: int, seed: int = 0
     ids = iter(range(10**9))
 
     def fresh(n: int) -> list[int]:
-        return rng.integers(10, vocab, n).tolist()
+        tokens: list[int] = rng.integers(10, vocab, n).tolist()
+        return tokens
 
     async def timed(tokens: list[int], sp: SamplingParams = one) -> tuple[list[float], Any]:
         t0, stamps, last = time.perf_counter(), [], None
         async for o in engine.generate(EngineRequest(f"profile-{next(ids)}", tokens, sp)):
             stamps.append(time.perf_counter() - t0)
             last = o
+        assert last is not None, "the engine yielded no output"
         return stamps, last.usage
 
     await timed(fresh(64))  # warm-up

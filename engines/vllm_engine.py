@@ -364,7 +364,8 @@ class VllmEngine(Engine):
 
         stats = self._stats
 
-        class _Sampler(StatLoggerBase):
+        # vLLM is not followed by mypy (pyproject): its base class is Any here
+        class _Sampler(StatLoggerBase):  # type: ignore[misc]
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
                 pass
 

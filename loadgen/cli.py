@@ -188,10 +188,12 @@ def parse_floats(raw: str, flag: str, ok: Callable[[float], bool], rule: str) ->
 def _time_scale(args: argparse.Namespace) -> float:
     if args.time_scale is not None and args.rate_scale is not None:
         raise ValueError("give --time-scale or --rate-scale, not both")
-    if args.rate_scale is not None:
-        _positive(args.rate_scale, "--rate-scale")
-        return 1.0 / args.rate_scale
-    return 1.0 if args.time_scale is None else args.time_scale
+    rate_scale: float | None = args.rate_scale
+    time_scale: float | None = args.time_scale
+    if rate_scale is not None:
+        _positive(rate_scale, "--rate-scale")
+        return 1.0 / rate_scale
+    return 1.0 if time_scale is None else time_scale
 
 
 def plan_workload(args: argparse.Namespace) -> tuple[list[Any], int, str]:

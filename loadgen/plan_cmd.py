@@ -222,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         )
         with planner:
             if args.find_max_rate:
+                assert args.instances is not None  # checked above: it needs --instances
                 tier_gib, policy = tiers[0]
                 rate = planner.max_rate(
                     Candidate(
@@ -273,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
             "wall_s": round(elapsed, 2),
         },
     }
+    doc: dict[str, Any]
     if args.find_max_rate:
         doc = {"meta": meta, "max_rate": _rate_doc(rate, setup, slo)}
         ok = rate.max_pass is not None
@@ -290,8 +292,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _size_doc(r: Any, setup: Any, slo: Any) -> dict[str, Any]:
-    best = r.best.to_dict(slo) if r.best else None
+    best: dict[str, Any] | None = None
     if r.best is not None:
+        best = r.best.to_dict(slo)
         best["margin_points"] = round((r.best.attainment - slo.attainment) * 100, 2)
     return {
         "rate_scale": r.rate_scale,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 DEFAULT_VOCAB_SIZE = 30_000
 # NOTE: low ids hold special and byte tokens in most vocabularies; stay clear of them.
@@ -48,7 +49,7 @@ _WORD_TEXT = """the of and to in is was for on that with as by at from his her a
 WORDS: tuple[str, ...] = tuple(dict.fromkeys(_WORD_TEXT.split()))
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
     x = (x ^ (x >> np.uint64(30))) * _M1
     x = (x ^ (x >> np.uint64(27))) * _M2

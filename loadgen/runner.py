@@ -196,7 +196,7 @@ class Runner:
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             if sem is not None:
-                task.add_done_callback(lambda _t, s=sem: s.release())
+                task.add_done_callback(lambda _t: sem.release())
         while tasks:
             await asyncio.gather(*list(tasks))
 
@@ -235,7 +235,8 @@ class Runner:
                 if parent_done is not None and not parent_done.is_set():
                     await parent_done.wait()
                     rec.intended_s = max(rec.intended_s, self.records[p.parent].done_s)
-            data, messages = self._prepared.pop(p.index, None) or self._body(p)
+            prepared = self._prepared.pop(p.index, None)
+            data, messages = prepared if prepared is not None else self._body(p)
             st.sent += 1
             st.inflight += 1
             await send(

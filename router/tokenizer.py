@@ -15,7 +15,10 @@ class PromptTokenizer:
         from transformers import AutoTokenizer
 
         self.path = str(path)
-        self._tok = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        # NOTE: Any: transformers types apply_chat_template and decode as unions of every shape
+        # their flags can ask for (tokenize=, return_dict=, a batch), without overloads; the
+        # results are typed where they are read, below.
+        self._tok: Any = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
         if getattr(self._tok, "chat_template", None) is None:
             raise ValueError(f"tokenizer at {self.path} has no chat template")
         self.eos_token_id: int | None = self._tok.eos_token_id
@@ -43,7 +46,7 @@ class PromptTokenizer:
             )
             ids = out["input_ids"] if not isinstance(out, list) else out
             return [int(t) for t in ids]
-        text = self._tok.apply_chat_template(
+        text: str = self._tok.apply_chat_template(
             list(messages), add_generation_prompt=True, tokenize=False
         )
         return self._encode_fast(text, add_special_tokens=False)
