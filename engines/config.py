@@ -73,10 +73,11 @@ class CpuTierConfig(StrictModel):
 
 
 class PdConnectorConfig(StrictModel):
-    """How a vLLM engine of a prefill or decode pool hands KV over (DESIGN.md "Prefill/decode
-    disaggregation"). ``kvroute``: kvroute's own connector (``engines.pd.connector``:
-    ``torch.distributed`` point-to-point, NCCL on GPUs, Gloo on CPU); ``nixl``: vLLM's
-    ``NixlConnector`` (UCX; ``nixl`` and ``nixl-cu12`` wheels, ``make`` installs them)."""
+    """How a vLLM engine of a prefill or decode pool hands KV over (docs/architecture.md
+    "Prefill/decode disaggregation"). ``kvroute``: kvroute's own connector
+    (``engines.pd.connector``: ``torch.distributed`` point-to-point, NCCL on GPUs, Gloo on CPU);
+    ``nixl``: vLLM's ``NixlConnector`` (UCX; ``nixl`` and ``nixl-cu12`` wheels, ``make`` installs
+    them)."""
 
     transport: Literal["kvroute", "nixl"] = "kvroute"
     port: int | None = Field(

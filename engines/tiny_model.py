@@ -1,9 +1,9 @@
 """Small random Llama models, built fully offline, that vLLM (CPU backend) and transformers load.
 
-The recipe that works on vLLM 0.32's CPU backend (DESIGN.md "Known facts"): random weights in
-safetensors, head_dim 64 (the CPU attention kernels need >= 64), a byte-level BPE tokenizer
-trained with ``tokenizers`` on a few sentences, and a ChatML-style chat template. Output is
-gibberish; latency and caching are real. Two sizes (``MODEL_PRESETS``), each usable as a model
+The recipe that works on vLLM 0.32's CPU backend (docs/architecture.md "Known facts"): random
+weights in safetensors, head_dim 64 (the CPU attention kernels need >= 64), a byte-level BPE
+tokenizer trained with ``tokenizers`` on a few sentences, and a ChatML-style chat template. Output
+is gibberish; latency and caching are real. Two sizes (``MODEL_PRESETS``), each usable as a model
 name in configs and on the CLI:
 
 - ``tiny``: hidden 128, 2 layers, 2 heads, 1 KV head. Starts fast; a cold 3,800-token prefill
@@ -19,11 +19,23 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import TypedDict
+
+
+class LlamaSizes(TypedDict):
+    """A preset's ``LlamaConfig`` sizes."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
 
 TINY_MODEL = "tiny"  # the model name that means "this tiny model" in configs and the CLI
 SMALL_MODEL = "small"
 # name: LlamaConfig sizes. NOTE: "tiny" must stay as it is: its cache key has no preset field.
-MODEL_PRESETS: dict[str, dict[str, int]] = {
+MODEL_PRESETS: dict[str, LlamaSizes] = {
     TINY_MODEL: {
         "hidden_size": 128,
         "intermediate_size": 256,
@@ -96,10 +108,13 @@ def _write_model(out: Path, preset: str, vocab_size: int, max_position: int, see
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        # NOTE: transformers 5 still takes torch_dtype (as dtype) but types its configs as
+        # dataclasses without it; dtype= is not understood by the 4.x that pyproject allows
+        torch_dtype="bfloat16",  # type: ignore[call-arg]
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    # transformers types its ``to`` (functools.wraps of nn.Module.to) as an unbound function
+    model = LlamaForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]
     model.save_pretrained(out, safe_serialization=True)
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id})

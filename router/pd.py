@@ -2,7 +2,7 @@
 
 In a deployment with ``prefill`` and ``decode`` pools (``router.pools``) a request goes in two
 legs: a prefill engine computes the prompt (one output token, ``do_remote_decode``) and hands
-its KV to a decode engine, which loads it and generates (DESIGN.md "Prefill/decode
+its KV to a decode engine, which loads it and generates (docs/architecture.md "Prefill/decode
 disaggregation"). ``PdPlanner.plan`` chooses both engines from the routing core's state, on
 the core's clock, with no I/O:
 

@@ -1,7 +1,7 @@
 """Engine pools: the groups of engine instances a deployment runs, each with a role.
 
 A colocated deployment has one pool of role ``both`` (every engine prefills and decodes its
-own requests). A disaggregated one (DESIGN.md "Prefill/decode disaggregation") has a
+own requests). A disaggregated one (docs/architecture.md "Prefill/decode disaggregation") has a
 ``prefill`` pool, whose engines compute prompts and hand their KV over, and a ``decode`` pool,
 whose engines load that KV and generate; a ``both`` pool beside them takes either part.
 

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation: kvroute's own KV transfer for vLLM 0.32 (DESIGN.md).
+"""Prefill/decode disaggregation: kvroute's own KV transfer for vLLM 0.32 (docs/architecture.md).
 
 ``transfer`` is the data path: it moves a request's KV blocks between two engine workers with
 ``torch.distributed`` point-to-point (NCCL on GPUs, Gloo on CPU tensors). ``protocol`` holds the

@@ -1,4 +1,5 @@
-"""kvroute's out-of-tree vLLM 0.32 KV connector for prefill/decode disaggregation (DESIGN.md).
+"""kvroute's out-of-tree vLLM 0.32 KV connector for prefill/decode disaggregation
+(docs/architecture.md).
 
 vLLM loads it with ``KVTransferConfig(kv_connector="KvrouteConnector",
 kv_connector_module_path="engines.pd.connector", kv_role="kv_both", ...)``; ``kv_transfer_config``

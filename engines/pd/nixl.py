@@ -2,11 +2,11 @@
 
 ``nixl_transfer_config(...)`` builds the ``kv_transfer_config`` dict an engine gives vLLM
 (``VllmEngine(kv_transfer_config=...)``, or ``--kv-transfer-config``); the prefill and the decode
-engine take the same config. The PD protocol is the one ``engines.pd.connector`` follows (DESIGN.md
-"Prefill/decode disaggregation"): the prefill request carries ``{"do_remote_decode": True}`` and
-``max_tokens=1``, its output's ``kv_transfer_params`` go unchanged to the decode request, whose
-worker then READs the prompt's blocks from the prefill worker over NIXL and computes the last prompt
-token only.
+engine take the same config. The PD protocol is the one ``engines.pd.connector`` follows
+(docs/architecture.md "Prefill/decode disaggregation"): the prefill request carries
+``{"do_remote_decode": True}`` and ``max_tokens=1``, its output's ``kv_transfer_params`` go
+unchanged to the decode request, whose worker then READs the prompt's blocks from the prefill worker
+over NIXL and computes the last prompt token only.
 
 The side channel. A NIXL decode worker first fetches the prefill engine's agent metadata over ZMQ
 from the prefill engine's *side channel*, and vLLM 0.32 takes its address from the environment of

@@ -1,9 +1,9 @@
 """The PD data path: move a request's KV blocks between two workers over ``torch.distributed``.
 
-kvroute's prefill/decode connector (DESIGN.md "Prefill/decode disaggregation") runs inside vLLM's
-worker processes and calls this module to ship the KV blocks of a request from the prefill worker
-to the decode worker. Pure torch: no vLLM, Ray or ``router`` import; vLLM's layout arrives as
-tensors and block ids.
+kvroute's prefill/decode connector (docs/architecture.md "Prefill/decode disaggregation") runs
+inside vLLM's worker processes and calls this module to ship the KV blocks of a request from the
+prefill worker to the decode worker. Pure torch: no vLLM, Ray or ``router`` import; vLLM's layout
+arrives as tensors and block ids.
 
 Process group. ``KVTransport`` owns its own group, built from explicit parameters and never from
 the default (global) group, which vLLM's workers already use for tensor parallelism: a
