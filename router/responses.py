@@ -354,4 +354,3 @@ def _openai_reason(reason: str | None) -> str | None:
     if reason in (None, "stop", "length"):
         return reason
     return "stop" if reason == "abort" else reason
-
