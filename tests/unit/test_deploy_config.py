@@ -278,3 +278,14 @@ def test_the_cluster_files_start_ray_with_its_token_and_keep_secrets_out() -> No
     aws = yaml.safe_load((DEPLOY / "cluster.yaml").read_text())
     for node_type in aws["available_node_types"].values():
         assert node_type["node_config"]["SecurityGroupIds"], "explicit security groups"
+
+
+def test_no_password_goes_on_a_command_line() -> None:
+    """Secrets reach redis-cli through REDISCLI_AUTH and redis-server through its ACL file, never
+    through argv, which every user on the node reads in ``ps`` (``redis-cli --pass`` did)."""
+    import re
+
+    for path in [*DEPLOY.glob("*.sh"), *DEPLOY.glob("*.py"), *DEPLOY.glob("*.yaml")]:
+        text = path.read_text()
+        assert not re.search(r"""["']?--pass["']?\b|redis-cli[^\n]*\s-a\s""", text), path.name
+        assert "--requirepass" not in text, path.name
