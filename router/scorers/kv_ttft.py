@@ -46,13 +46,13 @@ fit rather than preempting for it, and the estimate prices the queue.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import compress
 from operator import is_not
 
 import numpy as np
 
-from cachemap import Match
+from cachemap import CacheMap, Match, Tier
 from router.placement import (
     InstanceView,
     Placement,
@@ -126,6 +126,7 @@ class KvTtftScorer(Scorer):
         tie_s: float = 0.002,
         calibrate: bool = True,
         calibration_window: int = 512,
+        spread_cold: bool = True,
     ) -> None:
         if kv_veto is not None and not 0 < kv_veto <= 1:
             raise ValueError(f"kv_veto must be in (0, 1], got {kv_veto}")
@@ -133,6 +134,24 @@ class KvTtftScorer(Scorer):
         self.tie_s = tie_s
         self.calibration = TtftCalibration(calibration_window) if calibrate else None
         self._index = _CandidateIndex()
+        self.spread_cold = spread_cold
+        self._cache_map: CacheMap | None = None
+
+    def attach(self, cache_map: CacheMap) -> None:
+        self._cache_map = cache_map
+
+    def _spreads(self) -> bool:
+        return self.spread_cold and self._cache_map is not None
+
+    def _fill(self, inst: InstanceView) -> float:
+        """How full ``inst``'s GPU cache is, by the map: the share of its blocks holding some
+        prefix (the blocks a new prompt there would evict first once it is full); its resident
+        block count when its capacity is unknown, 0 without a map."""
+        cm = self._cache_map
+        if cm is None or not self.spread_cold:
+            return 0.0
+        resident = cm.count(inst.instance_id, Tier.GPU)
+        return resident / inst.kv_capacity_blocks if inst.kv_capacity_blocks else float(resident)
 
     def profile_estimate(
         self, request: PlacementRequest, inst: InstanceView, m: Match | None
@@ -161,7 +180,7 @@ class KvTtftScorer(Scorer):
     ) -> Placement:
         pool: list[tuple[InstanceView, Match | None]]
         if self.kv_veto is None and len(instances) >= _INDEXED_FROM:
-            pool = self._index.candidates(instances, match)
+            pool = self._index.candidates(instances, match, self._fill if self._spreads() else None)
             if not pool:
                 healthy(instances)  # raises: none is
         else:
@@ -189,7 +208,19 @@ class KvTtftScorer(Scorer):
             scored.append((est, cached, base, inst))
         best = min(x[0] for x in scored)
         near = [x for x in scored if x[0] <= best + self.tie_s]
-        s, cached, base, inst = min(near, key=lambda x: (x[3].running + x[3].waiting, x[0]))
+        if len(near) == 1:
+            s, cached, base, inst = near[0]
+        else:
+            # near-ties (a cold prefix between idle engines, most often): the least decode load,
+            # then the emptiest cache, so cold prefixes spread over the cluster's whole cache
+            # instead of filling (and evicting on) the first engines in view order
+            if self._spreads():
+                fill = self._fill
+                s, cached, base, inst = min(
+                    near, key=lambda x: (x[3].running + x[3].waiting, fill(x[3]), x[0])
+                )
+            else:
+                s, cached, base, inst = min(near, key=lambda x: (x[3].running + x[3].waiting, x[0]))
         return Placement(
             inst.instance_id,
             estimated_ttft_s=s,
@@ -277,12 +308,19 @@ class _CandidateIndex:
             old[i] = v
 
     def candidates(
-        self, views: Sequence[InstanceView], match: Mapping[str, Match]
+        self,
+        views: Sequence[InstanceView],
+        match: Mapping[str, Match],
+        fill: Callable[[InstanceView], float] | None = None,
     ) -> list[tuple[InstanceView, Match | None]]:
         """The healthy instances of ``views`` that can win, with their cached prefix, in view
-        order (empty: none is healthy)."""
+        order (empty: none is healthy). ``fill``: the scorer breaks near-ties by it after the
+        running sequences (``KvTtftScorer.spread_cold``), so within a group the winner is the
+        first of the fewest running sequences with the least fill."""
         self._update(views)
         pos, keys = self._pos, self._keys
+        if fill is not None:
+            return self._filled_candidates(views, match, fill)
         # instances with a cached prefix: the first with the fewest running sequences per
         # profile key, the prefix included
         best: dict[tuple[int, ...], tuple[int, int]] = {}
@@ -306,6 +344,52 @@ class _CandidateIndex:
                 if i not in cached:
                     out.append((i, None))
                     break
+        out.sort(key=_first)
+        return [(views[i], m) for i, m in out]
+
+    def _filled_candidates(
+        self,
+        views: Sequence[InstanceView],
+        match: Mapping[str, Match],
+        fill: Callable[[InstanceView], float],
+    ) -> list[tuple[InstanceView, Match | None]]:
+        """``candidates`` when near-ties break by (running, fill): per group, the least (running,
+        fill, position); a group's members are sorted by (running, position), so only those
+        with its fewest running sequences are weighed."""
+        pos, keys = self._pos, self._keys
+        best: dict[tuple[int, ...], tuple[int, float, int]] = {}
+        cached: dict[int, Match] = {}
+        for iid in match:
+            i = pos.get(iid)
+            if i is None:
+                continue
+            key = keys[i]
+            m = match.get(iid)
+            if key is None or m is None:
+                continue
+            cached[i] = m
+            k = (*key, m.gpu_blocks, m.total_blocks)
+            v = views[i]
+            r = (v.running, fill(v), i)
+            got = best.get(k)
+            if got is None or r < got:
+                best[k] = r
+        out: list[tuple[int, Match | None]] = [(i, cached[i]) for _, _, i in best.values()]
+        for members in self._groups.values():
+            pick: tuple[float, int] | None = None
+            low = -1
+            for running, i in members:
+                if i in cached:
+                    continue
+                if low < 0:
+                    low = running
+                elif running != low:
+                    break
+                f = (fill(views[i]), i)
+                if pick is None or f < pick:
+                    pick = f
+            if pick is not None:
+                out.append((pick[1], None))
         out.sort(key=_first)
         return [(views[i], m) for i, m in out]
 
