@@ -52,7 +52,7 @@ import numpy as np
 
 from engines.sim.profile import LatencyProfile
 from loadgen.metrics import summarize
-from loadgen.simulate_cmd import DEFAULT_JOBS, excess_ttfts
+from loadgen.simulate_cmd import DEFAULT_JOBS, excess_ttfts, parse_router, parse_routers
 from loadgen.simulator import Perturbation, SimSettings, ideal_ttfts, run_each, simulate
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.traces import PrefixModel, TraceRequest, load_trace
@@ -130,8 +130,10 @@ def measure(
     settings: SimSettings,
     ideal_s: list[float],
 ) -> dict[str, Any]:
-    """One router on one plan: the suite's metrics."""
-    sim = simulate(plan, block, truth, router, settings)
+    """One router on one plan (``router``: a scorer name, or ``NAME@key=value+...`` as
+    ``kvroute simulate --router`` takes it): the suite's metrics."""
+    name, options = parse_router(router)
+    sim = simulate(plan, block, truth, name, settings, scorer_options=options)
     span = plan[-1].offset_s if len(plan) > 1 else 0.0
     s = summarize(
         sim.records,
@@ -373,7 +375,11 @@ def _names(raw: str, valid: list[str], flag: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated [all]")
-    ap.add_argument("--routers", default=",".join(scorer_names()), help="comma-separated [all]")
+    ap.add_argument(
+        "--routers",
+        default=",".join(scorer_names()),
+        help="comma-separated scorers, each NAME or NAME@key=value+... [all]",
+    )
     ap.add_argument("--seeds", type=int, default=3, help="seeds per cell [3]")
     ap.add_argument("--quick", action="store_true", help="shorter runs and searches")
     ap.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help="parallel processes")
@@ -397,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         workloads = _names(args.workloads, list(WORKLOADS), "--workloads")
-        routers = _names(args.routers, scorer_names(), "--routers")
+        routers = [label for label, _, _ in parse_routers(args.routers)]
         for v, flag in (
             (args.seeds, "--seeds"),
             (args.jobs, "--jobs"),
