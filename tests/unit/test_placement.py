@@ -623,3 +623,18 @@ def test_kv_ttft_spreads_cold_prefixes_over_the_emptiest_caches() -> None:
     core.scorer = create_scorer("kv_ttft", spread_cold=False)
     r = PlacementRequest("x", 4 * BS, [7, 8, 9, 10])
     assert core.place(r, 0.0).instance_id == "a"
+
+
+def test_kv_ttft_stays_with_its_cache_when_going_cold_saves_little() -> None:
+    """Within ``affinity_s`` of the best estimate the longest cached prefix wins: a few ms
+    saved by going cold are not worth a second copy of the prefix; past it, the estimate."""
+    s = create_scorer("kv_ttft", calibrate=False)
+    r = req(20)
+    # a's 2 cached blocks save 3.2 ms, its queue costs 10: b (cold) is 6.8 ms faster
+    busy = view("a", pending_prefill_tokens=100)
+    got = s.place(r, [busy, view("b")], {"a": Match(2, 2)})
+    assert got.instance_id == "a"
+    far = view("a", pending_prefill_tokens=20_000)  # a queue far past the slack
+    assert s.place(r, [far, view("b")], {"a": Match(2, 2)}).instance_id == "b"
+    off = create_scorer("kv_ttft", calibrate=False, affinity_s=0.0)
+    assert off.place(r, [busy, view("b")], {"a": Match(2, 2)}).instance_id == "b"
