@@ -28,6 +28,26 @@ _SYNTH_FLAGS: dict[str, tuple[str, type, str]] = {
     "--api-output-tokens": ("api_output_tokens", int, "to-b: median reply tokens"),
     "--to-b-fraction": ("to_b_fraction", float, "mix: fraction of requests from to-b"),
     "--input-tokens": ("input_tokens", int, "random: prompt tokens"),
+    "--agent-prefixes": ("agent_prefixes", int, "agentic: distinct tool/system prefixes"),
+    "--agent-prefix-tokens": ("agent_prefix_tokens", int, "agentic: median prefix tokens"),
+    "--agent-prefix-zipf": ("agent_prefix_zipf", float, "agentic: Zipf exponent of prefixes"),
+    "--agent-task-tokens": ("agent_task_tokens", int, "agentic: median task (first message)"),
+    "--agent-steps-mean": ("agent_steps_mean", float, "agentic: mean steps per session"),
+    "--agent-step-s": ("agent_step_s", float, "agentic: mean seconds between steps (exp.)"),
+    "--agent-output-tokens": ("agent_output_tokens", int, "agentic: median reply (tool call)"),
+    "--agent-result-tokens": ("agent_result_tokens", int, "agentic: median tool result"),
+    "--agent-subtask-tokens": ("agent_subtask_tokens", int, "agentic: median parallel call"),
+    "--agent-fanout-prob": ("agent_fanout_prob", float, "agentic: share of steps that fan out"),
+    "--agent-fanout-max": ("agent_fanout_max", int, "agentic: most parallel calls in a burst"),
+    "--rag-documents": ("rag_documents", int, "rag: corpus size"),
+    "--rag-zipf": ("rag_zipf", float, "rag: Zipf exponent of document popularity"),
+    "--rag-doc-tokens": ("rag_doc_tokens", int, "rag: median document tokens"),
+    "--rag-doc-min-tokens": ("rag_doc_min_tokens", int, "rag: shortest document"),
+    "--rag-doc-max-tokens": ("rag_doc_max_tokens", int, "rag: longest document"),
+    "--rag-docs-max": ("rag_docs_max", int, "rag: most documents per request"),
+    "--rag-system-tokens": ("rag_system_tokens", int, "rag: the system prompt's tokens"),
+    "--rag-question-tokens": ("rag_question_tokens", int, "rag: median question tokens"),
+    "--rag-output-tokens": ("rag_output_tokens", int, "rag: median answer tokens"),
 }
 
 
@@ -102,10 +122,14 @@ def add_workload_arguments(p: argparse.ArgumentParser, rate_scale_list: bool = F
 
     defaults = {f.name: f.default for f in fields(SynthParams)}
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", help="JSONL trace file (Mooncake or Bailian)")
-    w.add_argument("--format", default="auto", help="auto | mooncake | bailian")
+    w.add_argument(
+        "--trace",
+        help="trace file: JSONL (Mooncake, Bailian) or CSV (Azure LLM 2023, BurstGPT; their "
+        "prefixes drawn from a seeded model, loadgen.traces.PrefixModel)",
+    )
+    w.add_argument("--format", default="auto", help="auto | mooncake | bailian | azure | burstgpt")
     w.add_argument("--skip-invalid", action="store_true", help="count and skip bad trace lines")
-    w.add_argument("--workload", help="synthetic: to-c | to-b | mix | random")
+    w.add_argument("--workload", help="synthetic: to-c | to-b | mix | random | agentic | rag")
     w.add_argument("--time-scale", type=float, default=None, help="multiply trace gaps (0.5 = 2x)")
     w.add_argument(
         "--rate-scale",
@@ -200,7 +224,7 @@ def plan_workload(args: argparse.Namespace) -> tuple[list[Any], int, str]:
     """The schedule the workload flags describe: ``(plan, block size of its hash ids, source)``.
     Raises ``ValueError`` naming the flag (or the trace file and line) that is wrong."""
     from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
-    from loadgen.traces import FORMATS, load_trace
+    from loadgen.traces import FORMATS, PrefixModel, load_trace
     from loadgen.workloads import ARRIVALS, build_schedule
 
     if (args.trace is None) == (args.workload is None):
@@ -210,7 +234,10 @@ def plan_workload(args: argparse.Namespace) -> tuple[list[Any], int, str]:
     time_scale = _time_scale(args)
     if args.trace is not None:
         try:
-            trace = load_trace(args.trace, args.format, args.skip_invalid)
+            # a CSV trace's prefixes are drawn with the workload's seed
+            trace = load_trace(
+                args.trace, args.format, args.skip_invalid, PrefixModel(seed=args.seed)
+            )
         except OSError as e:
             raise ValueError(f"--trace: cannot read {args.trace}: {e.strerror}") from None
         if trace.skipped:

@@ -31,8 +31,16 @@ from engines.sim.profile import LatencyProfile
 from loadgen.cli import parse_floats
 from loadgen.metrics import server_hit_rate
 from loadgen.records import RequestRecord
-from loadgen.simulator import SimSettings, SloBudget, check_jobs, fork_pool, simulate
-from loadgen.workloads import Planned, ideal_hits
+from loadgen.simulator import (
+    SimSettings,
+    SloBudget,
+    check_jobs,
+    engine_profile,
+    fork_pool,
+    ideal_ttfts,
+    simulate,
+)
+from loadgen.workloads import Planned
 
 NO_TIER = "-"  # the policy of a candidate without a CPU tier
 
@@ -288,18 +296,14 @@ class PlanSetup:
         target above it is unreachable at any size (a prompt the engines refuse, at or over
         ``max_model_len``; a prompt whose own prefill breaks the TTFT SLO; a decode step slower
         than the TPOT SLO)."""
-        eng = self.settings.engine
-        prof = self.truth.with_limits(
-            eng.get("max_num_batched_tokens"), eng.get("long_prefill_token_threshold")
-        )
-        max_len = eng.get("max_model_len") or prof.max_model_len
+        prof, _ = engine_profile(self.truth, self.settings)
         met = 0
-        tbs = self.trace_block_size
-        for r, k in ideal_hits(p.req for p in self.plan):
-            if r.input_length >= max_len:
+        ideal = ideal_ttfts(self.plan, self.trace_block_size, self.truth, self.settings)
+        for p, ttft_s in zip(self.plan, ideal, strict=True):
+            r = p.req
+            if math.isnan(ttft_s):
                 continue
-            cached = min(k * tbs, r.input_length - 1) if r.input_length else 0
-            ok = prof.ttft_s(r.input_length, max(cached, 0)) * 1e3 <= slo.ttft_ms
+            ok = ttft_s * 1e3 <= slo.ttft_ms
             if ok and slo.tpot_ms is not None and r.output_length > 1:
                 ctx = r.input_length + r.output_length // 2
                 ok = prof.decode_step_s(1, ctx) * 1e3 <= slo.tpot_ms

@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from loadgen.metrics import summarize
-    from loadgen.simulator import check_jobs, run_each, simulate
+    from loadgen.simulator import check_jobs, ideal_ttfts, run_each, simulate
     from loadgen.workloads import ideal_hit_rate
 
     for value, flag in (
@@ -226,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
     if not plan:
         raise ValueError("the workload has no requests (check --duration / --max-requests)")
     ideal = ideal_hit_rate((p.req for p in plan), block_size)
+    ideal_s = ideal_ttfts(plan, block_size, truth, settings)
     span = plan[-1].offset_s if len(plan) > 1 else 0.0
     quiet = args.no_progress or not sys.stderr.isatty()
     # each router's requests placed so far: shared memory a forked worker writes into
@@ -257,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
             slo_itl_ms=args.slo_tpot_ms,
             ideal_hit_rate=ideal,
         )
-        return _row(s, sim), (sim if keep else None)
+        return _row(s, sim, excess_ttft_ms(sim.records, ideal_s)), (sim if keep else None)
 
     # NOTE: no auto-refresh thread: the workers are forked while the bar is up
     with Progress(transient=True, disable=quiet, auto_refresh=False) as bar:
@@ -290,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         "slo_tpot_ms": args.slo_tpot_ms,
         "admission": bool(args.admit),
         "ideal_hit_rate_tokens": round(ideal[1], 4),
+        "ideal_ttft_ms": _stats_ms(ideal_s),
         "not_modelled": "network/ingress time, admission's concurrency gate, engine failures",
     }
     doc = {"meta": meta, "routers": results}
@@ -303,7 +305,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(s: dict[str, Any], sim: Any) -> dict[str, Any]:
+def _stats_ms(values_s: Any) -> dict[str, float | None]:
+    """Mean, p50 and p99 in ms of seconds (NaNs left out; None for none)."""
+    import numpy as np
+
+    arr = np.asarray(values_s, dtype=np.float64)
+    arr = arr[~np.isnan(arr)]
+    if arr.size == 0:
+        return {"mean": None, "p50": None, "p99": None}
+    p50, p99 = np.percentile(arr, [50, 99])
+    return {
+        k: round(float(v) * 1e3, 4) for k, v in (("mean", arr.mean()), ("p50", p50), ("p99", p99))
+    }
+
+
+def excess_ttfts(records: Any, ideal_s: list[float]) -> list[float]:
+    """Each completed request's TTFT over its ideal (``loadgen.simulator.ideal_ttfts``, indexed
+    as the plan), in seconds; refused and unfinished requests have none."""
+    return [
+        r.ttft_s - ideal_s[r.index] for r in records if r.ok and not math.isnan(ideal_s[r.index])
+    ]
+
+
+def excess_ttft_ms(records: Any, ideal_s: list[float]) -> dict[str, float | None]:
+    """Mean, p50 and p99 of ``excess_ttfts`` in ms."""
+    return _stats_ms(excess_ttfts(records, ideal_s))
+
+
+def _row(s: dict[str, Any], sim: Any, excess: dict[str, float | None]) -> dict[str, Any]:
     return {
         "requests": s["requests"],
         "completed": s["completed"],
@@ -311,6 +340,7 @@ def _row(s: dict[str, Any], sim: Any) -> dict[str, Any]:
         "errors": s["errors"],
         "ttft_ms": {k: s["ttft_ms"][k] for k in ("p50", "p90", "p99")},
         "tpot_ms": {k: s["tpot_ms"][k] for k in ("p50", "p99")},
+        "excess_ttft_ms": excess,
         "hit_rate": s["server_hit_rate"],
         "gpu_hit_rate": s["gpu_hit_rate"],
         "cpu_hit_rate": s["cpu_hit_rate"],
@@ -333,7 +363,7 @@ def _print_table(meta: dict[str, Any], results: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=140)
+    console = Console(width=170)
     console.print(
         f"simulate: {meta['source']}, {meta['requests']:,} requests, {meta['instances']} x "
         f"{meta['profile']} (router prices with {meta['router_profile']}), block "
@@ -341,7 +371,8 @@ def _print_table(meta: dict[str, Any], results: dict[str, Any]) -> None:
     )
     table = Table()
     for col in (
-        "router", "TTFT p50", "p90", "p99", "TPOT p50", "p99", "hit", "GPU", "CPU",
+        "router", "TTFT p50", "p90", "p99", "excess mean", "p99", "TPOT p50", "p99", "hit",
+        "GPU", "CPU",
         "goodput/s", "rejected", "max/mean load", "wall s",
     ):  # fmt: skip
         table.add_column(col, justify="left" if col == "router" else "right")
@@ -351,6 +382,8 @@ def _print_table(meta: dict[str, Any], results: dict[str, Any]) -> None:
             _fmt(r["ttft_ms"]["p50"]),
             _fmt(r["ttft_ms"]["p90"]),
             _fmt(r["ttft_ms"]["p99"]),
+            _fmt(r["excess_ttft_ms"]["mean"]),
+            _fmt(r["excess_ttft_ms"]["p99"]),
             _fmt(r["tpot_ms"]["p50"], 2),
             _fmt(r["tpot_ms"]["p99"], 2),
             _fmt(r["hit_rate"], 3),
@@ -362,7 +395,10 @@ def _print_table(meta: dict[str, Any], results: dict[str, Any]) -> None:
             _fmt(r["wall_s"], 2),
         )
     console.print(table)
-    console.print("times in ms; hit rates over prompt tokens; goodput under the given SLOs")
+    console.print(
+        "times in ms; excess: TTFT over the request's ideal (alone on an idle engine, every "
+        "earlier prefix cached); hit rates over prompt tokens; goodput under the given SLOs"
+    )
 
 
 def write_report(out: Path, doc: dict[str, Any], runs: dict[str, Any]) -> list[Path]:

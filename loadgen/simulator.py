@@ -59,7 +59,7 @@ from engines.sim.scheduler import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENC
 from engines.sim.virtual import VirtualInstance, trace_arrival
 from loadgen.cachesim import request_info
 from loadgen.records import RequestRecord
-from loadgen.workloads import Planned
+from loadgen.workloads import Planned, ideal_hits
 from router import lifecycle
 from router.admission import Admission, Rejected
 from router.pd import (
@@ -692,6 +692,40 @@ def simulate(
         return sim.run(plan, progress, budget)
     finally:
         sim.close()
+
+
+def engine_profile(truth: LatencyProfile, settings: SimSettings) -> tuple[LatencyProfile, int]:
+    """The profile the engines of ``settings`` run (their scheduler limits set) and their
+    ``max_model_len``, before any ``Perturbation``."""
+    eng = settings.engine
+    prof = truth.with_limits(
+        eng.get("max_num_batched_tokens"), eng.get("long_prefill_token_threshold")
+    )
+    return prof, int(eng.get("max_model_len") or prof.max_model_len)
+
+
+def ideal_ttfts(
+    plan: Sequence[Planned], trace_block_size: int, truth: LatencyProfile, settings: SimSettings
+) -> list[float]:
+    """Each request's ideal TTFT in seconds, in plan order: alone on an idle engine of the
+    truth profile (``engine_profile``: unperturbed), with every block that any earlier request
+    of the plan carried already in its GPU cache (``ideal_hits``; a full hit still computes the
+    last token). NaN for a prompt the engines refuse (at or over ``max_model_len``).
+
+    No router can place a request faster, up to the perturbation: a request on an engine that
+    ``Perturbation`` made faster than the profile (its speed factor or a step's jitter below
+    1) can come in under it, so the excess over it can be slightly negative there; with
+    ``EXACT`` every measured TTFT is at least this. The capacity planner's ceiling
+    (``PlanSetup.ceiling``) is the attainment of these TTFTs."""
+    prof, max_len = engine_profile(truth, settings)
+    out: list[float] = []
+    for r, k in ideal_hits(p.req for p in plan):
+        if r.input_length >= max_len:
+            out.append(math.nan)
+            continue
+        cached = min(k * trace_block_size, r.input_length - 1) if r.input_length else 0
+        out.append(prof.ttft_s(r.input_length, max(cached, 0)))
+    return out
 
 
 def check_jobs(jobs: int) -> None:

@@ -7,6 +7,17 @@
   popularity and send its system prompt plus a fresh user part, single-turn.
 - ``mix``: both, with ``to_b_fraction`` of the requests from ``to-b``.
 - ``random``: unique prompts of fixed lengths (no sharing), for raw throughput.
+- ``agentic``: tool-use agents. A few long tool/system prefixes (Zipf-popular); sessions arrive
+  as a Poisson process and run a geometric number of steps, each after an exponential tool time.
+  A step re-sends the session's whole context (prefix, task, every earlier reply and tool
+  result) plus, after its first, the last step's short tool result; with ``agent_fanout_prob``
+  a step is a burst of ``k`` (uniform in 2..``agent_fanout_max``) parallel calls sent at the
+  same instant, each the shared context plus its own short sub-task, whose replies and tool
+  results all join the context of the next step.
+- ``rag``: retrieval-augmented, single-turn. Each request is one shared system prompt, 1-3
+  documents drawn without replacement from a Zipf-popular corpus (in draw order, so the same
+  documents in another order share only the system prompt and the documents before the first
+  difference, as a prefix cache sees them) and a short question.
 
 Defaults follow "KVCache Cache in the Wild" (Wang et al., USENIX ATC'25) where it gives a number:
 80% of reuses within 10 minutes for to-C (think time exponential, P(<=600 s) = 0.8, so a mean of
@@ -15,19 +26,26 @@ Defaults follow "KVCache Cache in the Wild" (Wang et al., USENIX ATC'25) where i
 skewed reuse (Zipf over programs); the to-B lengths are set so its ideal hit rate lands near the
 paper's 54%. Other lengths are assumed (log-normal medians below) and every
 parameter can be set from the CLI.
+
+``agentic`` and ``rag`` have no measured source in the paper; their defaults are assumptions,
+each said below. Their block ids are given by content, by a trie over (previous block id, what
+the block holds), so two prompts share a block id exactly when they agree on every token up to
+the end of that block; the partial last block of a prompt is a block too (two identical prompts
+share it; a longer prompt that extends it gets another id, as its content differs).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from loadgen.traces import FORMATS, TraceRequest
 
 SYNTH_BLOCK_SIZE = FORMATS["bailian"][1]
-WORKLOADS: tuple[str, ...] = ("to-c", "to-b", "mix", "random")
+WORKLOADS: tuple[str, ...] = ("to-c", "to-b", "mix", "random", "agentic", "rag")
 
 
 @dataclass(slots=True)
@@ -52,6 +70,30 @@ class SynthParams:
     # random
     input_tokens: int = 128
     max_prompt_tokens: int = 32_768
+    # agentic (assumed: agent frameworks' system prompt plus tool schemas run to several
+    # thousand tokens; steps are short tool calls and short tool outputs, a few seconds apart)
+    agent_prefixes: int = 4  # distinct tool/system prefixes (one per agent kind)
+    agent_prefix_tokens: int = 6000  # log-normal median (sigma 0.3) of a prefix
+    agent_prefix_zipf: float = 1.0  # Zipf exponent of the prefixes' popularity
+    agent_task_tokens: int = 400  # log-normal median of a session's task (first user message)
+    agent_steps_mean: float = 8.0  # geometric number of steps per session, >= 1
+    agent_step_s: float = 3.0  # mean (exponential) time between steps: tool run + generation
+    agent_output_tokens: int = 80  # log-normal median of a reply (a tool call)
+    agent_result_tokens: int = 200  # log-normal median of a tool result
+    agent_subtask_tokens: int = 60  # log-normal median of a parallel call's own instruction
+    agent_fanout_prob: float = 0.25  # probability that a step is a burst of parallel calls
+    agent_fanout_max: int = 6  # a burst has k calls, k uniform in 2..agent_fanout_max
+    # rag (assumed: RAGCache (Jin et al., 2024) reports a skewed document popularity; 1-3
+    # retrieved chunks of 1-4k tokens, as issue 31 specifies the workload)
+    rag_documents: int = 2000  # corpus size
+    rag_zipf: float = 1.0  # Zipf exponent of document popularity
+    rag_doc_tokens: int = 2000  # log-normal median (sigma 0.4) of a document, clipped below
+    rag_doc_min_tokens: int = 1000
+    rag_doc_max_tokens: int = 4000
+    rag_docs_max: int = 3  # documents per request, uniform in 1..rag_docs_max
+    rag_system_tokens: int = 300  # the one system prompt every request starts with
+    rag_question_tokens: int = 40  # log-normal median of the question
+    rag_output_tokens: int = 200  # log-normal median of the answer
 
     def validate(self) -> None:
         checks = {
@@ -69,6 +111,26 @@ class SynthParams:
             "api-output-tokens": self.api_output_tokens >= 1,
             "to-b-fraction": 0 <= self.to_b_fraction <= 1,
             "input-tokens": self.input_tokens >= 1,
+            "max-prompt-tokens": self.max_prompt_tokens >= 1,
+            "agent-prefixes": self.agent_prefixes >= 1,
+            "agent-prefix-tokens": self.agent_prefix_tokens >= 1,
+            "agent-prefix-zipf": self.agent_prefix_zipf >= 0,
+            "agent-task-tokens": self.agent_task_tokens >= 1,
+            "agent-steps-mean": self.agent_steps_mean >= 1,
+            "agent-step-s": self.agent_step_s >= 0,
+            "agent-output-tokens": self.agent_output_tokens >= 1,
+            "agent-result-tokens": self.agent_result_tokens >= 1,
+            "agent-subtask-tokens": self.agent_subtask_tokens >= 1,
+            "agent-fanout-prob": 0 <= self.agent_fanout_prob <= 1,
+            "agent-fanout-max": self.agent_fanout_max >= 2,
+            "rag-documents": self.rag_documents >= 1,
+            "rag-zipf": self.rag_zipf >= 0,
+            "rag-doc-tokens": self.rag_doc_tokens >= 1,
+            "rag-doc-min-tokens": 1 <= self.rag_doc_min_tokens <= self.rag_doc_max_tokens,
+            "rag-docs-max": 1 <= self.rag_docs_max <= self.rag_documents,
+            "rag-system-tokens": self.rag_system_tokens >= 0,
+            "rag-question-tokens": self.rag_question_tokens >= 1,
+            "rag-output-tokens": self.rag_output_tokens >= 1,
         }
         for name, ok in checks.items():
             if not ok:
@@ -92,6 +154,98 @@ class _Ids:
     def chat(self) -> int:
         self.next_chat += 1
         return self.next_chat - 1
+
+
+class _Blocks:
+    """Block ids by content: the id of a block is the trie node reached by (id of the block
+    before it, the pieces of segments it holds). A piece is ``(segment key, start, end)`` in
+    the segment's tokens; a segment key names one piece of content (a prefix, a document, a
+    reply) wherever it appears."""
+
+    def __init__(self, ids: _Ids, block_size: int) -> None:
+        self.ids, self.bs = ids, block_size
+        self.nodes: dict[tuple[int, tuple[tuple[Any, int, int], ...]], int] = {}
+        self.appended: dict[Any, tuple[tuple[int, ...], tuple[tuple[Any, int, int], ...]]] = {}
+
+    def node(self, parent: int, content: tuple[tuple[Any, int, int], ...]) -> int:
+        key = (parent, content)
+        got = self.nodes.get(key)
+        if got is None:
+            got = self.nodes[key] = self.ids.hashes(1)[0]
+        return got
+
+
+class _Prompt:
+    """A prompt built by appending segments; its full blocks' ids are kept as it grows, so a
+    session's context is never hashed twice. ``copy`` forks it (parallel calls)."""
+
+    __slots__ = ("blocks", "full", "length", "tail", "tail_len")
+
+    def __init__(self, blocks: _Blocks) -> None:
+        self.blocks = blocks
+        self.full: list[int] = []
+        self.tail: list[tuple[Any, int, int]] = []
+        self.tail_len = 0
+        self.length = 0
+
+    def copy(self) -> _Prompt:
+        c = _Prompt(self.blocks)
+        c.full, c.tail, c.tail_len, c.length = (
+            list(self.full),
+            list(self.tail),
+            self.tail_len,
+            self.length,
+        )
+        return c
+
+    def append(self, key: Any, n: int) -> _Prompt:
+        # NOTE: memoised on (last full block, partial tail, segment): a popular document after
+        # the same prefix is walked once, not once per request
+        last = self.full[-1] if self.full else -1
+        memo = (last, tuple(self.tail), key, n)
+        got = self.blocks.appended.get(memo)
+        if got is None:
+            got = self._walk(last, key, n)
+            self.blocks.appended[memo] = got
+        new, tail = got
+        self.full.extend(new)
+        self.tail, self.tail_len = list(tail), sum(e - s for _, s, e in tail)
+        self.length += n
+        return self
+
+    def _walk(
+        self, last: int, key: Any, n: int
+    ) -> tuple[tuple[int, ...], tuple[tuple[Any, int, int], ...]]:
+        blocks, bs = self.blocks, self.blocks.bs
+        tail, tail_len = list(self.tail), self.tail_len
+        take = min(n, bs - tail_len)
+        tail.append((key, 0, take))
+        if tail_len + take < bs:
+            return (), tuple(tail)
+        fresh = len(blocks.nodes)
+        new = [blocks.node(last, tuple(tail))]
+        # NOTE: past a block new to the trie every block of this walk is new too (its parent
+        # is): they take fresh ids without a trie entry. Only this walk (memoised in
+        # ``append``: a segment key always has one length) can reach them again.
+        full, rest = divmod(n - take, bs)
+        for j in range(full):
+            s = take + j * bs
+            if len(blocks.nodes) > fresh:
+                new.extend(blocks.ids.hashes(full - j))
+                break
+            new.append(blocks.node(new[-1], ((key, s, s + bs),)))
+        return tuple(new), (((key, n - rest, n),) if rest else ())
+
+    def hash_ids(self) -> tuple[int, ...]:
+        if not self.tail:
+            return tuple(self.full)
+        parent = self.full[-1] if self.full else -1
+        return (*self.full, self.blocks.node(parent, tuple(self.tail)))
+
+
+def _zipf_weights(n: int, s: float) -> np.ndarray:
+    w: np.ndarray = 1.0 / np.arange(1, n + 1) ** s
+    return w / float(w.sum())
 
 
 def _lognormal(rng: np.random.Generator, median: int, sigma: float, cap: int) -> int:
@@ -155,6 +309,90 @@ def _to_b(p: SynthParams, rate: float, rng: np.random.Generator, ids: _Ids) -> l
     return out
 
 
+def _agentic(p: SynthParams, rng: np.random.Generator, ids: _Ids) -> list[TraceRequest]:
+    blocks = _Blocks(ids, SYNTH_BLOCK_SIZE)
+    cap = p.max_prompt_tokens
+    prefix_len = [
+        _lognormal(rng, p.agent_prefix_tokens, 0.3, cap // 2) for _ in range(p.agent_prefixes)
+    ]
+    weights = _zipf_weights(p.agent_prefixes, p.agent_prefix_zipf)
+    # requests per session: steps times the mean calls of a step (a burst's k: mean of 2..max)
+    calls = 1 - p.agent_fanout_prob + p.agent_fanout_prob * (2 + p.agent_fanout_max) / 2
+    session_rate = p.rate / (p.agent_steps_mean * calls)
+    out: list[TraceRequest] = []
+    # NOTE: warm start as ``_to_c``: sessions begin before 0 so the run sees running sessions
+    t = -p.agent_step_s * p.agent_steps_mean * 4 + rng.exponential(1.0 / session_rate)
+    sid = 0
+    while t < p.duration_s:
+        sid += 1
+        prefix = int(rng.choice(p.agent_prefixes, p=weights))
+        ctx = _Prompt(blocks).append(("prefix", prefix), prefix_len[prefix])
+        ctx.append(("task", sid), _lognormal(rng, p.agent_task_tokens, p.length_sigma, cap))
+        steps = int(rng.geometric(1.0 / p.agent_steps_mean))
+        ts, parent = t, None
+        for step in range(1, steps + 1):
+            if ts >= p.duration_s or ctx.length >= cap:
+                break
+            fan = rng.random() < p.agent_fanout_prob
+            k = int(rng.integers(2, p.agent_fanout_max + 1)) if fan else 1
+            sent: list[tuple[_Prompt, int, int]] = []  # (prompt, reply tokens, chat id)
+            for j in range(k):
+                prompt = ctx
+                if fan:
+                    sub = _lognormal(rng, p.agent_subtask_tokens, p.length_sigma, cap)
+                    prompt = ctx.copy().append(("subtask", sid, step, j), sub)
+                reply = _lognormal(rng, p.agent_output_tokens, p.length_sigma, 8192)
+                sent.append((prompt, reply, ids.chat()))
+            if any(pr.length > cap for pr, _, _ in sent):
+                break
+            for prompt, reply, chat in sent:
+                if ts >= 0:
+                    out.append(
+                        TraceRequest(
+                            ts, prompt.length, reply, prompt.hash_ids(), chat, parent, "agent", step
+                        )
+                    )
+            # the next step's context: every call's reply and tool result, in call order
+            for j, (_, reply, chat) in enumerate(sent):
+                ctx.append(("reply", chat), reply)
+                result = _lognormal(rng, p.agent_result_tokens, p.length_sigma, cap)
+                ctx.append(("result", sid, step, j), result)
+            parent = sent[0][2]
+            ts += rng.exponential(p.agent_step_s) if p.agent_step_s > 0 else 0.0
+        t += rng.exponential(1.0 / session_rate)
+    return out
+
+
+def _rag(p: SynthParams, rng: np.random.Generator, ids: _Ids) -> list[TraceRequest]:
+    blocks = _Blocks(ids, SYNTH_BLOCK_SIZE)
+    lo, hi = p.rag_doc_min_tokens, p.rag_doc_max_tokens
+    doc_len = [
+        min(hi, max(lo, _lognormal(rng, p.rag_doc_tokens, 0.4, hi))) for _ in range(p.rag_documents)
+    ]
+    weights = _zipf_weights(p.rag_documents, p.rag_zipf)
+    out: list[TraceRequest] = []
+    t = rng.exponential(1.0 / p.rate)
+    while t < p.duration_s:
+        n_docs = int(rng.integers(1, p.rag_docs_max + 1))
+        docs = rng.choice(p.rag_documents, size=n_docs, replace=False, p=weights)
+        prompt = _Prompt(blocks)
+        if p.rag_system_tokens:
+            prompt.append(("system",), p.rag_system_tokens)
+        for d in docs:
+            prompt.append(("doc", int(d)), doc_len[int(d)])
+        chat = ids.chat()
+        prompt.append(
+            ("question", chat), _lognormal(rng, p.rag_question_tokens, p.length_sigma, 4096)
+        )
+        if prompt.length <= p.max_prompt_tokens:
+            reply = _lognormal(rng, p.rag_output_tokens, p.length_sigma, 8192)
+            out.append(
+                TraceRequest(t, prompt.length, reply, prompt.hash_ids(), chat, None, "rag", 1)
+            )
+        t += rng.exponential(1.0 / p.rate)
+    return out
+
+
 def _random(p: SynthParams, ids: _Ids) -> list[TraceRequest]:
     n = p.max_requests if p.max_requests is not None else math.ceil(p.rate * p.duration_s)
     bs, length = SYNTH_BLOCK_SIZE, p.input_tokens
@@ -176,9 +414,13 @@ def generate(kind: str, p: SynthParams) -> list[TraceRequest]:
         reqs = _to_c(p, p.rate, rng, ids)
     elif kind == "to-b":
         reqs = _to_b(p, p.rate, rng, ids)
+    elif kind == "agentic":
+        reqs = _agentic(p, rng, ids)
+    elif kind == "rag":
+        reqs = _rag(p, rng, ids)
     else:
         reqs = _to_b(p, p.rate * p.to_b_fraction, rng, ids) if p.to_b_fraction > 0 else []
         if p.to_b_fraction < 1:
             reqs += _to_c(p, p.rate * (1 - p.to_b_fraction), rng, ids)
-    reqs.sort(key=lambda r: r.timestamp_s)
+    reqs.sort(key=lambda r: r.timestamp_s)  # stable: a burst's calls keep their order
     return reqs[: p.max_requests] if p.max_requests is not None else reqs

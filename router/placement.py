@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cachemap import Match
+from cachemap import CacheMap, Match
 
 
 class LatencyModel(Protocol):
@@ -131,6 +131,10 @@ class Scorer(ABC):
         match: Mapping[str, Match],
     ) -> Placement:
         """Pick one of ``instances`` (all healthy, non-empty)."""
+
+    def attach(self, cache_map: CacheMap) -> None:  # noqa: B027
+        """The routing core's cache map, for scorers that read more of it than a request's
+        match (what each instance holds in all); called when the scorer joins a core."""
 
     def on_finished(self, request: PlacementRequest, instance_id: str) -> None:  # noqa: B027
         """The request ended (scorers with their own bookkeeping override this)."""

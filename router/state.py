@@ -159,7 +159,9 @@ class RouterCore:
         ``DEFAULT_POOL`` from ``latency``, ``block_size`` and ``kv_capacity_blocks``.
         ``planner``: places the two legs of a request when there are prefill or decode pools
         (``router.pd``; ``place`` then plans both)."""
-        self.scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
+        self.cache_map = CacheMap()
+        self._scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
+        self._scorer.attach(self.cache_map)
         if pools is None:
             pools = (Pool(DEFAULT_POOL, "both", block_size, latency, kv_capacity_blocks),)
         self.pools: dict[str, Pool] = {p.name: p for p in pools}
@@ -170,7 +172,6 @@ class RouterCore:
         self.planner = planner
         # prefill or decode pools: a request may go in two legs (``planner`` places them)
         self.disaggregated = any(p.role != "both" for p in pools)
-        self.cache_map = CacheMap()
         self.ingestor = CacheMapIngestor(self.cache_map)
         self.load = LoadTracker(stale_after_s)
         self.admission = admission or Admission()
@@ -188,6 +189,15 @@ class RouterCore:
             if kv_bus is not None and load_bus is not None
             else None
         )
+
+    @property
+    def scorer(self) -> Scorer:
+        return self._scorer
+
+    @scorer.setter
+    def scorer(self, scorer: Scorer) -> None:
+        scorer.attach(self.cache_map)
+        self._scorer = scorer
 
     # -- membership ------------------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
-"""Trace parsing (both formats, bad lines), schedules, session links, synthetic workloads."""
+"""Trace parsing (JSONL and CSV formats, bad lines), schedules, session links, synthetic
+workloads."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import numpy as np
 import pytest
 
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
-from loadgen.traces import TraceFormatError, TraceRequest, load_trace
+from loadgen.traces import PrefixModel, TraceFormatError, TraceRequest, load_trace
 from loadgen.workloads import arrival_offsets, build_schedule, ideal_hit_rate, link_sessions
 
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation.jsonl"
@@ -138,7 +140,7 @@ def test_ideal_hit_rate_small() -> None:
     assert tokens == pytest.approx(32 / 76)
 
 
-@pytest.mark.parametrize("kind", ["to-c", "to-b", "mix", "random"])
+@pytest.mark.parametrize("kind", ["to-c", "to-b", "mix", "random", "agentic", "rag"])
 def test_synthetic_workloads_are_valid_traces(kind: str) -> None:
     p = SynthParams(rate=20, duration_s=30, think_time_s=3, seed=5)
     reqs = generate(kind, p)
@@ -193,3 +195,179 @@ def test_synthetic_bad_parameters_name_the_flag() -> None:
         generate("mix", SynthParams(to_b_fraction=1.5))
     with pytest.raises(ValueError, match="--workload"):
         generate("chatty", SynthParams())
+
+
+AZURE = MOONCAKE.with_name("azure_llm_2023_conv.csv")
+
+
+def test_agentic_sessions_share_long_prefixes_and_burst_parallel_calls() -> None:
+    p = SynthParams(rate=40, duration_s=60, seed=2, agent_fanout_prob=0.5, agent_fanout_max=4)
+    reqs = generate("agentic", p)
+    assert all(r.type == "agent" for r in reqs)
+    # a few long tool/system prefixes, Zipf-popular: every prompt opens with one of them
+    firsts = Counter(r.hash_ids[0] for r in reqs)
+    assert 1 < len(firsts) <= p.agent_prefixes
+    counts = sorted(firsts.values(), reverse=True)
+    assert counts[0] > counts[-1]
+    assert min(r.input_length for r in reqs) > 2000  # several thousand tokens of prefix
+    # bursts: k calls at one instant, same parent, the session context shared, each its own tail
+    by_ts: dict[float, list[TraceRequest]] = {}
+    for r in reqs:
+        by_ts.setdefault(r.timestamp_s, []).append(r)
+    bursts = [g for g in by_ts.values() if len(g) > 1]
+    assert len(bursts) > 20
+    for g in bursts:
+        assert 2 <= len(g) <= p.agent_fanout_max
+        assert len({r.parent_chat_id for r in g}) == 1 and len({r.turn for r in g}) == 1
+        shortest = min(len(r.hash_ids) for r in g)
+        common = next((i for i in range(shortest) if len({r.hash_ids[i] for r in g}) > 1), shortest)
+        assert common > 0.8 * shortest  # the context; the sub-tasks are short
+        assert len({r.hash_ids[-1] for r in g}) == len(g)
+    # a step re-sends the context of the step before (a single call's prompt) and grows it
+    by_chat = {r.chat_id: r for r in reqs}
+    singles = {r.chat_id for g in by_ts.values() if len(g) == 1 for r in g}
+    checked = 0
+    for r in reqs:
+        parent = by_chat.get(r.parent_chat_id)
+        if parent is None or parent.chat_id not in singles:
+            continue
+        full = parent.input_length // SYNTH_BLOCK_SIZE
+        assert r.turn == parent.turn + 1 and r.timestamp_s >= parent.timestamp_s
+        assert r.input_length > parent.input_length + parent.output_length
+        assert r.hash_ids[:full] == parent.hash_ids[:full]
+        checked += 1
+    assert checked > 50
+    assert ideal_hit_rate(reqs, SYNTH_BLOCK_SIZE)[0] > 0.8
+
+
+def test_rag_draws_zipf_popular_documents_and_their_order_matters() -> None:
+    p = SynthParams(rate=50, duration_s=40, seed=3)
+    reqs = generate("rag", p)
+    assert all(r.turn == 1 and r.parent_chat_id is None and r.type == "rag" for r in reqs)
+    sys_blocks = p.rag_system_tokens // SYNTH_BLOCK_SIZE
+    assert len({r.hash_ids[:sys_blocks] for r in reqs}) == 1  # one system prompt for all
+    lo = p.rag_system_tokens + p.rag_doc_min_tokens
+    hi = p.rag_system_tokens + p.rag_docs_max * p.rag_doc_max_tokens + 4096
+    assert all(lo < r.input_length <= hi for r in reqs)
+    # the block after the system prompt names the first document: Zipf over a large corpus
+    first_doc = Counter(r.hash_ids[sys_blocks] for r in reqs)
+    assert len(first_doc) > 100
+    assert first_doc.most_common(1)[0][1] > 0.05 * len(reqs)
+    # two documents in either order: the prefix after the system prompt comes in two versions
+    fixed = SynthParams(
+        rate=50, duration_s=20, rag_documents=2, rag_docs_max=2, rag_zipf=0,
+        rag_doc_min_tokens=1000, rag_doc_max_tokens=1000,
+    )  # fmt: skip
+    both = [r for r in generate("rag", fixed) if r.input_length > 300 + 2 * 1000]
+    span = (300 + 2 * 1000) // SYNTH_BLOCK_SIZE
+    assert len({r.hash_ids[sys_blocks:span] for r in both}) == 2
+
+
+def test_agentic_and_rag_parameters_name_the_flag() -> None:
+    with pytest.raises(ValueError, match="--agent-fanout-prob"):
+        generate("agentic", SynthParams(agent_fanout_prob=2))
+    with pytest.raises(ValueError, match="--rag-doc-min-tokens"):
+        generate("rag", SynthParams(rag_doc_min_tokens=5000))
+
+
+AZURE_CSV = """TIMESTAMP,ContextTokens,GeneratedTokens
+2023-11-16 18:15:46.6805900,374,44
+2023-11-16 18:15:50.9951690,396,109
+2023-11-16 18:15:51.2224670,879,55
+2023-11-16 18:16:01.0000000,1500,20
+"""
+
+
+def test_azure_csv_keeps_times_and_counts_and_models_prefixes(tmp_path: Path) -> None:
+    path = tmp_path / "azure.csv"
+    path.write_text(AZURE_CSV)
+    trace = load_trace(path)  # detected from the header
+    assert trace.format == "azure" and trace.block_size == 16
+    reqs = trace.requests
+    assert [round(r.timestamp_s, 7) for r in reqs] == [0.0, 4.314579, 4.541877, 14.31941]
+    assert [(r.input_length, r.output_length) for r in reqs] == [
+        (374, 44), (396, 109), (879, 55), (1500, 20)
+    ]  # fmt: skip
+    for r in reqs:
+        assert len(r.hash_ids) == math.ceil(r.input_length / 16)
+    assert load_trace(path, "azure").requests == reqs
+    # every request continues a conversation when it can: 879 > 396 + 109 and so on
+    cont = load_trace(path, prefix_model=PrefixModel(continue_fraction=1.0, think_time_s=1.0))
+    r = cont.requests
+    assert r[0].parent_chat_id is None and r[1].parent_chat_id is None  # 396 <= 374 + 44
+    assert r[2].parent_chat_id == r[1].chat_id and r[2].turn == 2
+    assert r[2].hash_ids[: 396 // 16] == r[1].hash_ids[: 396 // 16]
+    assert r[3].parent_chat_id == r[2].chat_id and r[3].turn == 3
+    # none continues: each opens with one of the system prompts (one here: all share it)
+    fresh = load_trace(path, prefix_model=PrefixModel(continue_fraction=0.0, system_prompts=1))
+    assert all(x.parent_chat_id is None and x.turn == 1 for x in fresh.requests)
+    assert len({x.hash_ids[:10] for x in fresh.requests}) == 1
+    # seeded
+    a = load_trace(path, prefix_model=PrefixModel(seed=1)).requests
+    assert a == load_trace(path, prefix_model=PrefixModel(seed=1)).requests
+
+
+def test_prefix_model_defaults_are_the_synthetic_workloads() -> None:
+    assert PrefixModel() == PrefixModel.from_synth(SynthParams())
+
+
+def test_burstgpt_csv_api_lines_never_continue(tmp_path: Path) -> None:
+    path = tmp_path / "burst.csv"
+    path.write_text(
+        "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+        "5,ChatGPT,100,20,120,Conversation log\n"
+        "6.5,ChatGPT,300,40,340,Conversation log\n"
+        "7,GPT-4,900,0,900,API log\n"
+        "9,ChatGPT,1000,30,1030,API log\n"
+    )
+    trace = load_trace(path, prefix_model=PrefixModel(continue_fraction=1.0))
+    assert trace.format == "burstgpt"
+    reqs = trace.requests
+    assert [r.timestamp_s for r in reqs] == [5.0, 6.5, 7.0, 9.0]  # seconds as given
+    assert [r.type for r in reqs] == ["text", "text", "api", "api"]
+    assert reqs[1].parent_chat_id == reqs[0].chat_id
+    assert reqs[2].parent_chat_id is None and reqs[3].parent_chat_id is None
+
+
+@pytest.mark.parametrize(
+    ("body", "where"),
+    [
+        ("2023-11-16 18:15:46.1,374,44\n2023-11-16 18:15:47.0,x,44\n", ":3: field 'ContextTokens'"),
+        ("2023-11-16 18:15:46.1,374,44\n2023-11-16 18:15:47.0,0,44\n", ":3: field 'ContextTokens'"),
+        ("2023-11-16 18:15:46.1,374,-1\n", ":2: field 'GeneratedTokens'"),
+        ("yesterday,374,44\n", ":2: field 'TIMESTAMP'"),
+        ("2023-11-16 18:15:46.1,374,44\n2023-11-16 18:15:45.0,374,44\n", ":3: field 'TIMESTAMP'"),
+        ("2023-11-16 18:15:46.1,374\n", ":2: field '<line>'"),
+    ],
+)
+def test_azure_bad_rows_name_the_line_and_column(tmp_path: Path, body: str, where: str) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + body)
+    with pytest.raises(TraceFormatError, match=where):
+        load_trace(path)
+    skipped = load_trace(path, skip_invalid=True)
+    assert skipped.skipped == 1
+
+
+def test_csv_header_errors(tmp_path: Path) -> None:
+    path = tmp_path / "other.csv"
+    path.write_text("when,tokens\n1,2\n")
+    with pytest.raises(TraceFormatError, match=":1: field '<header>'"):
+        load_trace(path)
+    path.write_text("TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.1,3\n")
+    with pytest.raises(TraceFormatError, match=":1: field 'GeneratedTokens'"):
+        load_trace(path, "azure")
+    path.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                    "1,ChatGPT,0,3,3,API log\n")  # fmt: skip
+    with pytest.raises(TraceFormatError, match=":2: field 'Request tokens'"):
+        load_trace(path)
+
+
+@pytest.mark.skipif(not AZURE.exists(), reason="shared Azure trace not present")
+def test_shared_azure_conv_trace() -> None:
+    trace = load_trace(AZURE)
+    assert trace.format == "azure" and len(trace.requests) == 19_366 and trace.skipped == 0
+    assert 3400 < trace.duration_s < 3600
+    share = sum(r.parent_chat_id is not None for r in trace.requests) / len(trace.requests)
+    assert 0.3 < share < 2 / 3  # continuing needs an earlier, shorter turn
+    assert 0.3 < ideal_hit_rate(trace.requests, 16)[0] < 0.6

@@ -534,17 +534,23 @@ def test_router_core_apply_registers_and_refreshes_from_the_load_bus() -> None:
     assert core.load.views(1.2)[0].waiting == 2
 
 
-def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one() -> None:
+@pytest.mark.parametrize("with_map", [False, True])
+def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one(with_map: bool) -> None:
     """From ``_INDEXED_FROM`` instances on, kv_ttft prices only those that can win; through
     views that change a few at a time (others kept, as LoadTracker keeps them), rosters that
     change, unhealthy instances and calibrations, it chooses what pricing all of them chooses,
-    with the same estimate, tie-breaks included."""
+    with the same estimate, tie-breaks included (with a cache map attached: the emptiest cache
+    among near-ties too)."""
     import random
 
     from router.scorers import kv_ttft
 
     rng = random.Random(3)
     fast, full = create_scorer("kv_ttft"), create_scorer("kv_ttft")
+    cache = CacheMap()
+    if with_map:
+        fast.attach(cache)
+        full.attach(cache)
     slow, other = Linear(), Linear(tok_s=5_000.0, load_tok_s=100.0)  # CPU hits cost there
     n = kv_ttft._INDEXED_FROM + 8
 
@@ -577,6 +583,9 @@ def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one() -> None:
             s.calibration.a, s.calibration.b = (1.0, 0.0) if step < 100 else (1.3, 0.01)
         if not any(v.healthy for v in views):
             continue
+        if with_map and step % 7 == 0:  # some instances store a few blocks
+            for v in rng.sample(views, 5):
+                cache.store(v.instance_id, Tier.GPU, [rng.getrandbits(62) for _ in range(3)])
         got = fast.place(r, list(views), match)
         kv_ttft._INDEXED_FROM, saved = 10**9, kv_ttft._INDEXED_FROM
         try:
@@ -591,3 +600,41 @@ def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one() -> None:
     # two with the same GPU run, the first with more of it on CPU: the second one wins
     got = fast.place(req(8), same, {"s0": Match(2, 7), "s1": Match(2, 2)})
     assert got.instance_id == "s1"
+
+
+def test_kv_ttft_spreads_cold_prefixes_over_the_emptiest_caches() -> None:
+    """Between idle engines a cold prompt goes to the engine whose cache holds least (by the
+    cache map the core attaches), not to the first in view order: the cluster's whole cache
+    fills instead of the first engines' evicting."""
+    from router.state import RouterCore
+
+    core = RouterCore("kv_ttft", Linear(), block_size=BS)
+    for iid in ("a", "b", "c"):
+        core.add_instance(iid)
+    placed = []
+    for k in range(6):
+        r = PlacementRequest(f"r{k}", 4 * BS, [1000 * k + j for j in range(4)])
+        p = core.place(r, 0.0)
+        placed.append(p.instance_id)
+        core.cache_map.store(p.instance_id, Tier.GPU, list(r.block_hashes))
+    assert sorted(placed[:3]) == ["a", "b", "c"]
+    assert sorted(placed[3:]) == ["a", "b", "c"]
+    # without it (spread_cold off), every cold prompt lands on the first engine
+    core.scorer = create_scorer("kv_ttft", spread_cold=False)
+    r = PlacementRequest("x", 4 * BS, [7, 8, 9, 10])
+    assert core.place(r, 0.0).instance_id == "a"
+
+
+def test_kv_ttft_stays_with_its_cache_when_going_cold_saves_little() -> None:
+    """Within ``affinity_s`` of the best estimate the longest cached prefix wins: a few ms
+    saved by going cold are not worth a second copy of the prefix; past it, the estimate."""
+    s = create_scorer("kv_ttft", calibrate=False)
+    r = req(20)
+    # a's 2 cached blocks save 3.2 ms, its queue costs 10: b (cold) is 6.8 ms faster
+    busy = view("a", pending_prefill_tokens=100)
+    got = s.place(r, [busy, view("b")], {"a": Match(2, 2)})
+    assert got.instance_id == "a"
+    far = view("a", pending_prefill_tokens=20_000)  # a queue far past the slack
+    assert s.place(r, [far, view("b")], {"a": Match(2, 2)}).instance_id == "b"
+    off = create_scorer("kv_ttft", calibrate=False, affinity_s=0.0)
+    assert off.place(r, [busy, view("b")], {"a": Match(2, 2)}).instance_id == "b"

@@ -278,3 +278,47 @@ def test_prefill_decode_pools_split_long_prompts_and_hand_the_kv_over(profile):
 def test_pd_settings_are_checked(profile):
     with pytest.raises(ValueError, match="--prefill-instances"):
         run(profile, "kv_ttft", SimSettings(instances=2, prefill_instances=2))
+
+
+@pytest.mark.parametrize("kind", ["agentic", "rag", "mix"])
+def test_ideal_ttft_bounds_every_request_and_is_met_alone(profile, kind):
+    """A request's ideal TTFT (alone on an idle engine, every earlier prefix cached) is at most
+    what it measured under any router (engines exactly on the profile); a request alone on an
+    idle cluster takes exactly its ideal."""
+    from loadgen.simulator import ideal_ttfts
+
+    work = plan(kind, rate=20.0, duration=8.0, seed=1)
+    settings = SimSettings(instances=4, perturbation=EXACT)
+    ideal = ideal_ttfts(work, SYNTH_BLOCK_SIZE, profile, settings)
+    assert len(ideal) == len(work) and all(x > 0 for x in ideal)
+    for router in ("round_robin", "kv_ttft", "session"):
+        sim = run(profile, router, settings, workload=work)
+        assert all(r.ok for r in sim.records)
+        for r in sim.records:
+            assert r.ttft_s >= ideal[r.index] - 1e-9, (router, r.index)
+        alone = run(profile, router, settings, workload=work[:1]).records[0]
+        assert alone.ttft_s == pytest.approx(ideal[0], abs=1e-9)
+    # cached prefixes lower the ideal: a request re-sending an earlier one's blocks
+    assert min(ideal[1:]) < ideal[0] or kind == "rag"
+
+
+def test_cli_reports_excess_ttft_on_a_csv_trace(tmp_path, capsys):
+    trace = tmp_path / "azure.csv"
+    rows = [
+        f"2023-11-16 18:15:{10 + i // 4:02d}.{i:07d},{300 + 40 * i},{20 + i}" for i in range(40)
+    ]
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n")
+    rc = kvroute([
+        "simulate", "--trace", str(trace), "--instances", "2", "--router",
+        "kv_ttft,round_robin", "--json", "--no-progress", "--speed-sigma", "0", "--jitter", "0",
+    ])  # fmt: skip
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["meta"]["source"].endswith("(azure)") and doc["meta"]["requests"] == 40
+    ideal = doc["meta"]["ideal_ttft_ms"]
+    assert 0 < ideal["p50"] <= ideal["p99"]
+    for row in doc["routers"].values():
+        ex = row["excess_ttft_ms"]
+        assert set(ex) == {"mean", "p50", "p99"}
+        assert 0 <= ex["p50"] <= ex["p99"] and ex["mean"] >= 0
+        assert row["ttft_ms"]["p99"] >= ideal["p50"]

@@ -1,0 +1,453 @@
+"""The routing suite: every router on workloads it was never tuned on, at loads set by a rule.
+
+Workloads (``WORKLOADS``): the shared Mooncake conversation trace (``conversation``), the
+synthetic ``to-b``, ``mix``, ``agentic`` and ``rag`` (``loadgen.synthetic``), and the Azure LLM
+inference 2023 conversation trace (``azure-conv``, its prefixes drawn by
+``loadgen.traces.PrefixModel``). Each run is the first ``--requests`` requests of the workload
+(a trace's first requests, its gaps divided by the rate scale; a synthetic workload generated
+at ``SYNTH_BASE_RATE`` times the rate scale for as long as that many requests take).
+
+Loads, by rule, per workload: L1 is the rate scale at which round_robin's TTFT p50 is twice its
+idle p50 (the p50 at rate scale ``IDLE_SCALE``), found by bisection in log scale on
+``--bisect-requests`` requests with seed 0 (bracketed by doubling or halving from 1, then
+``--bisect-steps`` halvings of the bracket; L1 is the geometric middle of the last bracket); L2
+is 1.5 times L1. The chosen loads go into the output (``loads``); ``--loads FILE`` reuses a
+previous output's instead of searching again (workloads missing there are searched).
+
+Per workload x load x router, over ``--seeds`` seeds (seed k: the simulator's perturbation seed
+and the workload's seed; a trace's requests are the same for every seed, the Azure trace's
+prefix model is drawn anew): TTFT p50 and p99, the excess TTFT over each request's ideal
+(``loadgen.simulator.ideal_ttfts``) mean and p99, TPOT p99, hit rate (over prompt tokens),
+goodput (requests/s meeting TTFT <= 2000 ms and TPOT <= 50 ms) and the per-engine request spread
+(max over min requests per engine; None when an engine got none), each as its mean, min and max
+over seeds. 16 instances of ``h100-llama3.1-8b`` unless told otherwise.
+
+NOTE: a run is a window of ``--requests`` requests, not a steady state: where 16 engines serve
+hundreds of requests a second (to-b, mix, azure-conv at L1), the window's arrivals last only a
+few virtual seconds (``meta.arrival_span_s``), and the loads measure how a router absorbs such
+a burst. Longer windows (``--requests``) cost wall time in proportion.
+
+Prints the JSON on stdout (and to ``--out``) and the table on stderr.
+
+Usage: .venv/bin/python benchmarks/routing_suite.py [--quick] [--jobs 2] [--out FILE.json]
+           [--loads FILE.json] [--workloads A,B] [--routers A,B] [--seeds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+from engines.sim.profile import LatencyProfile
+from loadgen.metrics import summarize
+from loadgen.simulate_cmd import DEFAULT_JOBS, excess_ttfts, parse_router, parse_routers
+from loadgen.simulator import Perturbation, SimSettings, ideal_ttfts, run_each, simulate
+from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
+from loadgen.traces import PrefixModel, TraceRequest, load_trace
+from loadgen.workloads import Planned, build_schedule, ideal_hit_rate
+from router.placement import scorer_names
+
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+WORKLOADS: dict[str, str] = {
+    # name: a trace file under TRACES, or a ``loadgen.synthetic`` workload
+    "conversation": "mooncake_conversation.jsonl",
+    "to-b": "to-b",
+    "mix": "mix",
+    "agentic": "agentic",
+    "rag": "rag",
+    "azure-conv": "azure_llm_2023_conv.csv",
+}
+SYNTH_BASE_RATE = SynthParams().rate  # req/s of a synthetic workload at rate scale 1
+IDLE_SCALE = 0.05  # the rate scale whose round_robin p50 is the idle p50
+MAX_SCALE = 256.0  # the search gives up above this rate scale (``capped`` in its output)
+L2_OVER_L1 = 1.5
+SLO_TTFT_MS, SLO_TPOT_MS = 2000.0, 50.0
+# requests per run and per bisection probe, bisection halvings: (default, --quick)
+REQUESTS = (800, 200)
+BISECT_REQUESTS = (300, 150)
+BISECT_STEPS = (4, 3)
+METRICS: tuple[str, ...] = (
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "excess_mean_ms",
+    "excess_p99_ms",
+    "tpot_p99_ms",
+    "hit_rate",
+    "goodput_rps",
+    "spread",
+)
+
+# loaded traces (and their block size) by (file, prefix model seed)
+_traces: dict[tuple[str, int], tuple[list[TraceRequest], int]] = {}
+
+
+def make_plan(
+    workload: str,
+    scale: float,
+    seed: int,
+    requests: int,
+    traces: Path = TRACES,
+) -> tuple[list[Planned], int]:
+    """The first ``requests`` requests of ``workload`` at rate scale ``scale``, seeded:
+    ``(plan, block size of its hash ids)``."""
+    source = WORKLOADS[workload]
+    if source.endswith((".jsonl", ".csv")):
+        key = (source, seed if source.endswith(".csv") else 0)  # a CSV's prefixes are seeded
+        if key not in _traces:
+            trace = load_trace(traces / source, prefix_model=PrefixModel(seed=seed))
+            _traces[key] = (trace.requests, trace.block_size)
+        reqs, block = _traces[key]
+        return build_schedule(reqs, time_scale=1.0 / scale, max_requests=requests), block
+    rate = SYNTH_BASE_RATE * scale
+    # NOTE: 10% more time than the requests need at the mean rate, then cut at the count
+    p = SynthParams(
+        rate=rate, duration_s=1.1 * requests / rate + 1.0, seed=seed, max_requests=requests
+    )
+    return build_schedule(generate(source, p)), SYNTH_BLOCK_SIZE
+
+
+def settings_for(seed: int, instances: int) -> SimSettings:
+    return SimSettings(instances=instances, perturbation=Perturbation(seed=seed))
+
+
+def measure(
+    plan: list[Planned],
+    block: int,
+    truth: LatencyProfile,
+    router: str,
+    settings: SimSettings,
+    ideal_s: list[float],
+) -> dict[str, Any]:
+    """One router on one plan (``router``: a scorer name, or ``NAME@key=value+...`` as
+    ``kvroute simulate --router`` takes it): the suite's metrics."""
+    name, options = parse_router(router)
+    sim = simulate(plan, block, truth, name, settings, scorer_options=options)
+    span = plan[-1].offset_s if len(plan) > 1 else 0.0
+    s = summarize(
+        sim.records,
+        duration_s=sim.span_s,
+        requested_span_s=span,
+        slo_ttft_ms=SLO_TTFT_MS,
+        slo_itl_ms=SLO_TPOT_MS,
+        ideal_hit_rate=ideal_hit_rate((p.req for p in plan), block),
+    )
+    excess = np.asarray(excess_ttfts(sim.records, ideal_s)) * 1e3
+    per = Counter(r.instance for r in sim.records if r.instance is not None)
+    counts = [per.get(f"sim-{i}", 0) for i in range(settings.instances)]
+    return {
+        "ttft_p50_ms": s["ttft_ms"]["p50"],
+        "ttft_p99_ms": s["ttft_ms"]["p99"],
+        "excess_mean_ms": round(float(excess.mean()), 3) if excess.size else None,
+        "excess_p99_ms": round(float(np.percentile(excess, 99)), 3) if excess.size else None,
+        "tpot_p99_ms": s["tpot_ms"]["p99"],
+        "hit_rate": s["server_hit_rate"],
+        "goodput_rps": s["goodput_rps"],
+        "spread": round(max(counts) / min(counts), 3) if min(counts) > 0 else None,
+        "completed": s["completed"],
+        "wall_s": round(sim.wall_s, 2),
+    }
+
+
+def rr_p50_ms(workload: str, scale: float, requests: int, truth: LatencyProfile, n: int) -> float:
+    plan, block = make_plan(workload, scale, 0, requests)
+    sim = simulate(plan, block, truth, "round_robin", settings_for(0, n))
+    ttft = [r.ttft_s for r in sim.records if r.ok]
+    return float(np.percentile(ttft, 50)) * 1e3 if ttft else math.inf
+
+
+def find_l1(
+    workload: str, requests: int, steps: int, truth: LatencyProfile, instances: int
+) -> dict[str, Any]:
+    """The rate scale where round_robin's TTFT p50 is twice its idle p50 (see the module)."""
+    t0 = time.perf_counter()
+    idle = rr_p50_ms(workload, IDLE_SCALE, requests, truth, instances)
+    target = 2 * idle
+    probes: list[tuple[float, float]] = []
+
+    def above(scale: float) -> bool:
+        p50 = rr_p50_ms(workload, scale, requests, truth, instances)
+        probes.append((round(scale, 4), round(p50, 2)))
+        return p50 > target
+
+    lo, hi, capped = 1.0, 1.0, False
+    if above(1.0):
+        while lo > 2 * IDLE_SCALE:
+            lo /= 2
+            if not above(lo):
+                break
+            hi = lo
+    else:
+        while True:
+            hi *= 2
+            if above(hi):
+                break
+            lo = hi
+            if hi >= MAX_SCALE:
+                capped = True
+                break
+    for _ in range(0 if capped else steps):
+        mid = math.sqrt(lo * hi)
+        if above(mid):
+            hi = mid
+        else:
+            lo = mid
+    l1 = math.sqrt(lo * hi)
+    return {
+        "idle_p50_ms": round(idle, 2),
+        "idle_scale": IDLE_SCALE,
+        "l1_scale": round(l1, 4),
+        "l2_scale": round(l1 * L2_OVER_L1, 4),
+        "bracket": [round(lo, 4), round(hi, 4)],
+        "capped": capped,
+        "probes": probes,
+        "probe_requests": requests,
+        "search_wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
+def _spread_stats(values: list[Any]) -> dict[str, Any]:
+    got = [v for v in values if v is not None]
+    if not got:
+        return {"mean": None, "min": None, "max": None, "seeds": values}
+    return {
+        "mean": round(float(np.mean(got)), 4),
+        "min": min(got),
+        "max": max(got),
+        "seeds": values,
+    }
+
+
+def run_suite(
+    workloads: list[str],
+    routers: list[str],
+    seeds: int,
+    quick: bool,
+    jobs: int,
+    loads: dict[str, Any] | None = None,
+    requests: int | None = None,
+    bisect_requests: int | None = None,
+    bisect_steps: int | None = None,
+    instances: int = 16,
+    profile: str = "h100-llama3.1-8b",
+    log: Callable[[str], None] = lambda _m: None,
+) -> dict[str, Any]:
+    """The suite's JSON document (see the module)."""
+    q = int(quick)
+    n = requests or REQUESTS[q]
+    nb = bisect_requests or BISECT_REQUESTS[q]
+    steps = BISECT_STEPS[q] if bisect_steps is None else bisect_steps
+    truth = LatencyProfile.load(profile)
+    t0 = time.perf_counter()
+    chosen = {w: v for w, v in (loads or {}).items() if w in workloads}
+    todo = [w for w in workloads if w not in chosen]
+    if todo:
+        log(f"routing suite: searching L1 for {', '.join(todo)} ({nb} requests a probe)")
+        found = run_each([partial(find_l1, w, nb, steps, truth, instances) for w in todo], jobs)
+        chosen.update(zip(todo, found, strict=True))
+    search_s = time.perf_counter() - t0
+    cells = []  # (workload, load, seed, plan, block, ideal)
+    spans: dict[str, dict[str, list[float]]] = {}  # virtual seconds from first to last arrival
+    for w in workloads:
+        for load, key in (("L1", "l1_scale"), ("L2", "l2_scale")):
+            for seed in range(seeds):
+                plan, block = make_plan(w, chosen[w][key], seed, n)
+                span = plan[-1].offset_s - plan[0].offset_s if plan else 0.0
+                spans.setdefault(w, {}).setdefault(load, []).append(round(span, 2))
+                ideal = ideal_ttfts(plan, block, truth, settings_for(seed, instances))
+                cells.append((w, load, seed, plan, block, ideal))
+    calls = [
+        partial(measure, plan, block, truth, r, settings_for(seed, instances), ideal)
+        for (_w, _l, seed, plan, block, ideal) in cells
+        for r in routers
+    ]
+    log(f"routing suite: {len(calls)} simulations of {n} requests, {jobs} at a time")
+    t1 = time.perf_counter()
+    out = run_each(calls, jobs)
+    results: dict[str, Any] = {}
+    it = iter(out)
+    raw: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for w, load, _seed, _p, _b, _i in cells:
+        for r in routers:
+            raw.setdefault((w, load, r), []).append(next(it))
+    for (w, load, r), runs in raw.items():
+        row: dict[str, Any] = {m: _spread_stats([x[m] for x in runs]) for m in METRICS}
+        row["completed"] = [x["completed"] for x in runs]
+        row["wall_s"] = round(sum(x["wall_s"] for x in runs), 2)
+        results.setdefault(w, {}).setdefault(load, {})[r] = row
+    return {
+        "meta": {
+            "instances": instances,
+            "profile": profile,
+            "routers": routers,
+            "seeds": seeds,
+            "requests_per_run": n,
+            "quick": quick,
+            "jobs": jobs,
+            "slo_ttft_ms": SLO_TTFT_MS,
+            "slo_tpot_ms": SLO_TPOT_MS,
+            "synth_base_rate": SYNTH_BASE_RATE,
+            "l2_over_l1": L2_OVER_L1,
+            "arrival_span_s": spans,
+            "search_wall_s": round(search_s, 1),
+            "runs_wall_s": round(time.perf_counter() - t1, 1),
+            "wall_s": round(time.perf_counter() - t0, 1),
+        },
+        "loads": chosen,
+        "results": results,
+    }
+
+
+def _cell(s: dict[str, Any], digits: int) -> str:
+    if s["mean"] is None:
+        return "-"
+    f = f"{{:,.{digits}f}}"
+    if s["min"] == s["max"]:
+        return f.format(s["mean"])
+    return f"{f.format(s['mean'])} ({f.format(s['min'])}-{f.format(s['max'])})"
+
+
+def table(doc: dict[str, Any]) -> str:
+    """The results as text: one block per workload and load, a row per router."""
+    cols = [
+        ("TTFT p50", "ttft_p50_ms", 0),
+        ("TTFT p99", "ttft_p99_ms", 0),
+        ("excess mean", "excess_mean_ms", 0),
+        ("excess p99", "excess_p99_ms", 0),
+        ("TPOT p99", "tpot_p99_ms", 1),
+        ("hit", "hit_rate", 3),
+        ("goodput/s", "goodput_rps", 2),
+        ("max/min req", "spread", 2),
+    ]
+    lines = []
+    for w, by_load in doc["results"].items():
+        ld = doc["loads"][w]
+        for load, rows in by_load.items():
+            scale = ld["l1_scale"] if load == "L1" else ld["l2_scale"]
+            span = doc["meta"].get("arrival_span_s", {}).get(w, {}).get(load)
+            lines.append(
+                f"\n{w} {load} (rate scale {scale:g}; round_robin idle p50 "
+                f"{ld['idle_p50_ms']:g} ms"
+                + (f"; arrivals over {np.mean(span):.1f} s" if span else "")
+                + ")"
+            )
+            cells = [["router", *(c[0] for c in cols)]]
+            for r, row in rows.items():
+                cells.append([r, *(_cell(row[k], d) for _, k, d in cols)])
+            widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
+            for c in cells:
+                lines.append(
+                    "  ".join(
+                        x.ljust(wd) if i == 0 else x.rjust(wd)
+                        for i, (x, wd) in enumerate(zip(c, widths, strict=True))
+                    )
+                )
+    m = doc["meta"]
+    lines.append(
+        f"\nms; mean (min-max) over {m['seeds']} seeds; {m['requests_per_run']} requests a run, "
+        f"{m['instances']} x {m['profile']}; goodput at TTFT <= {m['slo_ttft_ms']:g} ms and "
+        f"TPOT <= {m['slo_tpot_ms']:g} ms; wall {m['wall_s']:g} s"
+    )
+    return "\n".join(lines)
+
+
+def _names(raw: str, valid: list[str], flag: str) -> list[str]:
+    out = [x.strip() for x in raw.split(",") if x.strip()]
+    bad = [x for x in out if x not in valid]
+    if bad or not out:
+        raise ValueError(
+            f"{flag}: unknown {bad[0] if bad else '(none)'}; valid: {', '.join(valid)}"
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated [all]")
+    ap.add_argument(
+        "--routers",
+        default=",".join(scorer_names()),
+        help="comma-separated scorers, each NAME or NAME@key=value+... [all]",
+    )
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per cell [3]")
+    ap.add_argument("--quick", action="store_true", help="shorter runs and searches")
+    ap.add_argument("--jobs", type=int, default=DEFAULT_JOBS, help="parallel processes")
+    ap.add_argument("--out", help="write the JSON here too")
+    ap.add_argument("--loads", help="reuse the loads of a previous output JSON")
+    ap.add_argument(
+        "--requests", type=int, help=f"requests per run [{REQUESTS[0]}; quick {REQUESTS[1]}]"
+    )
+    ap.add_argument(
+        "--bisect-requests",
+        type=int,
+        help=f"requests per L1 probe [{BISECT_REQUESTS[0]}; quick {BISECT_REQUESTS[1]}]",
+    )
+    ap.add_argument(
+        "--bisect-steps",
+        type=int,
+        help=f"halvings of the L1 bracket [{BISECT_STEPS[0]}; quick {BISECT_STEPS[1]}]",
+    )
+    ap.add_argument("--instances", type=int, default=16, help="engines [16]")
+    ap.add_argument("--profile", default="h100-llama3.1-8b", help="latency profile")
+    args = ap.parse_args(argv)
+    try:
+        workloads = _names(args.workloads, list(WORKLOADS), "--workloads")
+        routers = [label for label, _, _ in parse_routers(args.routers)]
+        for v, flag in (
+            (args.seeds, "--seeds"),
+            (args.jobs, "--jobs"),
+            (args.instances, "--instances"),
+        ):
+            if v < 1:
+                raise ValueError(f"{flag} must be >= 1, got {v}")
+        for v, flag in ((args.requests, "--requests"), (args.bisect_requests, "--bisect-requests")):
+            if v is not None and v < 10:
+                raise ValueError(f"{flag} must be >= 10, got {v}")
+        if args.bisect_steps is not None and args.bisect_steps < 0:
+            raise ValueError(f"--bisect-steps must be >= 0, got {args.bisect_steps}")
+        loads = None
+        if args.loads:
+            try:
+                loads = json.loads(Path(args.loads).read_text())["loads"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--loads: cannot read loads from {args.loads}: {e}") from None
+        if args.out and not Path(args.out).resolve().parent.is_dir():
+            raise ValueError(f"--out: directory of {args.out} does not exist")
+    except ValueError as e:
+        print(f"routing_suite: error: {e}", file=sys.stderr)
+        return 2
+    doc = run_suite(
+        workloads,
+        routers,
+        args.seeds,
+        args.quick,
+        args.jobs,
+        loads,
+        args.requests,
+        args.bisect_requests,
+        args.bisect_steps,
+        instances=args.instances,
+        profile=args.profile,
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+    )
+    text = json.dumps(doc, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    print(table(doc), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""``benchmarks/routing_suite.py`` on a tiny configuration: loads found by the rule, every router
+x workload x load cell filled over the seeds, and the loads reused from a previous output."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_suite.py"
+
+
+@pytest.fixture(scope="module")
+def suite() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("routing_suite", SUITE)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+TINY = [
+    "--workloads", "to-b,rag", "--routers", "round_robin,kv_ttft", "--seeds", "2",
+    "--requests", "40", "--bisect-requests", "30", "--bisect-steps", "1", "--instances", "2",
+    "--jobs", "1",
+]  # fmt: skip
+
+
+def test_suite_runs_tiny_and_reuses_its_loads(suite, tmp_path, capsys):
+    out = tmp_path / "suite.json"
+    assert suite.main([*TINY, "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert json.loads(out.read_text()) == doc
+    assert "to-b L1" in captured.err and "kv_ttft" in captured.err  # the table
+    for w in ("to-b", "rag"):
+        ld = doc["loads"][w]
+        assert ld["idle_p50_ms"] > 0 and ld["probes"]
+        assert ld["l2_scale"] == pytest.approx(1.5 * ld["l1_scale"], rel=1e-3)
+        lo, hi = ld["bracket"]
+        assert lo <= ld["l1_scale"] <= hi
+        for load in ("L1", "L2"):
+            for r in ("round_robin", "kv_ttft"):
+                cell = doc["results"][w][load][r]
+                assert set(suite.METRICS) <= set(cell)
+                for m in ("ttft_p50_ms", "ttft_p99_ms", "excess_mean_ms", "hit_rate"):
+                    s = cell[m]
+                    assert len(s["seeds"]) == 2 and s["min"] <= s["mean"] <= s["max"]
+                assert cell["completed"] == [40, 40]
+                assert cell["ttft_p50_ms"]["mean"] <= cell["ttft_p99_ms"]["mean"]
+    # a second run with --loads searches nothing and keeps the loads
+    assert suite.main([*TINY, "--loads", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["loads"] == doc["loads"]
+    assert "searching" not in captured.err and "16 simulations" in captured.err
+
+
+def test_suite_flags_name_the_bad_value(suite, capsys):
+    assert suite.main(["--workloads", "to-b,chat"]) == 2
+    assert "--workloads: unknown chat" in capsys.readouterr().err
+    assert suite.main(["--routers", "nope"]) == 2
+    assert "--routers: unknown nope" in capsys.readouterr().err
+    assert suite.main(["--loads", "/nonexistent/x.json"]) == 2
+    assert "--loads: cannot read" in capsys.readouterr().err
