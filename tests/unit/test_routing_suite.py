@@ -62,6 +62,6 @@ def test_suite_flags_name_the_bad_value(suite, capsys):
     assert suite.main(["--workloads", "to-b,chat"]) == 2
     assert "--workloads: unknown chat" in capsys.readouterr().err
     assert suite.main(["--routers", "nope"]) == 2
-    assert "--routers: unknown nope" in capsys.readouterr().err
+    assert "--router nope: router: unknown scorer 'nope'" in capsys.readouterr().err
     assert suite.main(["--loads", "/nonexistent/x.json"]) == 2
     assert "--loads: cannot read" in capsys.readouterr().err
