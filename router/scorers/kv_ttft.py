@@ -34,12 +34,14 @@ so a burst of outliers cannot invert the ranking.
 Two rules look past the request at hand, each measured on the routing suite
 (``benchmarks/routing_suite.py``: six workloads, two loads, three seeds):
 
-- ``affinity_s`` (20 ms): among the instances whose estimate is within it of the best, the one
-  with the longest cached prefix wins. Going cold elsewhere to save a few ms copies the prefix
-  into a second cache (evicting something there) and leaves the next request sharing it no
-  better off; staying keeps the cluster's caches distinct. On the suite's quick runs it cut the
-  mean excess TTFT over ideal in 11 of 12 workload x load cells (to-b L1 41 -> 32 ms, mix L2
-  66 -> 58, azure-conv L2 68 -> 60, conversation L1 148 -> 135) and raised the hit rate in 10.
+- ``affinity_s`` (off by default): among the instances whose estimate is within it of the
+  best, the one with the longest cached prefix wins. Going cold elsewhere to save a few ms
+  copies the prefix into a second cache (evicting something there) and leaves the next request
+  sharing it no better off. At 20 ms it lowered the mean excess TTFT over ideal on the suite's
+  synthetic workloads (800-request windows, 3 seeds: to-b L2 144 -> 109 ms, mix L2 172 -> 151,
+  azure-conv L2 123 -> 98, rag L2 940 -> 893) but raised it on the Mooncake conversation trace
+  (L2 1,283 -> 1,433; the whole trace at 3x 127 -> 135, p50 195 -> 203 ms): it helps one
+  workload and hurts another, so it stays off until it adapts online.
 - ``spread_cold``: near-ties (within ``tie_s``: a cold prefix between idle engines, most often)
   go to the least decode load, then the emptiest cache by the map, then the lowest estimate,
   so that cold prefixes spread over the whole cluster's cache instead of filling (and evicting
@@ -142,7 +144,7 @@ class KvTtftScorer(Scorer):
         calibrate: bool = True,
         calibration_window: int = 512,
         spread_cold: bool = True,
-        affinity_s: float = 0.02,
+        affinity_s: float = 0.0,
     ) -> None:
         if kv_veto is not None and not 0 < kv_veto <= 1:
             raise ValueError(f"kv_veto must be in (0, 1], got {kv_veto}")

@@ -626,9 +626,10 @@ def test_kv_ttft_spreads_cold_prefixes_over_the_emptiest_caches() -> None:
 
 
 def test_kv_ttft_stays_with_its_cache_when_going_cold_saves_little() -> None:
-    """Within ``affinity_s`` of the best estimate the longest cached prefix wins: a few ms
-    saved by going cold are not worth a second copy of the prefix; past it, the estimate."""
-    s = create_scorer("kv_ttft", calibrate=False)
+    """With ``affinity_s`` (off by default), within it of the best estimate the longest cached
+    prefix wins: a few ms saved by going cold are not worth a second copy of the prefix; past
+    it, the estimate."""
+    s = create_scorer("kv_ttft", calibrate=False, affinity_s=0.02)
     r = req(20)
     # a's 2 cached blocks save 3.2 ms, its queue costs 10: b (cold) is 6.8 ms faster
     busy = view("a", pending_prefill_tokens=100)
@@ -636,5 +637,5 @@ def test_kv_ttft_stays_with_its_cache_when_going_cold_saves_little() -> None:
     assert got.instance_id == "a"
     far = view("a", pending_prefill_tokens=20_000)  # a queue far past the slack
     assert s.place(r, [far, view("b")], {"a": Match(2, 2)}).instance_id == "b"
-    off = create_scorer("kv_ttft", calibrate=False, affinity_s=0.0)
+    off = create_scorer("kv_ttft", calibrate=False)
     assert off.place(r, [busy, view("b")], {"a": Match(2, 2)}).instance_id == "b"
