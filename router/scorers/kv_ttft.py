@@ -347,44 +347,8 @@ class _CandidateIndex:
         first of the fewest running sequences with the least fill."""
         self._update(views)
         pos, keys = self._pos, self._keys
-        if fill is not None:
-            return self._filled_candidates(views, match, fill)
-        # instances with a cached prefix: the first with the fewest running sequences per
-        # profile key, the prefix included
-        best: dict[tuple[int, ...], tuple[int, int]] = {}
-        cached: dict[int, Match] = {}
-        for iid in match:
-            i = pos.get(iid)
-            if i is None:
-                continue
-            key = keys[i]
-            m = match.get(iid)
-            if key is None or m is None:
-                continue
-            cached[i] = m
-            k = (*key, m.gpu_blocks, m.total_blocks)
-            r = (views[i].running, i)
-            if r < best.get(k, (1 << 62, 0)):
-                best[k] = r
-        out: list[tuple[int, Match | None]] = [(i, cached[i]) for _, i in best.values()]
-        for members in self._groups.values():
-            for _, i in members:
-                if i not in cached:
-                    out.append((i, None))
-                    break
-        out.sort(key=_first)
-        return [(views[i], m) for i, m in out]
-
-    def _filled_candidates(
-        self,
-        views: Sequence[InstanceView],
-        match: Mapping[str, Match],
-        fill: Callable[[InstanceView], float],
-    ) -> list[tuple[InstanceView, Match | None]]:
-        """``candidates`` when near-ties break by (running, fill): per group, the least (running,
-        fill, position); a group's members are sorted by (running, position), so only those
-        with its fewest running sequences are weighed."""
-        pos, keys = self._pos, self._keys
+        # instances with a cached prefix: per profile key, the prefix included, the least
+        # (running sequences, fill, position)
         best: dict[tuple[int, ...], tuple[int, float, int]] = {}
         cached: dict[int, Match] = {}
         for iid in match:
@@ -398,17 +362,22 @@ class _CandidateIndex:
             cached[i] = m
             k = (*key, m.gpu_blocks, m.total_blocks)
             v = views[i]
-            r = (v.running, fill(v), i)
+            r = (v.running, fill(v) if fill is not None else 0.0, i)
             got = best.get(k)
             if got is None or r < got:
                 best[k] = r
         out: list[tuple[int, Match | None]] = [(i, cached[i]) for _, _, i in best.values()]
+        # the others: per group (sorted by running sequences, then position) the first not
+        # cached, or with ``fill`` the least filled of those with its fewest running sequences
         for members in self._groups.values():
             pick: tuple[float, int] | None = None
             low = -1
             for running, i in members:
                 if i in cached:
                     continue
+                if fill is None:
+                    pick = (0.0, i)
+                    break
                 if low < 0:
                     low = running
                 elif running != low:
