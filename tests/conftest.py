@@ -22,6 +22,10 @@ _HOME_BEFORE = pytest.StashKey[dict[str, home_guard.Manifest]]()
 # inherit this from the test process).
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# matplotlib (loadgen's reports) makes ~/.config/matplotlib unless given a directory of its own
+_MPL_DIR = tempfile.mkdtemp(prefix="kvroute-tests-mpl-")
+os.environ.setdefault("MPLCONFIGDIR", _MPL_DIR)
+atexit.register(shutil.rmtree, _MPL_DIR, True)
 
 
 def _ray_token() -> None:
