@@ -619,6 +619,11 @@ def test_kv_ttft_spreads_cold_prefixes_over_the_emptiest_caches() -> None:
         core.cache_map.store(p.instance_id, Tier.GPU, list(r.block_hashes))
     assert sorted(placed[:3]) == ["a", "b", "c"]
     assert sorted(placed[3:]) == ["a", "b", "c"]
+    # a near-tie with a cached prefix (its one block saves 1.6 ms, under tie_s) stays with the
+    # cache, though that engine's cache is the fullest
+    core.cache_map.store("c", Tier.GPU, [9001])
+    short = PlacementRequest("s", 4 * BS, [9001, 9002, 9003, 9004])
+    assert core.place(short, 0.0).instance_id == "c"
     # without it (spread_cold off), every cold prompt lands on the first engine
     core.scorer = create_scorer("kv_ttft", spread_cold=False)
     r = PlacementRequest("x", 4 * BS, [7, 8, 9, 10])
