@@ -239,10 +239,12 @@ def redis_server(
     username: str | None = None,
     password: str | None = None,
     port: int | None = None,
+    tls: Path | None = None,
 ) -> Iterator[str]:
     """A redis-server on ``port`` (default: a free loopback port; ``extra``: more server
     arguments); yields its URL (without credentials) once it answers ``username``/``password``,
-    and stops it afterwards."""
+    and stops it afterwards. ``tls``: a folder with ``server.crt``, ``server.key`` and
+    ``ca.crt`` (``deploy/node-setup.sh tls``): TLS only, a ``rediss://`` URL."""
     import shutil
     import subprocess
 
@@ -253,12 +255,21 @@ def redis_server(
         raise RuntimeError("redis-server is not installed: `make test` installs it (apt-get)")
     port = port or free_port()
     args = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    url = f"redis://127.0.0.1:{port}/0"
+    ssl: dict[str, str] = {}
+    if tls is not None:
+        args[1:3] = ["--port", "0", "--tls-port", str(port)]
+        args += ["--tls-cert-file", str(tls / "server.crt"), "--tls-key-file"]
+        args += [str(tls / "server.key"), "--tls-ca-cert-file", str(tls / "ca.crt")]
+        args += ["--tls-auth-clients", "no"]
+        url = f"rediss://localhost:{port}/0"  # the certificate's name
+        ssl = {"ssl_ca_certs": str(tls / "ca.crt")}
     proc = subprocess.Popen(
         [*args, "--dir", str(workdir), *extra],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    client = redis.Redis(port=port, username=username, password=password)
+    client = redis.Redis.from_url(url, username=username, password=password, **ssl)
     deadline = time.monotonic() + 20
     try:
         while True:
@@ -270,7 +281,7 @@ def redis_server(
                     raise RuntimeError("redis-server did not start") from None
                 time.sleep(0.05)
         client.close()
-        yield f"redis://127.0.0.1:{port}/0"
+        yield url
     finally:
         proc.terminate()
         proc.wait(timeout=10)

@@ -8,9 +8,7 @@ bus runs over TLS with the certificates ``deploy/node-setup.sh`` makes."""
 from __future__ import annotations
 
 import logging
-import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +26,7 @@ from engines.sim import LatencyProfile
 from router.placement import PlacementRequest
 from router.state import RouterState
 from tests.integration.conftest import REDIS_PASSWORD, REDIS_USER
-from tests.support import free_port, redis_server
+from tests.support import redis_server
 
 PROFILE = LatencyProfile.load("cpu-tiny-llama")
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -58,47 +56,16 @@ def node_redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def tls_redis(workdir: Path) -> Iterator[tuple[str, Path]]:
     """A TLS-only redis-server (the cluster's: ACL rule, certificates by ``node-setup.sh tls``);
     yields its ``rediss://`` URL and the CA's certificate."""
-    exe = shutil.which("redis-server")
-    assert exe is not None, "redis-server is not installed: `make test` installs it (apt-get)"
     certs = workdir / "tls"
     subprocess.run(
         ["bash", str(DEPLOY / "node-setup.sh"), "tls", str(certs), "localhost", "127.0.0.1"],
         check=True,
         timeout=60,
     )
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            exe,
-            *("--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1"),
-            *("--tls-cert-file", str(certs / "server.crt")),
-            *("--tls-key-file", str(certs / "server.key")),
-            *("--tls-ca-cert-file", str(certs / "ca.crt")),
-            *("--tls-auth-clients", "no", "--save", "", "--appendonly", "no"),
-            *("--dir", str(workdir), *node_acl()),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"rediss://localhost:{port}/0"
-    client = redis.Redis.from_url(
-        url, username=REDIS_USER, password=REDIS_PASSWORD, ssl_ca_certs=str(certs / "ca.crt")
-    )
-    deadline = time.monotonic() + 20
-    try:
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("redis-server (TLS) did not start") from None
-                time.sleep(0.05)
-        client.close()
+    with redis_server(
+        workdir, *node_acl(), username=REDIS_USER, password=REDIS_PASSWORD, tls=certs
+    ) as url:
         yield url, certs / "ca.crt"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def bus_config(url: str, **extra: object) -> BusConfig:
