@@ -39,6 +39,19 @@ __all__ = [
 SIM_MODEL = "tiny-sim"
 
 
+# the issue's forged request: a decode engine told to pull KV from a host the client chose and
+# to report a cached-token count it made up (clients may not set kv_transfer_params)
+FORGED_TRANSFER_PARAMS = {
+    "do_remote_prefill": True,
+    "remote_engine_id": "e",
+    "remote_request_id": "r",
+    "remote_block_ids": [0],
+    "remote_host": "example.invalid",
+    "remote_port": 1,
+    "remote_prefill_cached_tokens": 999999,
+}
+
+
 def instance_gauge(base: str, name: str, headers: dict[str, str] | None = None) -> dict[str, float]:
     """``name``'s value per ``instance`` label on the /metrics of the router at ``base``."""
     return {

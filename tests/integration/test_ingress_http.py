@@ -19,6 +19,7 @@ from engines.tiny_model import build_tiny_model
 from router.admission import Admission
 from router.tokenizer import PromptTokenizer
 from tests.support import (
+    FORGED_TRANSFER_PARAMS,
     Server,
     free_port,
     instance_gauge,
@@ -336,15 +337,7 @@ def test_client_transfer_params_are_refused_before_any_engine(server: Server, mo
             return original(request)
 
         monkeypatch.setattr(engine, "generate", spy)
-    forged = {
-        "do_remote_prefill": True,
-        "remote_engine_id": "e",
-        "remote_request_id": "r",
-        "remote_block_ids": [0],
-        "remote_host": "example.invalid",
-        "remote_port": 1,
-        "remote_prefill_cached_tokens": 999999,
-    }
+    forged = FORGED_TRANSFER_PARAMS
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     r = _error(server, "/v1/chat/completions", {**chat, "kv_transfer_params": forged})
     assert r.status_code == 400, r.text

@@ -28,7 +28,7 @@ from router.api import (
 )
 from router.lifecycle import choice_requests
 from router.responses import ResponseBuilder, check_stop_strings
-from tests.support import nested_json
+from tests.support import FORGED_TRANSFER_PARAMS, nested_json
 
 VOCAB = 512
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -244,15 +244,7 @@ def test_unknown_and_malformed_fields_are_errors_naming_them(body: dict, loc: st
 def test_client_kv_transfer_params_may_only_be_empty() -> None:
     """The request of the issue (a decode engine told to pull from a host the client chose, and
     a cached-token count it made up) is a 400 naming the key; empty or null passes."""
-    forged = {
-        "do_remote_prefill": True,
-        "remote_engine_id": "e",
-        "remote_request_id": "r",
-        "remote_block_ids": [0],
-        "remote_host": "example.invalid",
-        "remote_port": 1,
-        "remote_prefill_cached_tokens": 999999,
-    }
+    forged = FORGED_TRANSFER_PARAMS
     with pytest.raises(ValidationError) as e:
         ChatCompletionRequest.model_validate({**CHAT, "kv_transfer_params": forged})
     err = validation_error(e.value, ChatCompletionRequest)
