@@ -398,7 +398,7 @@ async def fit_to_endpoint(
         if model_vocab is None and notice is None and api == "completions":
             top = (DEFAULT_TOKEN_OFFSET if offset is None else offset) - 1
             top += DEFAULT_VOCAB_SIZE if vocab is None else vocab
-            model_vocab = await ep.probe_vocab(args.url, info.model, top, headers, timeout)
+            await ep.probe_vocab(args.url, info.model, top, headers, timeout)
         if model_vocab is not None:
             vocab, offset, note = ep.fit_ids(
                 vocab, offset, model_vocab, DEFAULT_VOCAB_SIZE, DEFAULT_TOKEN_OFFSET

@@ -3,9 +3,9 @@ to it, so the defaults work against any server's defaults.
 
 - ``discover``: ``GET /v1/models``: the model id, its context (``max_model_len``, vLLM's field)
   and its vocabulary (``vocab_size``, where the server lists it).
-- ``probe_vocab``: where the vocabulary is not listed, one 1-token completions request with the
-  highest token id the workload would send; a refusal that states the size (kvroute's "token
-  id N is outside the vocabulary (size V)") gives it.
+- ``probe_vocab``: where the vocabulary is not listed (kvroute lists it), one 1-token
+  completions request with the highest token id the workload would send: a refusal that names
+  the vocabulary fails the run before it starts, naming the flags to set.
 - ``probe_words``: the server's prompt tokens per synthesized word and its fixed overhead (chat
   template, BOS), from two 1-token requests (text prompts: ``--api chat``, live sessions).
 - ``fit_ids`` / ``fit_plan``: token ids moved into the vocabulary; prompts cut (right, so shared
@@ -33,7 +33,6 @@ from loadgen.workloads import Planned
 
 # RFC 9110 token characters: what a header name may hold
 _HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_VOCAB_SIZE = re.compile(r"vocabulary \(size (\d+)\)")
 # chat: a synthesized prompt's tokens per word vary around the probed mean (the words are drawn
 # uniformly); cut prompts to this much above it, plus a few tokens of slack
 TEXT_MARGIN = 1.15
@@ -171,27 +170,21 @@ async def _post(
 
 async def probe_vocab(
     url: str, model: str, top_id: int, headers: dict[str, str], timeout_s: float
-) -> int | None:
-    """The vocabulary size the server states when it refuses ``top_id`` (None: it takes the
-    id, or refused it for another reason). Raises ``ValueError`` when it refuses the id without
-    stating a size."""
+) -> None:
+    """Raise ``ValueError`` naming ``--vocab-size``/``--token-offset`` when the server refuses
+    ``top_id`` for its vocabulary (a server that does not list it in ``/v1/models``: the run's
+    every request would be a 400); nothing when it takes the id or refuses it otherwise."""
     status, answer = await _post(
         endpoint_url(url, "completions"),
         {"model": model, "prompt": [top_id], "max_tokens": 1},
         headers,
         timeout_s,
     )
-    if status != 400:
-        return None
-    m = _VOCAB_SIZE.search(answer)
-    if m:
-        return int(m.group(1))
-    if "vocab" in answer.lower():
+    if status == 400 and "vocab" in str(answer).lower():
         raise ValueError(
             f"--vocab-size/--token-offset: the endpoint refuses token id {top_id} ({answer}); "
             "set them inside the model's vocabulary"
         )
-    return None
 
 
 async def probe_words(
