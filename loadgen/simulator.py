@@ -247,13 +247,9 @@ class ClusterSimulator:
         self.trace_block_size = trace_block_size
         eng = dict(s.engine)
         # the engines' limits bind the router's cost model too (as ``deploy.app`` does)
-        truth = truth.with_limits(
-            eng.get("max_num_batched_tokens"), eng.get("long_prefill_token_threshold")
-        )
+        truth, _ = engine_profile(truth, s)
         belief = router_profile if router_profile is not None else LatencyProfile.load(truth.name)
-        belief = belief.with_limits(
-            eng.get("max_num_batched_tokens"), eng.get("long_prefill_token_threshold")
-        )
+        belief, _ = engine_profile(belief, s)
         p = s.perturbation
         self.slowdowns = p.slowdowns(s.instances)
         self.kv_bus, self.load_bus = InProcessBus(1 << 16), InProcessBus(1 << 16)
@@ -695,8 +691,8 @@ def simulate(
 
 
 def engine_profile(truth: LatencyProfile, settings: SimSettings) -> tuple[LatencyProfile, int]:
-    """The profile the engines of ``settings`` run (their scheduler limits set) and their
-    ``max_model_len``, before any ``Perturbation``."""
+    """``truth`` with the scheduler limits of the engines of ``settings`` (what they run, and
+    what the router prices with), and their ``max_model_len``, before any ``Perturbation``."""
     eng = settings.engine
     prof = truth.with_limits(
         eng.get("max_num_batched_tokens"), eng.get("long_prefill_token_threshold")
