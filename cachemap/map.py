@@ -1,15 +1,26 @@
 """The global cache map: which engine instance holds which KV block on which tier.
 
-Representation (built for tens of millions of resident blocks):
+Representation (built for tens of millions of resident blocks over a thousand instances):
 
 - one ``HashIndex`` (flat numpy open addressing) ``block hash -> slot``;
-- per slot, numpy columns: parent hash (uint64), depth (int32), and one instance bitmask per tier
-  (``words`` uint64 words per slot, so 64 instances per word; the width grows as instances join).
+- per slot, numpy columns: hash and parent hash (uint64), depth (int32), and its holders, in
+  one of two forms:
+  - *narrow* (most blocks: a conversation's private tail lives on one or two instances): up to
+    ``INLINE`` holders inline, each a uint16 ``instance bit << 2 | tier flags`` (0: empty);
+  - *wide* (a block held by more than ``INLINE`` instances, such as a shared system prompt): a
+    row of two instance bitmasks (GPU, CPU), ``words`` uint64 words each (64 instances per
+    word; the width grows as instances join), in a row pool the slot points into.
+
+  A slot is promoted to a row when a holder does not fit inline, and keeps it until it is
+  freed. So a private block costs ~60-85 bytes (its columns and index cells) whatever the
+  cluster size, and a row's ``16 * words`` bytes are only spent on blocks shared widely enough
+  to repay them (measured: ``benchmarks/cachemap_bench.py``).
 
 A block's node lives while at least one instance holds it on some tier; the last removal frees
-the slot for reuse. Because hashes chain the whole prefix, ``match`` needs one dict lookup per
-block (done as one vectorised probe), then a running AND of the masks gives every instance's
-leading run at once.
+the slot (and its row) for reuse. Because hashes chain the whole prefix, ``match`` needs one
+lookup per block (done as one vectorised probe), then one pass that runs an AND of the rows over
+the widely shared head of the prompt and follows the few inline holders after it gives every
+instance's leading run at once.
 """
 
 from __future__ import annotations
@@ -27,7 +38,10 @@ from cachemap.jit import jit
 
 _TIERS: tuple[Tier, ...] = tuple(Tier)
 _new_tuple = tuple.__new__
+_LOW = (1 << 32) - 1
+U64 = npt.NDArray[np.uint64]
 _T = TypeVar("_T")
+_A = TypeVar("_A", bound=np.generic)
 
 
 class Match(NamedTuple):
@@ -47,17 +61,18 @@ class MatchResult(Mapping[str, Match]):
     a prefix held by dozens of instances costs nothing until a scorer asks about them. Keyed by
     plain ``str``, as scorers and views name instances (its keys are ``InstanceId``s)."""
 
-    __slots__ = ("_bit_of", "_instance_at", "_n_any", "_n_gpu")
+    __slots__ = ("_bit_of", "_instance_at", "_runs")
 
     def __init__(
         self,
         bit_of: dict[str, int],
         instance_at: dict[int, InstanceId],
-        n_gpu: list[int],
-        n_any: list[int],
+        runs: list[int] | dict[int, int],
     ) -> None:
-        self._bit_of, self._instance_at = bit_of, instance_at
-        self._n_gpu, self._n_any = n_gpu, n_any
+        """``runs``: per instance bit its runs packed as ``gpu_blocks << 32 | total_blocks``
+        (0: none), as a list indexed by bit (many holders) or a dict of the bits that have one
+        (a few)."""
+        self._bit_of, self._instance_at, self._runs = bit_of, instance_at, runs
 
     def __getitem__(self, instance: str) -> Match:
         m = self.get(instance)
@@ -75,18 +90,21 @@ class MatchResult(Mapping[str, Match]):
         b = self._bit_of.get(instance)
         if b is None:
             return default
-        n_any = self._n_any[b]
-        if not n_any:
+        runs = self._runs
+        v = runs.get(b, 0) if isinstance(runs, dict) else runs[b]
+        if not v:
             return default
         # NOTE: ``Match(g, a)`` is this through the namedtuple's Python-level ``__new__``
-        return _new_tuple(Match, (self._n_gpu[b], n_any))
+        return _new_tuple(Match, (v >> 32, v & _LOW))
 
     def __contains__(self, instance: object) -> bool:
         return isinstance(instance, str) and self.get(instance) is not None
 
     def __iter__(self) -> Iterator[InstanceId]:
-        inst, n_any = self._instance_at, self._n_any
-        return (inst[b] for b in compress(range(len(n_any)), n_any) if b in inst)
+        inst, runs = self._instance_at, self._runs
+        if isinstance(runs, dict):
+            return (inst[b] for b, v in runs.items() if v and b in inst)
+        return (inst[b] for b in compress(range(len(runs)), runs) if b in inst)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -100,7 +118,13 @@ class CacheMapStats(NamedTuple):
     residency: int  # (block, instance, tier) entries
     instances: int
     slot_capacity: int
-    mask_words: int
+    mask_words: int  # uint64 words per tier in a wide block's row
+    wide_blocks: int = 0  # blocks held by more instances than fit inline (each has a row)
+
+
+INLINE = 4  # holders a narrow slot keeps inline
+MAX_INSTANCES = 1 << 14  # an inline holder is a uint16: instance bit << 2 | tier flags
+_FLAG = {t: 1 << i for i, t in enumerate(_TIERS)}  # a tier's flag in an inline holder
 
 
 class CacheMap:
@@ -118,7 +142,13 @@ class CacheMap:
         self._parent = np.zeros(cap, np.uint64)
         self._has_parent = np.zeros(cap, np.bool_)
         self._depth = np.zeros(cap, np.int32)
-        self._mask = {t: np.zeros((cap, 1), np.uint64) for t in _TIERS}
+        self._hold = np.zeros((cap, INLINE), np.uint16)
+        self._wide = np.full(cap, -1, np.int32)
+        # the rows of wide slots: per tier a bitmask of ``_words`` words per row
+        rows = 16
+        self._rows = {t: np.zeros((rows, 1), np.uint64) for t in _TIERS}
+        self._free_rows: list[int] = []
+        self._next_row = 0
         self._bit_of: dict[str, int] = {}
         self._instance_at: dict[int, InstanceId] = {}
         self._free_bits: list[int] = []
@@ -137,8 +167,10 @@ class CacheMap:
             bit = self._free_bits.pop()
         else:
             bit = len(self._bit_of)
+            if bit >= MAX_INSTANCES:
+                raise ValueError(f"the cache map holds at most {MAX_INSTANCES} instances")
             if bit >= 64 * self._words:
-                self._resize(len(self._hash), self._words * 2)
+                self._resize_rows(len(self._rows[Tier.GPU]), self._words * 2)
         # NOTE: copy-on-write, so MatchResults handed out keep a consistent roster.
         self._bit_of = {**self._bit_of, instance: bit}
         self._instance_at = {**self._instance_at, bit: InstanceId(instance)}
@@ -146,23 +178,49 @@ class CacheMap:
             self._count[t][instance] = 0
         return bit
 
-    def _resize(self, slots: int, words: int) -> None:
+    def _resize(self, slots: int) -> None:
         n = len(self._hash)
 
-        def grow(a: npt.NDArray[np.generic]) -> npt.NDArray[np.generic]:
-            out = np.zeros((slots, *a.shape[1:]), a.dtype)
+        def grow(a: npt.NDArray[_A], fill: int = 0) -> npt.NDArray[_A]:
+            out = np.full((slots, *a.shape[1:]), fill, a.dtype)
             out[:n] = a
             return out
 
-        self._hash = grow(self._hash)  # type: ignore[assignment]
-        self._parent = grow(self._parent)  # type: ignore[assignment]
-        self._has_parent = grow(self._has_parent)  # type: ignore[assignment]
-        self._depth = grow(self._depth)  # type: ignore[assignment]
+        self._hash = grow(self._hash)
+        self._parent = grow(self._parent)
+        self._has_parent = grow(self._has_parent)
+        self._depth = grow(self._depth)
+        self._hold = grow(self._hold)
+        self._wide = grow(self._wide, -1)
+
+    def _resize_rows(self, rows: int, words: int) -> None:
         for t in _TIERS:
-            m = np.zeros((slots, words), np.uint64)
-            m[:n, : self._words] = self._mask[t]
-            self._mask[t] = m
+            old = self._rows[t]
+            m = np.zeros((rows, words), np.uint64)
+            m[: len(old), : old.shape[1]] = old
+            self._rows[t] = m
         self._words = words
+
+    def _alloc_rows(self, n: int) -> npt.NDArray[np.int64]:
+        reuse = min(n, len(self._free_rows))
+        got = np.array(self._free_rows[len(self._free_rows) - reuse :], np.int64)
+        del self._free_rows[len(self._free_rows) - reuse :]
+        fresh = n - reuse
+        size = len(self._rows[Tier.GPU])
+        if self._next_row + fresh > size:
+            while self._next_row + fresh > size:
+                size *= 2
+            self._resize_rows(size, self._words)
+        out: npt.NDArray[np.int64] = np.concatenate(
+            [got, np.arange(self._next_row, self._next_row + fresh, dtype=np.int64)]
+        )
+        self._next_row += fresh
+        return out
+
+    def _holders(self) -> tuple[npt.NDArray[np.uint16], npt.NDArray[np.int32], U64, U64]:
+        """The holder columns as the kernels take them: inline holders, row of each slot, and
+        the GPU and CPU rows."""
+        return self._hold, self._wide, self._rows[Tier.GPU], self._rows[Tier.CPU]
 
     # -- updates ---------------------------------------------------------------------------------
 
@@ -185,10 +243,16 @@ class CacheMap:
         tier = as_tier(tier)
         bit = self._bit(instance)
         hs = np.asarray(hashes, np.uint64)
-        w, m = divmod(bit, 64)
-        # NOTE: one kernel finds the hashes, sets the bit on the known ones and lists the new
-        # ones (a hash may repeat within one call: its first position defines the node)
-        added, pos = _store_known(*self._index.table(), hs, self._mask[tier], w, m)
+        flag = _FLAG[tier]
+        # NOTE: one kernel finds the hashes, adds the holder to the known ones and lists the
+        # new ones (a hash may repeat within one call: its first position defines the node) and
+        # the narrow ones with no room left
+        added, pos, full = _store_known(*self._index.table(), hs, *self._holders(), bit, flag)
+        if len(full):
+            full = np.unique(full)
+            at_rows = self._alloc_rows(len(full))
+            # NOTE: after _alloc_rows, which may regrow the rows
+            added += _promote(*self._holders(), full, at_rows, bit, flag)
         if len(pos):
             at = self._alloc(len(pos))
             self._index.insert(hs[pos], at)
@@ -197,15 +261,14 @@ class CacheMap:
                 self._parent,
                 self._has_parent,
                 self._depth,
+                self._hold,  # NOTE: after _alloc, which may regrow it
                 at,
                 hs,
                 pos,
                 np.uint64(parent if parent is not None else 0),
                 parent is not None,
                 depth,
-                self._mask[tier],  # NOTE: after _alloc, which may regrow it
-                w,
-                m,
+                bit << 2 | flag,
             )
         self._count[tier][instance] += added
         return int(added)
@@ -219,7 +282,7 @@ class CacheMap:
             size = len(self._hash)
             while self._next + fresh > size:
                 size *= 2
-            self._resize(size, self._words)
+            self._resize(size)
         out: npt.NDArray[np.int64] = np.concatenate(
             [got, np.arange(self._next, self._next + fresh, dtype=np.int64)]
         )
@@ -234,20 +297,14 @@ class CacheMap:
         if bit is None:
             return 0
         hs = np.fromiter(hashes, np.uint64)
-        w, m = divmod(bit, 64)
         dead = np.empty(len(hs), np.int64)
-        # NOTE: one kernel finds the slots, clears the bits and takes the nodes left with no
-        # holder out of the index (the rest of ``_free_slots`` follows)
-        mask = self._mask
-        held, n_dead = _remove(
-            *self._index.table(), hs, mask[tier], mask[Tier.GPU], mask[Tier.CPU], w, m, dead
-        )
+        # NOTE: one kernel finds the slots, removes the holder and takes the nodes left with
+        # none out of the index (the rest of ``_recycle`` follows)
+        held, n_dead = _remove(*self._index.table(), hs, *self._holders(), bit, _FLAG[tier], dead)
         self._count[tier][instance] -= held
         if n_dead:
             self._index.deleted(n_dead)
-            dead = np.sort(dead[:n_dead])
-            self._has_parent[dead] = False
-            self._free.extend(dead.tolist())
+            self._recycle(np.sort(dead[:n_dead]))
         return int(held)
 
     def clear(self, instance: str, tier: Tier | None = None) -> int:
@@ -255,19 +312,26 @@ class CacheMap:
         bit = self._bit_of.get(instance)
         if bit is None:
             return 0
+        tiers = _TIERS if tier is None else (as_tier(tier),)
+        flags = sum(_FLAG[t] for t in tiers)
+        hold = self._hold[: self._next]
+        mine = (hold >> 2 == bit) & (hold & flags != 0)
+        touched = [np.flatnonzero(mine.any(axis=1))]
+        wide = np.flatnonzero(self._wide[: self._next] >= 0)
         w, m = divmod(bit, 64)
         flag = np.uint64(1 << m)
         removed = 0
-        touched: list[npt.NDArray[np.int64]] = []
-        for t in _TIERS if tier is None else (as_tier(tier),):
-            col = self._mask[t][: self._next, w]
-            held = np.flatnonzero(col & flag)
-            col[held] &= ~flag
-            removed += len(held)
+        for t in tiers:
+            removed += int((mine & (hold & _FLAG[t] != 0)).sum())
+            col = self._rows[t][self._wide[wide], w]
+            held = col & flag != 0
+            self._rows[t][self._wide[wide[held]], w] &= ~flag
+            removed += int(held.sum())
+            touched.append(wide[held])
             self._count[t][instance] = 0
-            touched.append(held)
-        if touched:
-            self._release(np.unique(np.concatenate(touched)))
+        left = np.where(mine, hold & ~np.uint16(flags), hold)
+        hold[:] = np.where(left & 3 == 0, 0, left)
+        self._release(np.unique(np.concatenate(touched)))
         return removed
 
     def drop_instance(self, instance: str) -> int:
@@ -283,21 +347,32 @@ class CacheMap:
         self._free_bits.append(bit)
         return removed
 
+    def _live(self, slots: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+        """Whether each of ``slots`` has a holder on some tier."""
+        live = np.asarray(self._hold[slots].any(axis=1), np.bool_)
+        rows = self._wide[slots]
+        wide = rows >= 0
+        for t in _TIERS:
+            live[wide] |= self._rows[t][rows[wide]].any(axis=1)
+        return live
+
     def _release(self, slots: npt.NDArray[np.int64]) -> None:
         """Free the nodes among ``slots`` that no instance holds on any tier any more."""
         if len(slots) == 0:
             return
-        live = np.zeros(len(slots), np.bool_)
-        for t in _TIERS:
-            live |= self._mask[t][slots].any(axis=1)
-        dead = slots[~live]
+        dead = slots[~self._live(slots)]
         if len(dead) > 0:
-            self._free_slots(dead)
+            self._index.delete(self._hash[dead])
+            self._recycle(dead)
 
-    def _free_slots(self, dead: npt.NDArray[np.int64]) -> None:
-        """Free the nodes at ``dead`` (distinct slots, ascending), which nothing holds any more."""
-        self._index.delete(self._hash[dead])
+    def _recycle(self, dead: npt.NDArray[np.int64]) -> None:
+        """Slots ``dead`` (distinct, ascending, out of the index) and their rows become free."""
         self._has_parent[dead] = False
+        rows = self._wide[dead]
+        rows = rows[rows >= 0]
+        if len(rows):
+            self._free_rows.extend(rows.tolist())
+            self._wide[dead] = -1
         self._free.extend(dead.tolist())
 
     # -- queries ---------------------------------------------------------------------------------
@@ -307,25 +382,30 @@ class CacheMap:
         GPU or CPU. Instances with no leading block are absent."""
         if not len(hashes):
             return {}
-        idx = self._index.get_prefix(np.asarray(hashes, np.uint64))
-        if len(idx) == 0:
+        keys = np.asarray(hashes, np.uint64)
+        bits, packed, dense = _match(*self._index.table(), keys, *self._holders())
+        if len(dense):
+            return MatchResult(self._bit_of, self._instance_at, dense.tolist())
+        if len(bits) == 0:
             return {}
-        n_bits = 64 * self._words
-        n_gpu = np.zeros(n_bits, np.int64)
-        n_any = np.zeros(n_bits, np.int64)
-        if not _leading_runs(self._mask[Tier.GPU], self._mask[Tier.CPU], idx, n_gpu, n_any):
-            return {}
-        return MatchResult(self._bit_of, self._instance_at, n_gpu.tolist(), n_any.tolist())
+        runs = dict(zip(bits.tolist(), packed.tolist(), strict=True))
+        return MatchResult(self._bit_of, self._instance_at, runs)
+
+    def _held(self, bit: int, tier: Tier) -> npt.NDArray[np.int64]:
+        """The slots where instance ``bit`` holds a block on ``tier``, ascending."""
+        hold = self._hold[: self._next]
+        inline = np.flatnonzero(((hold >> 2 == bit) & (hold & _FLAG[tier] != 0)).any(axis=1))
+        wide = np.flatnonzero(self._wide[: self._next] >= 0)
+        w, m = divmod(bit, 64)
+        col = self._rows[tier][self._wide[wide], w]
+        return np.union1d(inline, wide[col & np.uint64(1 << m) != 0])
 
     def resident(self, instance: str, tier: Tier) -> list[BlockHash]:
         """Every hash ``instance`` holds on ``tier`` (for resync dumps and tests)."""
         bit = self._bit_of.get(instance)
         if bit is None:
             return []
-        w, m = divmod(bit, 64)
-        col = self._mask[as_tier(tier)][: self._next, w]
-        held = np.flatnonzero(col & np.uint64(1 << m))
-        return [BlockHash(h) for h in self._hash[held].tolist()]
+        return [BlockHash(h) for h in self._hash[self._held(bit, as_tier(tier))].tolist()]
 
     def node(self, block: int) -> tuple[int | None, int] | None:
         """``(parent hash or None, depth)`` of a known block, else None."""
@@ -340,9 +420,14 @@ class CacheMap:
         if s < 0:
             return {}
         out: dict[InstanceId, set[Tier]] = {}
+        row = int(self._wide[s])
         for t in _TIERS:
-            bits = np.unpackbits(self._mask[t][s].view(np.uint8), bitorder="little")
-            for b in np.flatnonzero(bits).tolist():
+            if row >= 0:
+                bits = np.unpackbits(self._rows[t][row].view(np.uint8), bitorder="little")
+                held = np.flatnonzero(bits).tolist()
+            else:
+                held = [int(e) >> 2 for e in self._hold[s].tolist() if e & _FLAG[t]]
+            for b in held:
                 out.setdefault(self._instance_at[b], set()).add(t)
         return {k: frozenset(v) for k, v in out.items()}
 
@@ -365,10 +450,12 @@ class CacheMap:
             instances=len(self._bit_of),
             slot_capacity=len(self._hash),
             mask_words=self._words,
+            wide_blocks=self._next_row - len(self._free_rows),
         )
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError if the derived state disagrees with the masks (tests, debugging)."""
+        """Raise RuntimeError if the derived state disagrees with the holders (tests,
+        debugging)."""
         used = np.zeros(len(self._hash), np.bool_)
         keys, slots = self._index.items()
         used[slots] = True
@@ -381,92 +468,223 @@ class CacheMap:
             raise RuntimeError("index and slot hashes disagree")
         if (self._index.get(keys) != slots).any():
             raise RuntimeError("an indexed key is not found by a probe")
-        live = np.zeros(len(self._hash), np.bool_)
-        for t in _TIERS:
-            live |= self._mask[t].any(axis=1)
-            counts = _bit_counts(self._mask[t][slots]) if len(slots) else None
-            for inst, bit in self._bit_of.items():
-                got = int(counts[bit]) if counts is not None else 0
-                if got != self._count[t][inst]:
-                    raise RuntimeError(f"count of {inst}/{t} is {self._count[t][inst]}, not {got}")
-        if (live != used).any():
+        everything = np.arange(len(self._hash), dtype=np.int64)
+        if (self._live(everything) != used).any():
             raise RuntimeError("a node without residency is live, or a free slot has residency")
-        stray = np.uint64(0)
+        rows = self._wide[slots]
+        wide_slots, rows = slots[rows >= 0], rows[rows >= 0]
+        if self._hold[wide_slots].any():
+            raise RuntimeError("a wide slot has inline holders")
+        if (self._wide[~used] >= 0).any():
+            raise RuntimeError("a free slot keeps a row")
+        if len(np.unique(rows)) != len(rows) or set(rows.tolist()) & set(self._free_rows):
+            raise RuntimeError("a row is shared or both used and free")
+        if len(rows) + len(self._free_rows) != self._next_row:
+            raise RuntimeError("rows leaked: used + free != handed out")
+        hold = self._hold[slots]
+        who = (hold >> 2).astype(np.int64)
+        for s in range(len(hold)):
+            held = who[s][hold[s] != 0]
+            if len(np.unique(held)) != len(held):
+                raise RuntimeError("an instance is inline twice in one slot")
+        n_bits = 64 * self._words
         for t in _TIERS:
-            free_bits = [b for b in range(64 * self._words) if b not in self._instance_at]
-            for b in free_bits:
-                w, m = divmod(b, 64)
-                stray |= np.bitwise_or.reduce(self._mask[t][:, w] & np.uint64(1 << m))
-        if stray:
-            raise RuntimeError("a bit of a dropped or unknown instance is set")
+            inline = np.bincount(who[hold & _FLAG[t] != 0], minlength=n_bits)
+            counts = inline[:n_bits] + _bit_counts(self._rows[t][rows], n_bits)
+            stray = [b for b in np.flatnonzero(counts).tolist() if b not in self._instance_at]
+            if len(inline) > n_bits or stray:
+                raise RuntimeError("a bit of a dropped or unknown instance is set")
+            for inst, bit in self._bit_of.items():
+                if int(counts[bit]) != self._count[t][inst]:
+                    raise RuntimeError(
+                        f"count of {inst}/{t} is {self._count[t][inst]}, not {int(counts[bit])}"
+                    )
 
 
 @jit
-def _leading_runs(gpu, cpu, idx, n_gpu, n_any):  # type: ignore[no-untyped-def]
-    """For every instance bit, the leading run of rows ``idx`` holding it on GPU (into
-    ``n_gpu``) and on GPU or CPU (into ``n_any``). Returns whether any bit has a run."""
+def _tiers_at(hold, wide, gpu, cpu, s, b):  # type: ignore[no-untyped-def]
+    """The tier flags (1 GPU, 2 CPU) instance bit ``b`` holds slot ``s`` with."""
+    r = wide[s]
+    if r >= 0:
+        w, m = b >> 6, np.uint64(b & 63)
+        return np.int64((gpu[r, w] >> m) & np.uint64(1)) | np.int64(
+            ((cpu[r, w] >> m) & np.uint64(1)) << np.uint64(1)
+        )
+    for k in range(hold.shape[1]):
+        e = np.int64(hold[s, k])
+        if e and e >> 2 == b:
+            return e & 3
+    return 0
+
+
+@jit
+def _drops(d, w, i, out):  # type: ignore[no-untyped-def]
+    """Write ``i`` into ``out`` at the bits set in word ``d`` (word ``w`` of a bitmask)."""
+    b = 0
+    while d:
+        if d & np.uint64(1):
+            out[64 * w + b] = i
+        d >>= np.uint64(1)
+        b += 1
+
+
+@jit
+def _match(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu):  # type: ignore[no-untyped-def]
+    """Every instance bit's leading run of ``keys`` (found in the index table ``tk``, ``tv``,
+    ``shift``, ``tmask``: ``HashIndex.table``) on GPU and on GPU or CPU, packed as ``gpu << 32 |
+    any``, for the bits holding the first key: as a dense array indexed by bit when that block
+    is wide, else as (bits, packed runs) of its few inline holders.
+
+    While the slots are wide, the rows are ANDed a word at a time and each bit that drops out
+    at position ``i`` gets a run of ``i``; at the first narrow slot only its few inline holders
+    can go on, and are followed one by one from there."""
+    idx = np.empty(keys.shape[0], np.int64)
+    n = 0
+    for j in range(keys.shape[0]):
+        v = _probe(tk, tv, shift, tmask, keys[j])[0]
+        if v < 0:
+            break
+        idx[j] = v
+        n += 1
+    inline = hold.shape[1]
     words = gpu.shape[1]
-    run_g = gpu[idx[0]].copy()
-    run_a = run_g | cpu[idx[0]]
-    alive = False
-    for w in range(words):
-        if run_a[w]:
-            alive = True
-    if not alive:
-        return False
-    n = idx.shape[0]
-    for i in range(1, n + 1):
-        for w in range(words):
-            if i < n:
-                s = idx[i]
-                new_g = run_g[w] & gpu[s, w]
-                new_a = run_a[w] & (gpu[s, w] | cpu[s, w])
-            else:
-                new_g = np.uint64(0)
-                new_a = np.uint64(0)
-            # Bits that drop out at row i had a run of exactly i rows.
-            d = run_g[w] & ~new_g
-            b = 0
-            while d:
-                if d & np.uint64(1):
-                    n_gpu[64 * w + b] = i
-                d >>= np.uint64(1)
-                b += 1
-            d = run_a[w] & ~new_a
-            b = 0
-            while d:
-                if d & np.uint64(1):
-                    n_any[64 * w + b] = i
-                d >>= np.uint64(1)
-                b += 1
-            run_g[w] = new_g
-            run_a[w] = new_a
-    return True
+    cand = np.empty(inline, np.int64)  # the bits followed one by one
+    cg = np.empty(inline, np.int64)  # their GPU run's end (-1: still running)
+    ca = np.empty(inline, np.int64)
+    nc = 0
+    i = 1
+    dense_start = n > 0 and wide[idx[0]] >= 0
+    ng = np.zeros(64 * words if dense_start else 0, np.int64)
+    na = np.zeros(64 * words if dense_start else 0, np.int64)
+    if dense_start:
+        r0 = wide[idx[0]]
+        run_g = gpu[r0].copy()
+        run_a = run_g | cpu[r0]
+        alive = True
+        while i < n and wide[idx[i]] >= 0 and alive:
+            r = wide[idx[i]]
+            alive = False
+            for w in range(words):
+                new_g = run_g[w] & gpu[r, w]
+                new_a = run_a[w] & (gpu[r, w] | cpu[r, w])
+                _drops(run_g[w] & ~new_g, w, i, ng)
+                _drops(run_a[w] & ~new_a, w, i, na)
+                run_g[w] = new_g
+                run_a[w] = new_a
+                if new_a:
+                    alive = True
+            i += 1
+        if alive and i < n:
+            # a narrow slot: only its inline holders still in the run go on, from here
+            s = idx[i]
+            for k in range(inline):
+                e = np.int64(hold[s, k])
+                if not e:
+                    continue
+                hb = e >> 2
+                hw, hm = hb >> 6, np.uint64(hb & 63)
+                if not (run_a[hw] >> hm) & np.uint64(1):
+                    continue
+                cand[nc] = hb
+                cg[nc] = -1 if (run_g[hw] >> hm) & np.uint64(1) else ng[hb]
+                ca[nc] = -1
+                nc += 1
+                run_g[hw] &= ~(np.uint64(1) << hm)
+                run_a[hw] &= ~(np.uint64(1) << hm)
+        for w in range(words):  # the rest of the run ends here
+            _drops(run_g[w], w, i, ng)
+            _drops(run_a[w], w, i, na)
+    elif n > 0:
+        s = idx[0]
+        for k in range(inline):
+            e = np.int64(hold[s, k])
+            if e:
+                cand[nc] = e >> 2
+                cg[nc] = -1 if e & 1 else 0
+                ca[nc] = -1
+                nc += 1
+    left = nc
+    while i < n and left:
+        s = idx[i]
+        for c in range(nc):
+            if ca[c] >= 0:
+                continue
+            t = _tiers_at(hold, wide, gpu, cpu, s, cand[c])
+            if cg[c] < 0 and not t & 1:
+                cg[c] = i
+            if not t:
+                ca[c] = i
+                left -= 1
+        i += 1
+    for c in range(1, nc):  # in bit order, as the dense form iterates
+        j = c
+        while j > 0 and cand[j - 1] > cand[j]:
+            cand[j - 1], cand[j] = cand[j], cand[j - 1]
+            cg[j - 1], cg[j] = cg[j], cg[j - 1]
+            ca[j - 1], ca[j] = ca[j], ca[j - 1]
+            j -= 1
+    bits = np.empty(0 if dense_start else nc, np.int64)
+    packed = np.empty(0 if dense_start else nc, np.int64)
+    dense = np.empty(64 * words if dense_start else 0, np.int64)
+    if dense_start:
+        for d in range(dense.shape[0]):
+            dense[d] = ng[d] << 32 | na[d]
+    for c in range(nc):
+        g = n if cg[c] < 0 else cg[c]
+        a = n if ca[c] < 0 else ca[c]
+        if dense_start:
+            dense[cand[c]] = g << 32 | a
+        else:
+            bits[c] = cand[c]
+            packed[c] = g << 32 | a
+    return bits, packed, dense
 
 
 @jit
-def _remove(tk, tv, shift, tmask, keys, mask, gpu, cpu, w, m, dead):  # type: ignore[no-untyped-def]
-    """Clear bit ``m`` of word ``w`` in ``mask``'s rows of ``keys`` (found in the index table
-    ``tk``, ``tv``, ``shift``, ``tmask``: ``HashIndex.table``; absent keys and rows without
-    the bit are skipped, a key may repeat). Rows left with no bit on either tier (``gpu``,
-    ``cpu``) go to ``dead``, in order, and their keys are tombstoned in the table afterwards,
-    as ``HashIndex.delete`` would. Returns (rows cleared, dead rows)."""
-    flag = np.uint64(1) << np.uint64(m)
-    words = mask.shape[1]
+def _remove(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, bit, flag, dead):  # type: ignore[no-untyped-def]
+    """Take instance ``bit``'s tier ``flag`` (1 GPU, 2 CPU) off the slots of ``keys`` (found in
+    the index table ``tk``, ``tv``, ``shift``, ``tmask``: ``HashIndex.table``; absent keys and
+    slots without that holder are skipped, a key may repeat). Slots left with no holder go to
+    ``dead``, in order, and their keys are tombstoned in the table afterwards, as
+    ``HashIndex.delete`` would. Returns (holders removed, dead slots)."""
+    w, m = bit >> 6, np.uint64(bit & 63)
+    one = np.uint64(1) << m
+    words = gpu.shape[1]
+    inline = hold.shape[1]
     cells = np.empty(keys.shape[0], np.int64)
     held = 0
     n_dead = 0
     for i in range(keys.shape[0]):
         s, p = _probe(tk, tv, shift, tmask, keys[i])
-        if s < 0 or not mask[s, w] & flag:
+        if s < 0:
             continue
-        mask[s, w] &= ~flag
-        held += 1
+        r = wide[s]
         live = False
-        for v in range(words):
-            if gpu[s, v] or cpu[s, v]:
-                live = True
-                break
+        if r >= 0:
+            rows = gpu if flag == 1 else cpu
+            if not rows[r, w] & one:
+                continue
+            rows[r, w] &= ~one
+            for v in range(words):
+                if gpu[r, v] or cpu[r, v]:
+                    live = True
+                    break
+        else:
+            found = False
+            for k in range(inline):
+                e = np.int64(hold[s, k])
+                if e and e >> 2 == bit and e & flag:
+                    e &= ~flag
+                    hold[s, k] = e if e & 3 else 0
+                    found = True
+                    break
+            if not found:
+                continue
+            for k in range(inline):
+                if hold[s, k]:
+                    live = True
+                    break
+        held += 1
         if not live:
             dead[n_dead] = s
             cells[n_dead] = p
@@ -477,23 +695,54 @@ def _remove(tk, tv, shift, tmask, keys, mask, gpu, cpu, w, m, dead):  # type: ig
 
 
 @jit
-def _store_known(tk, tv, shift, tmask, keys, mask, w, m):  # type: ignore[no-untyped-def]
-    """Set bit ``m`` of word ``w`` in ``mask``'s rows of the ``keys`` the index table holds
-    (``HashIndex.table``; a key may repeat). Returns (rows that did not have it yet, the
-    position of the first occurrence of each absent key, in ascending key order)."""
-    flag = np.uint64(1) << np.uint64(m)
+def _store_known(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, bit, flag):  # type: ignore[no-untyped-def]
+    """Add instance ``bit`` with tier ``flag`` to the slots of the ``keys`` the index table
+    holds (``HashIndex.table``; a key may repeat). Returns (holders added, the position of the
+    first occurrence of each absent key in ascending key order, the narrow slots with no room
+    left for it)."""
+    w, m = bit >> 6, np.uint64(bit & 63)
+    one = np.uint64(1) << m
+    inline = hold.shape[1]
     n = keys.shape[0]
     miss = np.empty(n, np.int64)
+    full = np.empty(n, np.int64)
     n_miss = 0
+    n_full = 0
     added = 0
     for i in range(n):
         s = _probe(tk, tv, shift, tmask, keys[i])[0]
         if s < 0:
             miss[n_miss] = i
             n_miss += 1
-        elif not mask[s, w] & flag:
-            mask[s, w] |= flag
+            continue
+        r = wide[s]
+        if r >= 0:
+            rows = gpu if flag == 1 else cpu
+            if not rows[r, w] & one:
+                rows[r, w] |= one
+                added += 1
+            continue
+        empty = -1
+        found = False
+        for k in range(inline):
+            e = np.int64(hold[s, k])
+            if not e:
+                if empty < 0:
+                    empty = k
+            elif e >> 2 == bit:
+                found = True
+                if not e & flag:
+                    hold[s, k] = e | flag
+                    added += 1
+                break
+        if found:
+            continue
+        if empty >= 0:
+            hold[s, empty] = bit << 2 | flag
             added += 1
+        else:
+            full[n_full] = s
+            n_full += 1
     miss = miss[:n_miss]
     missing_keys = keys[miss]
     order = np.argsort(missing_keys, kind="mergesort")  # stable: equal keys keep their first
@@ -503,16 +752,42 @@ def _store_known(tk, tv, shift, tmask, keys, mask, w, m):  # type: ignore[no-unt
         if j == 0 or missing_keys[order[j]] != missing_keys[order[j - 1]]:
             out[n_out] = miss[order[j]]
             n_out += 1
-    return added, out[:n_out]
+    return added, out[:n_out], full[:n_full]
 
 
 @jit
-def _store_new(hash_, parent, has_parent, depth, at, hs, pos, root, has_root, depth0, mask, w, m):  # type: ignore[no-untyped-def]
+def _promote(hold, wide, gpu, cpu, slots, rows, bit, flag):  # type: ignore[no-untyped-def]
+    """Give each narrow slot of ``slots`` (distinct, full) the row of ``rows`` beside it: its
+    inline holders move there, then instance ``bit`` joins with tier ``flag``. Returns how
+    many joined (all of them)."""
+    for j in range(slots.shape[0]):
+        s, r = slots[j], rows[j]
+        gpu[r, :] = 0
+        cpu[r, :] = 0
+        for k in range(hold.shape[1]):
+            e = np.int64(hold[s, k])
+            if e:
+                b = e >> 2
+                w, m = b >> 6, np.uint64(b & 63)
+                if e & 1:
+                    gpu[r, w] |= np.uint64(1) << m
+                if e & 2:
+                    cpu[r, w] |= np.uint64(1) << m
+                hold[s, k] = 0
+        wide[s] = r
+        w, m = bit >> 6, np.uint64(bit & 63)
+        if flag == 1:
+            gpu[r, w] |= np.uint64(1) << m
+        else:
+            cpu[r, w] |= np.uint64(1) << m
+    return slots.shape[0]
+
+
+@jit
+def _store_new(hash_, parent, has_parent, depth, hold, at, hs, pos, root, has_root, depth0, entry):  # type: ignore[no-untyped-def]
     """Fill the columns of new slots ``at``, each the node of chain position ``pos`` (the chain
-    ``hs`` starts at ``depth0`` below ``root``, a parent only when ``has_root``), and set bit
-    ``m`` of word ``w`` in their ``mask`` rows. Returns how many rows got it."""
-    flag = np.uint64(1) << np.uint64(m)
-    added = 0
+    ``hs`` starts at ``depth0`` below ``root``, a parent only when ``has_root``), with the one
+    inline holder ``entry``. Returns how many slots got it."""
     for j in range(at.shape[0]):
         s, p = at[j], pos[j]
         hash_[s] = hs[p]
@@ -521,14 +796,15 @@ def _store_new(hash_, parent, has_parent, depth, at, hs, pos, root, has_root, de
         else:
             parent[s], has_parent[s] = root, has_root
         depth[s] = depth0 + p
-        if not mask[s, w] & flag:
-            mask[s, w] |= flag
-            added += 1
-    return added
+        hold[s, :] = 0
+        hold[s, 0] = entry
+    return at.shape[0]
 
 
-def _bit_counts(runs: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
-    """Per instance bit, how many rows of ``runs`` (n x words) have it set."""
-    bits = np.unpackbits(np.ascontiguousarray(runs).view(np.uint8), axis=1, bitorder="little")
+def _bit_counts(rows: npt.NDArray[np.uint64], n_bits: int) -> npt.NDArray[np.int64]:
+    """Per instance bit, how many of ``rows`` (n x words) have it set."""
+    if len(rows) == 0:
+        return np.zeros(n_bits, np.int64)
+    bits = np.unpackbits(np.ascontiguousarray(rows).view(np.uint8), axis=1, bitorder="little")
     counts: npt.NDArray[np.int64] = bits.sum(axis=0, dtype=np.int64)
     return counts

@@ -152,3 +152,37 @@ def test_a_store_that_outgrows_the_slots_and_repeats_hashes() -> None:
     assert got["a"] == Match(2, 2) and list(got) == ["a"]
     with pytest.raises(KeyError):
         got["b"]
+
+
+def test_only_widely_shared_blocks_pay_for_a_row_at_a_thousand_instances() -> None:
+    """A private block costs its inline holders whatever the cluster size; a block held by more
+    instances than fit inline moves to a row, and matches are the same either way."""
+    m = CacheMap()
+    shared = [1, 2, 3]
+    for i in range(1024):
+        m.store(f"e{i}", Tier.GPU if i % 2 else Tier.CPU, [*shared, 1000 + i])
+    assert m.stats().mask_words == 16
+    assert m.stats().wide_blocks == 3  # the shared prefix; the 1,024 private tails stay inline
+    got = m.match([*shared, 1005])
+    assert len(got) == 1024
+    assert got["e5"] == Match(4, 4) and got["e4"] == Match(0, 3) and got["e7"] == Match(3, 3)
+    assert list(got)[:3] == ["e0", "e1", "e2"]
+    for i in range(4):  # a tail shared by a few: still inline, followed one by one
+        m.store(f"e{i}", Tier.GPU, [*shared, 1000 + i, 7, 8])
+    assert m.stats().wide_blocks == 3
+    assert m.match([1000, 7, 8]) == {"e0": Match(3, 3)}
+    assert m.match([*shared, 1003, 7, 8])["e3"] == Match(6, 6)
+    m.store("e11", Tier.CPU, [7])  # a fifth holder of 7 does not fit inline
+    assert m.stats().wide_blocks == 4
+    assert m.match([7, 8]) == {
+        "e0": Match(2, 2),
+        "e1": Match(2, 2),
+        "e2": Match(2, 2),
+        "e3": Match(2, 2),
+        "e11": Match(0, 1),
+    }
+    m.check_integrity()
+    for i in range(1024):
+        m.drop_instance(f"e{i}")
+    assert len(m) == 0 and m.stats().wide_blocks == 0
+    m.check_integrity()
