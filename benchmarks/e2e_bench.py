@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from loadgen.simulate_cmd import parse_options, parse_router
+from loadgen.simulate_cmd import parse_router
+from router.placement import parse_options
 
 if TYPE_CHECKING:
     from engines.sim.profile import LatencyProfile

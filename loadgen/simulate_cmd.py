@@ -52,6 +52,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run whole on a decode engine when the split is priced above this many times the "
         f"colocated TTFT estimate; 0: never [{DEFAULT_OVERLOAD_FACTOR:g}]",
     )
+    a = p.add_argument_group("autoscaling (router.autoscale)")
+    a.add_argument(
+        "--autoscale",
+        metavar="POLICY[@k=v,...]",
+        help="run each router with this autoscaling policy in virtual time, from --instances "
+        "(clamped to the bounds): static, ray_default, throughput or kvroute, options as "
+        "NAME@key=value+key=value (or ,); needs --slo-ttft-ms; reports attainment, GPU-hours "
+        "and the replica count over time",
+    )
+    a.add_argument("--min-instances", type=int, default=1, help="autoscaling floor [1]")
+    a.add_argument("--max-instances", type=int, default=64, help="autoscaling ceiling [64]")
+    a.add_argument(
+        "--autoscale-interval-s", type=float, default=10.0, help="seconds between decisions [10]"
+    )
+    a.add_argument(
+        "--cold-start-s",
+        type=float,
+        default=None,
+        help="seconds from a scale-up decision to the new engine's first step "
+        "[45: vLLM, 8B model, one H100, weights local; loadgen.simulator.DEFAULT_COLD_START_S]",
+    )
+    a.add_argument(
+        "--attainment",
+        type=float,
+        default=0.99,
+        help="the fraction of requests the policies aim to keep within the SLOs [0.99]",
+    )
     add_truth_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument("--slo-ttft-ms", type=float, help="goodput SLO on TTFT")
@@ -116,6 +143,7 @@ def sim_settings(args: argparse.Namespace, instances: int, slo_ttft_s: float | N
     """The ``SimSettings`` the engine and truth flags describe (validated: raises naming the
     flag)."""
     from loadgen.simulator import Perturbation, SimSettings
+    from router.placement import parse_options
 
     _positive(args.block_size, "--block-size")
     settings = SimSettings(
@@ -153,24 +181,11 @@ def perturbation_meta(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def parse_options(items: list[str], flag: str) -> dict[str, Any]:
-    """``key=value`` items as a dict (values as JSON, else strings)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"{flag}: expected KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw
-    return out
-
-
 def parse_router(spec: str) -> tuple[str, dict[str, Any]]:
     """One scorer spec, ``NAME`` or ``NAME@key=value+key=value``: ``(name, options)``."""
-    name, _, opts = spec.partition("@")
-    return name, parse_options([o for o in opts.split("+") if o], f"--router {spec}")
+    from router.placement import parse_spec
+
+    return parse_spec(spec, "--router")
 
 
 def parse_routers(spec: str) -> list[tuple[str, str, dict[str, Any]]]:
@@ -199,6 +214,78 @@ def load_profile(name: str, flag: str) -> Any:
         raise ValueError(f"{flag}: cannot load profile {name!r}: {e}") from None
 
 
+def autoscaler_factory(
+    args: argparse.Namespace, belief: Any, settings: Any
+) -> tuple[Any, dict[str, Any]] | None:
+    """``--autoscale``'s flags checked (raises naming the flag): a function making a fresh
+    ``router.autoscale.Autoscaler`` per run, and its description for the JSON; None without
+    ``--autoscale``."""
+    from router.autoscale import Autoscaler, Slo, create_policy
+
+    spec = getattr(args, "autoscale", None)
+    if spec is None:
+        return None
+    if args.slo_ttft_ms is None:
+        raise ValueError("--autoscale needs --slo-ttft-ms")
+    if settings.prefill_instances:
+        raise ValueError("--autoscale: prefill/decode pools are not autoscaled yet")
+    if not 0 < args.attainment <= 1:
+        raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
+    _positive(args.autoscale_interval_s, "--autoscale-interval-s")
+    if args.cold_start_s is not None:
+        settings.cold_start_s = args.cold_start_s
+        settings.validate()
+    slo = Slo(
+        args.slo_ttft_ms / 1e3,
+        args.slo_tpot_ms / 1e3 if args.slo_tpot_ms is not None else None,
+        args.attainment,
+    )
+    lo, hi = args.min_instances, args.max_instances
+
+    def make() -> Any:
+        policy = create_policy(spec, profile=belief, slo=slo, cold_start_s=settings.cold_start_s)
+        return Autoscaler(policy, lo, hi, args.autoscale_interval_s)
+
+    make()  # a bad policy or bound fails before the workload is read
+    settings.instances = min(hi, max(lo, settings.instances))
+    meta = {
+        "policy": spec,
+        "min_instances": lo,
+        "max_instances": hi,
+        "start_instances": settings.instances,
+        "interval_s": args.autoscale_interval_s,
+        "cold_start_s": settings.cold_start_s,
+        "attainment_target": args.attainment,
+    }
+    return make, meta
+
+
+def slo_attainment(records: Any, slo_ttft_s: float, slo_tpot_s: float | None) -> float:
+    """The fraction of all requests completed with TTFT <= ``slo_ttft_s`` and mean TPOT <=
+    ``slo_tpot_s`` (refused and unfinished requests miss; one output token has no TPOT)."""
+    good = 0
+    n = 0
+    for r in records:
+        n += 1
+        if not r.ok or r.ttft_s > slo_ttft_s:
+            continue
+        tpot = r.tpot_s
+        if slo_tpot_s is not None and not math.isnan(tpot) and tpot > slo_tpot_s:
+            continue
+        good += 1
+    return good / n if n else math.nan
+
+
+def autoscale_row(sim: Any, slo_ttft_s: float, slo_tpot_s: float | None) -> dict[str, Any]:
+    """An autoscaled run's figures: attainment, GPU-hours, and the target over time."""
+    return {
+        "attainment": round(slo_attainment(sim.records, slo_ttft_s, slo_tpot_s), 5),
+        "gpu_hours": round(sim.gpu_seconds / 3600, 5),
+        "peak_instances": max((n for _, n, _ in sim.replicas), default=0),
+        "replicas": [[round(t, 3), n, why] for t, n, why in sim.replicas],
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
@@ -222,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
     routers = parse_routers(args.router)
     truth = load_profile(args.profile, "--profile")
     belief = load_profile(args.router_profile, "--router-profile") if args.router_profile else None
+    scaling = autoscaler_factory(args, belief or truth, settings)
     plan, block_size, source = plan_workload(args)
     if not plan:
         raise ValueError("the workload has no requests (check --duration / --max-requests)")
@@ -249,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
             scorer_options=options,
             router_profile=belief,
             progress=progress,
+            autoscaler=scaling[0]() if scaling is not None else None,
         )
         s = summarize(
             sim.records,
@@ -258,7 +347,11 @@ def run(args: argparse.Namespace) -> int:
             slo_itl_ms=args.slo_tpot_ms,
             ideal_hit_rate=ideal,
         )
-        return _row(s, sim, excess_ttft_ms(sim.records, ideal_s)), (sim if keep else None)
+        row = _row(s, sim, excess_ttft_ms(sim.records, ideal_s))
+        if scaling is not None:
+            tpot = args.slo_tpot_ms / 1e3 if args.slo_tpot_ms is not None else None
+            row["autoscale"] = autoscale_row(sim, args.slo_ttft_ms / 1e3, tpot)
+        return row, (sim if keep else None)
 
     # NOTE: no auto-refresh thread: the workers are forked while the bar is up
     with Progress(transient=True, disable=quiet, auto_refresh=False) as bar:
@@ -294,11 +387,21 @@ def run(args: argparse.Namespace) -> int:
         "ideal_ttft_ms": _stats_ms(ideal_s),
         "not_modelled": "network/ingress time, admission's concurrency gate, engine failures",
     }
+    if scaling is not None:
+        meta["autoscale"] = scaling[1]
     doc = {"meta": meta, "routers": results}
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
         _print_table(meta, results)
+        if scaling is not None:
+            for label, r in results.items():
+                a = r["autoscale"]
+                print(
+                    f"autoscale {scaling[1]['policy']} ({label}): attainment "
+                    f"{a['attainment']:.2%}, {a['gpu_hours']:.3f} GPU-hours, peak "
+                    f"{a['peak_instances']} instances, {len(a['replicas']) - 1} changes"
+                )
     if args.report:
         written = write_report(Path(args.report), doc, runs)
         print(f"simulate: wrote {len(written)} files to {args.report}", file=sys.stderr)

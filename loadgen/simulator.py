@@ -49,7 +49,8 @@ from typing import Any, TypeVar
 import msgspec
 
 from cachemap.bus import InProcessBus
-from cachemap.events import encode_message
+from cachemap.events import InstanceGone, encode_message
+from cachemap.hashing import Tier
 from cachemap.ingest import EngineEventTranslator
 from engines.base import LOAD_INTERVAL_S
 from engines.forwarder import encode_load
@@ -62,6 +63,7 @@ from loadgen.records import RequestRecord
 from loadgen.workloads import Planned, ideal_hits
 from router import lifecycle
 from router.admission import Admission, Rejected
+from router.autoscale import Autoscaler, EngineLoad, Observation
 from router.pd import (
     DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     DEFAULT_OVERLOAD_FACTOR,
@@ -84,6 +86,16 @@ ENGINE_OPTIONS: tuple[str, ...] = (
     "transfer_gbps",
     "transfer_latency_ms",
 )
+
+# Seconds from a scale-up decision to a new engine's first step: vLLM serving Llama-3.1-8B on
+# one H100 from weights on local NVMe or in the page cache. The parts: a Serve replica's
+# process and CUDA context (~5-10 s), 16 GB of weights at a few GB/s (~5-10 s), torch.compile
+# with its cache warm (~5-15 s) and CUDA graph capture for the default batch sizes
+# (~5-15 s), then the KV cache's allocation and profiling run (~2-5 s): ~30-60 s in all, as
+# vLLM's startup logs show for 8B models. We take 45 s, the middle: the cost of a scale-up
+# that a policy must see coming. (A node that must boot first, or weights from the network,
+# take minutes more: set ``cold_start_s``.)
+DEFAULT_COLD_START_S = 45.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +123,17 @@ class Perturbation:
         for flag, (value, ok, valid) in checks.items():
             if not ok:
                 raise ValueError(f"{flag} must be {valid}, got {value}")
+
+    def joiner_slowdown(self, i: int) -> float:
+        """The speed factor of engine ``i`` when it joins during a run (autoscaling): drawn
+        from its index's own seeded stream, so the starting engines' factors are those of a
+        fixed-size run, and a joiner's do not depend on how many joined before it."""
+        rng = random.Random(f"speed/{self.seed}/{i}")
+        s = self.speed_sigma
+        out = math.exp(rng.gauss(-s * s / 2, s)) if s else 1.0
+        if rng.random() < self.stragglers:
+            out *= self.straggler_slowdown
+        return out
 
     def slowdowns(self, n: int) -> list[float]:
         rng = random.Random(f"speed/{self.seed}")
@@ -141,6 +164,9 @@ class SimSettings:
     prefill_instances: int = 0
     pd_max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS
     pd_overload_factor: float | None = DEFAULT_OVERLOAD_FACTOR
+    # membership (``ClusterSimulator.run`` with an autoscaler): seconds from the scale decision
+    # to a new engine's first step (see ``DEFAULT_COLD_START_S``)
+    cold_start_s: float = DEFAULT_COLD_START_S
 
     def gpu_blocks(self, truth: LatencyProfile, block_size: int) -> int:
         """Each engine's GPU KV blocks: ``num_gpu_blocks`` when set, else the profile's
@@ -155,6 +181,8 @@ class SimSettings:
         for lag in (self.event_lag_s, self.load_lag_s):
             if not 0 <= lag < 60:
                 raise ValueError(f"--lag-ms must be in [0, 60000), got {lag * 1e3:g}")
+        if not 0 <= self.cold_start_s < 86_400:
+            raise ValueError(f"--cold-start-s must be in [0, 86400), got {self.cold_start_s}")
         if not self.load_interval_s > 0:
             raise ValueError(f"load_interval_s must be > 0, got {self.load_interval_s}")
         if self.prefill_instances and not 0 < self.prefill_instances < self.instances:
@@ -215,6 +243,11 @@ class SimRun:
     calibration: dict[str, float] | None
     slowdowns: list[float]  # each engine's speed factor over the profile
     aborted: bool = False  # a ``SloBudget`` ran out: records after that point are unfinished
+    # GPU-seconds of every engine from its scale decision (the first arrival for the starting
+    # engines) to its release (drained after leaving; else the last finish)
+    gpu_seconds: float = 0.0
+    # the pool's target replica count over time: (t, n, reason) at the start and each change
+    replicas: list[tuple[float, int, str]] = field(default_factory=list)
 
     @property
     def requests_per_wall_s(self) -> float:
@@ -290,33 +323,65 @@ class ClusterSimulator:
         self._progress: list[tuple[float, int, str, SimRequest, bool]] = []
         self._progress_seq = 0
         self._budget: SloBudget | None = None
+        self._scaler: Autoscaler | None = None
+        self._replicas: list[tuple[float, int, str]] = []
+        self._target = settings.instances
+        # the replay's state, shared by its steps (set by ``_replay``)
+        self._preqs: dict[str, tuple[PlacementRequest, Planned]] = {}
+        self._queue: list[tuple[float, str, int, int]] = []
+        self._last_tick = -1
+        self._sampled: list[tuple[tuple[int, int], Any]] = []
+        self._wake: list[float] = []
+        self._due_heap: list[tuple[float, int]] = []
+        self._next_tick = math.inf
+        self._arrivals: deque[tuple[float, int, int, int]] = deque()
+        self._ttfts: deque[tuple[float, float]] = deque()
+        self._tpots: deque[tuple[float, float]] = deque()
         self.translators: dict[str, EngineEventTranslator] = {}
         self.instances: list[VirtualInstance] = []
+        self.by_id: dict[str, VirtualInstance] = {}
+        self._index: dict[str, int] = {}
+        self._truth, self._eng = truth, eng
+        # membership: whether each engine publishes load samples (routable: ready and not
+        # leaving), and its billing (from, to: NaN while held)
+        self._publishing: list[bool] = []
+        self._billed: list[list[float]] = []
+        self._starting: dict[int, float] = {}  # engine -> its ready time (cold start)
+        self._leaving: dict[int, float] = {}  # engine -> when it was told to leave
         for i in range(s.instances):
-            iid = f"sim-{i}"
-            self.translators[iid] = EngineEventTranslator(iid, "sim", bs, trusted_hashes=True)
-            self._events[iid] = deque()
-            self.instances.append(
-                VirtualInstance(
-                    iid,
-                    truth,
-                    block_size=bs,
-                    on_events=self._on_events,
-                    on_progress=self._progress_fn(iid),
-                    slowdown=self.slowdowns[i],
-                    jitter=p.jitter,
-                    seed=p.seed * 100_003 + i,
-                    **eng,
-                )
-            )
-        self.by_id = {inst.instance_id: inst for inst in self.instances}
-        self._index = {inst.instance_id: i for i, inst in enumerate(self.instances)}
+            self._new_engine(self.slowdowns[i])
         if n_prefill:
             ids = list(self.by_id)
             self.core.sync_instances(ids[:n_prefill], "prefill")
             self.core.sync_instances(ids[n_prefill:], "decode")
         else:
             self.core.sync_instances(self.by_id)
+
+    def _new_engine(self, slowdown: float) -> int:
+        """A new engine at the next index, ``sim-<index>``, with an empty cache: its index."""
+        i, p = len(self.instances), self.settings.perturbation
+        iid = f"sim-{i}"
+        self.translators[iid] = EngineEventTranslator(
+            iid, "sim", self.block_size, trusted_hashes=True
+        )
+        self._events[iid] = deque()
+        inst = VirtualInstance(
+            iid,
+            self._truth,
+            block_size=self.block_size,
+            on_events=self._on_events,
+            on_progress=self._progress_fn(iid),
+            slowdown=slowdown,
+            jitter=p.jitter,
+            seed=p.seed * 100_003 + i,
+            **self._eng,
+        )
+        self.instances.append(inst)
+        self.by_id[iid] = inst
+        self._index[iid] = i
+        self._publishing.append(True)
+        self._billed.append([0.0, math.nan])
+        return i
 
     def close(self) -> None:
         """Unhook the engines from this cluster: their event and progress callbacks are its
@@ -388,26 +453,111 @@ class ClusterSimulator:
         plan: Sequence[Planned],
         progress: ProgressFn | None = None,
         budget: SloBudget | None = None,
+        autoscaler: Autoscaler | None = None,
     ) -> SimRun:
         """Replay ``plan`` (send offsets in seconds, in order) to completion, or until
         ``budget`` is exhausted (then ``SimRun.aborted``: requests in flight stay unfinished
-        and later ones have no record)."""
+        and later ones have no record).
+
+        ``autoscaler`` (colocated clusters only): every ``interval_s`` of virtual time from the
+        first arrival it is handed what the router saw (``_observe``) and its target is
+        applied. A new engine (``sim-<next index>``, empty cache, its speed factor seeded by
+        its index) is billed from the decision and joins the router ``cold_start_s`` later, as
+        Serve's replica set would add it (``RouterCore.add_instance``); its KV events and load
+        samples then flow like the others'. Scale-down cancels engines still starting (newest
+        first), then removes the serving engines whose cache is worth least (fewest GPU blocks
+        in the router's map, then fewest requests in flight): removed from routing at once,
+        they stop sampling, finish what they run, and on the last finish publish
+        ``InstanceGone`` on the KV bus (the forwarder's clean scale-down), which takes their
+        blocks out of the map; their billing ends there. After the last arrival the decisions
+        go on until every request has finished."""
         wall0 = time.perf_counter()  # the collector's set-up counts too
         self._budget = budget
+        if autoscaler is not None and self.settings.prefill_instances:
+            raise ValueError("--autoscale: prefill/decode pools are not autoscaled yet")
+        self._scaler = autoscaler
         with _replay_collector():
             return self._replay(plan, progress, wall0)
 
+    # -- the replay's steps (one arrival's, and one autoscaling tick's) --------------------------
+
+    def _sample_loads(self, t: float) -> None:
+        """Load samples: the latest taken strictly before t - lag is what the router can have
+        read. NOTE: not "at": with no lag a sample stamped t would be taken before the
+        requests placed at t, and LoadTracker counts only assignments newer than a sample, so
+        every request arriving at t (traces share millisecond stamps) went unseen and
+        --lag-ms 0 piled them on one engine. Only routable engines sample."""
+        s = self.settings
+        tick = math.ceil((t - s.load_lag_s) / s.load_interval_s) - 1
+        if tick > self._last_tick and tick >= 0:
+            self._last_tick = tick
+            ts = tick * s.load_interval_s
+            sampled, wake, due_heap, publishing = (
+                self._sampled,
+                self._wake,
+                self._due_heap,
+                self._publishing,
+            )
+            for i, inst in enumerate(self.instances):
+                if not publishing[i]:
+                    continue
+                self._run(i, ts)
+                state = (inst.steps, inst.submitted)
+                if state == sampled[i][0]:  # nothing changed: the same sample, restamped
+                    snap = msgspec.structs.replace(sampled[i][1], ts=ts)
+                else:
+                    snap = inst.load(ts)
+                sampled[i] = (state, snap)
+                self.load_bus.publish(encode_load(snap))
+                self._queue.append((ts, inst.instance_id, snap.waiting, snap.running))
+                w = inst.wake_s()
+                if w != wake[i]:
+                    wake[i] = w
+                    heapq.heappush(due_heap, (w, i))
+
+    def _run_due(self, t: float) -> None:
+        """Run up to ``t`` the instances with a step to run before it (see ``_replay``)."""
+        wake, due_heap, instances = self._wake, self._due_heap, self.instances
+        due = []
+        while due_heap and due_heap[0][0] < t:
+            w, i = heapq.heappop(due_heap)
+            if w == wake[i]:
+                wake[i] = -math.inf  # taken: a second entry of the same time is stale
+                due.append(i)
+        due.sort()
+        for i in due:
+            self._run(i, t)
+            wake[i] = w = instances[i].wake_s()
+            heapq.heappush(due_heap, (w, i))
+        if self._handed:  # PD: decode instances handed requests while prefills ran
+            for i in sorted(self._handed):
+                q = self._handovers[i]
+                if q and q[0][0] < t:
+                    self._run(i, t)
+                w = min(instances[i].wake_s(), q[0][0] if q else math.inf)
+                if w != wake[i]:
+                    wake[i] = w
+                    heapq.heappush(due_heap, (w, i))
+            self._handed.clear()
+
+    def _publish_events(self, t: float) -> None:
+        """KV events older than the lag, through the bus into the map."""
+        horizon = t - self.settings.event_lag_s
+        for dq in self._events.values():
+            while dq and dq[0][0] <= horizon:
+                self.kv_bus.publish(dq.popleft()[1])
+        self._pump(t)
+
     def _replay(self, plan: Sequence[Planned], progress: ProgressFn | None, wall0: float) -> SimRun:
-        s, core, bs = self.settings, self.core, self.block_size
+        core, bs = self.core, self.block_size
         by_id = self.by_id
-        interval, load_lag, event_lag = s.load_interval_s, s.load_lag_s, s.event_lag_s
         mml = self.instances[0].max_model_len
-        preqs: dict[str, tuple[PlacementRequest, Planned]] = {}
+        self._preqs, self._queue = {}, []
+        preqs, queue = self._preqs, self._queue
         records: dict[str, RequestRecord] = {}
-        queue: list[tuple[float, str, int, int]] = []
         roots: dict[int, int] = {}  # chat id -> its session's first chat id
-        last_tick = -1
-        sampled: list[tuple[tuple[int, int], Any]] = [((-1, -1), None)] * len(self.instances)
+        self._last_tick = -1
+        self._sampled = [((-1, -1), None)] * len(self.instances)
         total = len(plan)
         budget, aborted = self._budget, False
         instances = self.instances
@@ -415,67 +565,30 @@ class ClusterSimulator:
         # heap of their wake times (entries whose time is no longer the instance's are stale);
         # they run in index order, as a loop over all of them would (progress at equal times is
         # delivered in the order it was produced).
-        wake = [inst.wake_s() for inst in instances]
-        due_heap = [(w, i) for i, w in enumerate(wake)]
+        self._wake = wake = [inst.wake_s() for inst in instances]
+        self._due_heap = due_heap = [(w, i) for i, w in enumerate(wake)]
         heapq.heapify(due_heap)
+        scaler = self._scaler
+        start = plan[0].offset_s if plan else 0.0
+        for b in self._billed:
+            b[0] = start
+        if scaler is not None:
+            self._scale_start(start)
         for n, p in enumerate(plan):
             t, tr = p.offset_s, p.req
             rid = str(p.index)
-            # 1. load samples: the latest taken strictly before t - lag is what the router can
-            # have read. NOTE: not "at": with no lag a sample stamped t would be taken before
-            # the requests placed at t, and LoadTracker counts only assignments newer than a
-            # sample, so every request arriving at t (traces share millisecond stamps) went
-            # unseen and --lag-ms 0 piled them on one engine.
-            tick = math.ceil((t - load_lag) / interval) - 1
-            if tick > last_tick and tick >= 0:
-                last_tick = tick
-                ts = tick * interval
-                for i, inst in enumerate(self.instances):
-                    self._run(i, ts)
-                    state = (inst.steps, inst.submitted)
-                    if state == sampled[i][0]:  # nothing changed: the same sample, restamped
-                        snap = msgspec.structs.replace(sampled[i][1], ts=ts)
-                    else:
-                        snap = inst.load(ts)
-                    sampled[i] = (state, snap)
-                    self.load_bus.publish(encode_load(snap))
-                    queue.append((ts, inst.instance_id, snap.waiting, snap.running))
-                    w = inst.wake_s()
-                    if w != wake[i]:
-                        wake[i] = w
-                        heapq.heappush(due_heap, (w, i))
-            due = []
-            while due_heap and due_heap[0][0] < t:
-                w, i = heapq.heappop(due_heap)
-                if w == wake[i]:
-                    wake[i] = -math.inf  # taken: a second entry of the same time is stale
-                    due.append(i)
-            due.sort()
-            for i in due:
-                self._run(i, t)
-                wake[i] = w = instances[i].wake_s()
-                heapq.heappush(due_heap, (w, i))
-            if self._handed:  # PD: decode instances handed requests while prefills ran
-                for i in sorted(self._handed):
-                    q = self._handovers[i]
-                    if q and q[0][0] < t:
-                        self._run(i, t)
-                    w = min(instances[i].wake_s(), q[0][0] if q else math.inf)
-                    if w != wake[i]:
-                        wake[i] = w
-                        heapq.heappush(due_heap, (w, i))
-                self._handed.clear()
+            if scaler is not None:
+                self._control(t)
+            # 1. load samples
+            self._sample_loads(t)
+            self._run_due(t)
             # 2. what the ingress saw of the streams up to t
             self._deliver_progress(t, preqs)
             if budget is not None and budget.exhausted:
                 aborted = True
                 break
             # 3. KV events older than the lag, through the bus into the map
-            horizon = t - event_lag
-            for dq in self._events.values():
-                while dq and dq[0][0] <= horizon:
-                    self.kv_bus.publish(dq.popleft()[1])
-            self._pump(t)
+            self._publish_events(t)
             # 4. place, admit, send
             rec = RequestRecord(
                 p.index,
@@ -547,6 +660,10 @@ class ClusterSimulator:
                 wake[i] = w
                 heapq.heappush(due_heap, (w, i))
             rec.instance = placement.instance_id
+            if scaler is not None:
+                self._arrivals.append(
+                    (t, tr.input_length, tr.output_length, core.cached_tokens(preq, placement))
+                )
             preqs[rid] = (preq, p)
             if leg is req:
                 core.assigned(preq, placement, t)
@@ -558,6 +675,11 @@ class ClusterSimulator:
                 self._output[rid] = max(tr.output_length, 1)
             if progress is not None and n % 1000 == 999:
                 progress(n + 1, total)
+        if scaler is not None and not aborted:  # decisions go on while requests run
+            while any(len(inst.finished) < inst.submitted for inst in instances):
+                self._control(self._next_tick + 1e-9)
+            self._control(self._next_tick + 1e-9)  # release what drained since the last
+            self._publish_events(self._next_tick - scaler.interval_s)  # their InstanceGone
         if not aborted:
             for i in range(len(self.instances)):  # prefill instances first: their hand-overs
                 self._run(i, math.inf)
@@ -580,6 +702,13 @@ class ClusterSimulator:
         done = [r.done_s for r in out if not math.isnan(r.done_s)]
         first = out[0].intended_s if out else 0.0
         cal = getattr(core.scorer, "calibration", None)
+        end = max(done) if done else first
+        gpu_s = 0.0
+        for i, (b0, b1) in enumerate(self._billed):
+            if math.isnan(b1):  # held to the end (a cancelled start was billed when cancelled)
+                b1 = max(end, b0)
+            gpu_s += max(0.0, b1 - b0)
+            self._billed[i][1] = b1
         return SimRun(
             router=core.scorer.name,
             records=out,
@@ -593,7 +722,129 @@ class ClusterSimulator:
             ),
             slowdowns=self.slowdowns,
             aborted=aborted,
+            gpu_seconds=gpu_s,
+            replicas=list(self._replicas),
         )
+
+    # -- membership and the autoscaler -------------------------------------------------------
+
+    def _scale_start(self, start: float) -> None:
+        scaler = self._scaler
+        assert scaler is not None
+        self._next_tick = start + scaler.interval_s
+        n = len(self.instances)
+        self._target = n
+        self._replicas.append((start, n, "initial"))
+
+    def _control(self, t: float) -> None:
+        """Every membership event and autoscaling tick strictly before ``t``, in time order
+        (an engine's readiness before a tick at the same time)."""
+        scaler = self._scaler
+        assert scaler is not None
+        while True:
+            ready = min(self._starting.items(), key=lambda kv: (kv[1], kv[0]), default=None)
+            if ready is not None and ready[1] <= self._next_tick and ready[1] < t:
+                i, at = ready
+                del self._starting[i]
+                self._join(i, at)
+                continue
+            if self._next_tick >= t:
+                return
+            now = self._next_tick
+            self._next_tick = now + scaler.interval_s
+            self._tick(now)
+
+    def _join(self, i: int, at: float) -> None:
+        """Engine ``i`` finished its cold start at ``at``: routable from now on."""
+        self._publishing[i] = True  # it samples from the next load tick on
+        self.core.add_instance(self.instances[i].instance_id)
+
+    def _tick(self, now: float) -> None:
+        """One autoscaling decision at ``now``: bring the cluster up to ``now`` as the
+        arrival steps do, release drained engines, observe, decide, apply."""
+        scaler = self._scaler
+        assert scaler is not None
+        self._sample_loads(now)
+        self._run_due(now)
+        self._deliver_progress(now, self._preqs)
+        for i in sorted(self._leaving):
+            inst = self.instances[i]
+            self._run(i, now)
+            if len(inst.finished) < inst.submitted:
+                continue
+            released = max([self._leaving[i], *(r.finish_s for r in inst.finished[-1:])])
+            del self._leaving[i]
+            self._billed[i][1] = released
+            iid = inst.instance_id
+            self._events[iid].append((released, encode_message(InstanceGone(iid))))
+        self._publish_events(now)
+        decision = scaler.decide(self._observe(now, scaler.interval_s))
+        if decision.target != self._target:
+            self._scale_to(decision.target, now)
+            self._replicas.append((now, decision.target, decision.reason))
+
+    def _observe(self, now: float, window_s: float) -> Observation:
+        """What the router saw over the last ``window_s``: arrivals and their token mix,
+        TTFTs and TPOTs it measured, the load views of the routable engines."""
+        since = now - window_s
+        for dq in (self._arrivals, self._ttfts, self._tpots):
+            while dq and dq[0][0] < since:
+                dq.popleft()
+        arr = self._arrivals
+        views = self.core.load.views(now)
+        return Observation(
+            now=now,
+            replicas=self._target,
+            ready=sum(self._publishing),
+            window_s=window_s,
+            arrivals=len(arr),
+            prompt_tokens=sum(a[1] for a in arr),
+            output_tokens=sum(a[2] for a in arr),
+            cached_tokens=sum(a[3] for a in arr),
+            engines=tuple(
+                EngineLoad(
+                    v.instance_id, v.waiting, v.running, v.gpu_kv_usage, v.pending_prefill_tokens
+                )
+                for v in views
+            ),
+            ttfts=tuple(x for _, x in self._ttfts),
+            tpots=tuple(x for _, x in self._tpots),
+        )
+
+    def _scale_to(self, target: int, now: float) -> None:
+        """Start or stop engines until ``target`` count against the pool (see ``run``)."""
+        n = self._target
+        while n < target:
+            i = len(self.instances)
+            self._new_engine(self.settings.perturbation.joiner_slowdown(i))
+            self._publishing[i] = False
+            self._billed[i][0] = now
+            self._starting[i] = now + self.settings.cold_start_s
+            self._wake.append(math.inf)
+            self._sampled.append(((-1, -1), None))
+            n += 1
+        while n > target and self._starting:  # cancel the newest starts: nothing to drain
+            i = max(self._starting)
+            del self._starting[i]
+            self._billed[i][1] = now
+            n -= 1
+        if n > target:
+            cmap = self.core.cache_map
+            views = {v.instance_id: v for v in self.core.load.views(now)}
+            serving = [i for i, pub in enumerate(self._publishing) if pub]
+
+            def worth(i: int) -> tuple[int, int, int]:
+                iid = self.instances[i].instance_id
+                v = views.get(iid)
+                busy = v.waiting + v.running if v is not None else 0
+                return (cmap.count(iid, Tier.GPU), busy, -i)
+
+            for i in sorted(serving, key=worth)[: n - target]:
+                self._publishing[i] = False
+                self._leaving[i] = now
+                self.core.remove_instance(self.instances[i].instance_id)
+            n = target
+        self._target = n
 
     def _refused(self) -> None:
         if self._budget is not None:
@@ -609,10 +860,16 @@ class ClusterSimulator:
                 entry = preqs.pop(req.request_id, None)
                 if entry is not None:
                     core.finished(entry[0], iid)
+                if self._scaler is not None and req.num_output >= 2:
+                    gaps = req.num_output - 1
+                    self._tpots.append((at, (req.finish_s - req.first_token_s) / gaps))
                 if budget is not None:
                     budget.finished(req)
             else:
                 core.first_token(req.request_id, at)
+                if self._scaler is not None:
+                    entry = preqs.get(req.request_id)
+                    self._ttfts.append((at, at - (entry[1].offset_s if entry else req.arrival_s)))
                 if budget is not None and not req.remote_decode:
                     # NOTE: a decode leg arrived at its hand-over; the client at the plan's time
                     entry = preqs.get(req.request_id)
@@ -673,8 +930,10 @@ def simulate(
     recorder: PlacementRecorder | None = None,
     progress: ProgressFn | None = None,
     budget: SloBudget | None = None,
+    autoscaler: Autoscaler | None = None,
 ) -> SimRun:
-    """One router over one schedule on a fresh cluster (see ``ClusterSimulator``)."""
+    """One router over one schedule on a fresh cluster (see ``ClusterSimulator``;
+    ``autoscaler``: see ``ClusterSimulator.run``)."""
     scorer = create_scorer(router, **(scorer_options or {}))
     sim = ClusterSimulator(
         truth,
@@ -685,7 +944,7 @@ def simulate(
         recorder=recorder,
     )
     try:
-        return sim.run(plan, progress, budget)
+        return sim.run(plan, progress, budget, autoscaler)
     finally:
         sim.close()
 

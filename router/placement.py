@@ -9,6 +9,7 @@ and returns a ``Placement``. Scorers are synchronous and do no I/O: the caller g
 from __future__ import annotations
 
 import importlib
+import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -158,6 +159,28 @@ _SCORERS: dict[str, tuple[str, str]] = {
 
 def scorer_names() -> list[str]:
     return list(_SCORERS)
+
+
+def parse_options(items: Sequence[str], flag: str) -> dict[str, Any]:
+    """``KEY=VALUE`` items as a dict, each value JSON where it parses (numbers, booleans) and a
+    string otherwise; raises ``ValueError`` naming ``flag`` and the bad item."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag}: expected KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def parse_spec(spec: str, flag: str) -> tuple[str, dict[str, Any]]:
+    """A component spec as the CLIs take scorers and autoscaling policies: ``NAME`` or
+    ``NAME@key=value+key=value``, as ``(name, options)``."""
+    name, _, opts = spec.partition("@")
+    return name.strip(), parse_options([o for o in opts.split("+") if o], f"{flag} {spec}")
 
 
 def create_scorer(name: str, **options: Any) -> Scorer:

@@ -1,0 +1,168 @@
+"""The autoscaling core (``router.autoscale``): Ray Serve's default rule as Ray computes it,
+the capacity model, the forecaster, the kvroute policy's feedback and hysteresis, and
+``kvroute simulate --autoscale``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deploy.cli import main as kvroute
+from engines.sim.profile import LatencyProfile
+from router.autoscale import (
+    Autoscaler,
+    EngineLoad,
+    Forecaster,
+    KvroutePolicy,
+    Observation,
+    RayDefaultPolicy,
+    Slo,
+    create_policy,
+    replica_capacity,
+)
+
+
+@pytest.fixture(scope="module")
+def profile() -> LatencyProfile:
+    return LatencyProfile.load("h100-llama3.1-8b")
+
+
+def obs(now, replicas, ready=None, ongoing=0, **kw):
+    ready = replicas if ready is None else ready
+    engines = tuple(EngineLoad(f"e{i}", running=ongoing // max(ready, 1)) for i in range(ready))
+    extra = ongoing - sum(e.running for e in engines)
+    if engines and extra:
+        engines = (EngineLoad("e0", running=engines[0].running + extra), *engines[1:])
+    return Observation(
+        now=now, replicas=replicas, ready=ready, window_s=10.0, engines=engines, **kw
+    )
+
+
+def test_ray_default_matches_rays_own_rule():
+    """The same sequence of (time, ongoing requests) through Ray Serve's default policy
+    functions and through ours gives the same targets (both averaging over the look-back)."""
+    from ray.serve import autoscaling_policy as rp
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    cfg = AutoscalingConfig(min_replicas=1, max_replicas=100, target_ongoing_requests=4)
+    ours = RayDefaultPolicy(target_ongoing_requests=4)
+    state: dict = {}
+    target = running = 4
+    window: list[tuple[float, int]] = []
+    loads = [8, 40, 60, 60, 60, 60, 30, 4, 4] + [4] * 70
+    for k, ongoing in enumerate(loads):
+        now = 10.0 * k
+        window = [(t, v) for t, v in [*window, (now, ongoing)] if t >= now - cfg.look_back_period_s]
+        avg = sum(v for _, v in window) / len(window)
+        ctx = AutoscalingContext(
+            deployment_id=None, deployment_name="d", app_name=None,
+            current_num_replicas=running, target_num_replicas=target, running_replicas=[],
+            total_num_requests=avg, total_queued_requests=None, aggregated_metrics=None,
+            raw_metrics=None, capacity_adjusted_min_replicas=1,
+            capacity_adjusted_max_replicas=100, policy_state={}, last_scale_up_time=None,
+            last_scale_down_time=None, current_time=now, config=cfg,
+        )  # fmt: skip
+        desired, _ = rp._core_replica_queue_length_policy(ctx)
+        scaled = rp._apply_scaling_factors(desired, running, cfg)
+        ray_target, state = rp._apply_delay_logic(max(0, scaled), target, cfg, state, _now=now)
+        mine, _ = ours.desired(obs(now, target, running, ongoing), 1, 100)
+        assert mine == ray_target, (k, now, avg)
+        target = ray_target
+        running = target  # replicas start at once here
+    assert target == 1  # down after 600 s of low load, in one step
+
+
+def test_capacity_model_follows_hits_and_the_tpot_slo(profile):
+    base = replica_capacity(profile, 4000, 4000, 300, 0.05)
+    assert base > 0
+    assert replica_capacity(profile, 4000, 1000, 300, 0.05) > 1.5 * base  # hits spare prefill
+    assert replica_capacity(profile, 4000, 4000, 300, 0.02) < base  # tighter TPOT
+    assert replica_capacity(profile, 4000, 4000, 300, 0.005) == 0.0  # below one step
+    # at the capacity, the modelled step time is within the TPOT margin
+    lam = base / 1e3
+    w = 4000 * (profile.prefill_token_ms + profile.prefill_attn_ms * 2000) + 300 * (
+        profile.decode_seq_ms + profile.decode_ctx_ms * 4150
+    )
+    assert profile.base_ms / (1 - lam * w) <= 0.8 * 50 + 1e-6
+
+
+def test_forecaster_extrapolates_rises_but_not_falls():
+    f = Forecaster(4)
+    for k, r in enumerate([1.0, 2.0, 3.0, 4.0]):
+        f.add(10.0 * k, r)
+    assert f.predict(20.0) == pytest.approx(6.0)
+    g = Forecaster(4)
+    for k, r in enumerate([4.0, 3.0, 2.0, 1.0]):
+        g.add(10.0 * k, r)
+    assert g.predict(50.0) == pytest.approx(2.5)  # the window's mean, not a negative rate
+
+
+def test_kvroute_policy_feedback_and_hysteresis(profile):
+    slo = Slo(2.0, 0.05, 0.99)
+    p = KvroutePolicy(profile, slo, cold_start_s=30.0, down_delay_s=60.0)
+    mix = {"arrivals": 500, "prompt_tokens": 500 * 2000, "output_tokens": 500 * 200}
+    n0, why = p.desired(obs(0.0, 4, cached_tokens=0, ttfts=(0.5,) * 10, **mix), 1, 64)
+    assert "forecast 50.00/s" in why and "gain 1.00" in why
+    assert n0 == 6  # 50/s x 1.05 over ~9.3/s per replica
+    # missed SLOs raise the gain, and the target with it
+    n1, why = p.desired(obs(10.0, n0, cached_tokens=0, ttfts=(5.0,) * 10, **mix), 1, 64)
+    assert n1 > n0 and "gain 1.25" in why
+    # KV hits: the same traffic with 3/4 of its prompt cached needs fewer replicas
+    q = KvroutePolicy(profile, slo, cold_start_s=30.0)
+    hit, _ = q.desired(obs(0.0, 4, cached_tokens=500 * 1500, **mix), 1, 64)
+    assert hit < n0
+    # a lower want is held for down_delay_s, then stepped down by at most a quarter
+    low = {"arrivals": 1, "prompt_tokens": 2000, "output_tokens": 200}
+    r = KvroutePolicy(profile, slo, cold_start_s=30.0, down_delay_s=60.0, points=2)
+    assert r.desired(obs(0.0, 16, **low), 1, 64)[0] == 16
+    assert "holding" in r.desired(obs(30.0, 16, **low), 1, 64)[1]
+    n, why = r.desired(obs(60.0, 16, **low), 1, 64)
+    assert n == 12 and why.endswith("down")
+
+
+def test_autoscaler_clamps_and_names_its_policy(profile):
+    slo = Slo(2.0, 0.05)
+    a = Autoscaler(create_policy("static@n=100", profile=profile, slo=slo, cold_start_s=45), 2, 8)
+    d = a.decide(obs(0.0, 4))
+    assert d.target == 8 and d.reason.startswith("static: static 100") and "clamped" in d.reason
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        create_policy("nope", profile=profile, slo=slo, cold_start_s=45)
+    with pytest.raises(ValueError, match=r"unknown option 'target'.*target_ongoing_requests"):
+        create_policy("ray_default@target=3", profile=profile, slo=slo, cold_start_s=45)
+    with pytest.raises(ValueError, match="--max-instances"):
+        Autoscaler(a.policy, 4, 2)
+
+
+def test_cli_autoscale_reports_attainment_gpu_hours_and_decisions(capsys):
+    rc = kvroute([
+        "simulate", "--workload", "to-b", "--rate", "30", "--duration", "40", "--instances",
+        "1", "--router", "kv_ttft", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--json",
+        "--no-progress", "--autoscale", "static@n=3", "--max-instances", "4",
+        "--cold-start-s", "10", "--autoscale-interval-s", "5",
+    ])  # fmt: skip
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    meta = doc["meta"]["autoscale"]
+    assert meta["policy"] == "static@n=3" and meta["cold_start_s"] == 10.0
+    a = doc["routers"]["kv_ttft"]["autoscale"]
+    assert [r[:2] for r in a["replicas"]] == [[0.0, 1], [5.0, 3]]
+    assert 0 < a["attainment"] <= 1 and a["peak_instances"] == 3
+    assert 0 < a["gpu_hours"] < 3 * 60 / 3600
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--autoscale", "kvroute"], "--autoscale needs --slo-ttft-ms"),
+        (["--autoscale", "bogus", "--slo-ttft-ms", "100"], "unknown policy 'bogus'"),
+        (["--autoscale", "kvroute", "--slo-ttft-ms", "100", "--cold-start-s", "-1"],
+         "--cold-start-s must be"),
+        (["--autoscale", "kvroute", "--slo-ttft-ms", "100", "--max-instances", "0"],
+         "--max-instances must be"),
+    ],
+)  # fmt: skip
+def test_cli_autoscale_bad_input_names_the_flag(argv, message, capsys):
+    rc = kvroute(["simulate", "--workload", "to-b", "--duration", "5", "--no-progress", *argv])
+    assert rc == 2
+    assert message in capsys.readouterr().err
