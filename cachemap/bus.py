@@ -17,8 +17,11 @@ from typing import NamedTuple
 
 import msgspec
 
-from cachemap.events import decode_message
+from cachemap.events import InstanceEvents, decode_message
 from cachemap.ingest import CacheMapIngestor
+
+# entries one read returns at most: a read that returns this many leaves more behind
+MAX_READ_ITEMS = 4096
 
 
 class BusRead(NamedTuple):
@@ -53,7 +56,7 @@ class EventBus(ABC):
         return self.publish_many(payloads), other.publish_many(other_payloads)
 
     @abstractmethod
-    def read(self, cursor: int, max_items: int = 4096) -> BusRead:
+    def read(self, cursor: int, max_items: int = MAX_READ_ITEMS) -> BusRead:
         """Entries from offset ``cursor`` on, at most ``max_items``."""
 
     @abstractmethod
@@ -61,7 +64,7 @@ class EventBus(ABC):
         """The offset the next published entry will get (a new consumer's cursor to tail)."""
 
     def read_pair(
-        self, cursor: int, other: EventBus, other_cursor: int, max_items: int = 4096
+        self, cursor: int, other: EventBus, other_cursor: int, max_items: int = MAX_READ_ITEMS
     ) -> tuple[BusRead, BusRead]:
         """``self.read(cursor)`` and ``other.read(other_cursor)``: one round trip where the
         backend can (two logs of one Ray hub, two streams on one Redis client). A router reads
@@ -117,7 +120,7 @@ class InProcessBus(EventBus):
                 self._trim()
             return self._end - 1
 
-    def read(self, cursor: int, max_items: int = 4096) -> BusRead:
+    def read(self, cursor: int, max_items: int = MAX_READ_ITEMS) -> BusRead:
         with self._lock:
             head = self._end - len(self._log)
             lost = max(0, head - cursor)
@@ -139,8 +142,12 @@ class BusConsumer:
         self.ingestor = ingestor
         self.cursor = 0 if from_start else bus.end()
         self.malformed = 0
+        # the last read's: the oldest event batch's stamp (None: it held none), and whether
+        # it was a full read (more was waiting behind it)
+        self.oldest_ts: float | None = None
+        self.full = False
 
-    def pump(self, max_items: int = 4096) -> int:
+    def pump(self, max_items: int = MAX_READ_ITEMS) -> int:
         """Apply what is available (up to ``max_items``); returns how many entries were read."""
         return self.apply(self.bus.read(self.cursor, max_items))
 
@@ -149,11 +156,15 @@ class BusConsumer:
         self.cursor = got.cursor
         if got.lost:
             self.ingestor.lost()
+        oldest = None
         for payload in got.items:
             try:
                 msg = decode_message(payload)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 self.malformed += 1
                 continue
+            if isinstance(msg, InstanceEvents) and (oldest is None or msg.ts < oldest):
+                oldest = msg.ts
             self.ingestor.apply(msg)
+        self.oldest_ts, self.full = oldest, len(got.items) >= MAX_READ_ITEMS
         return len(got.items)

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import ray
 
-from cachemap.bus import BusRead, EventBus, InProcessBus
+from cachemap.bus import MAX_READ_ITEMS, BusRead, EventBus, InProcessBus
 
 DEFAULT_NAMESPACE = "kvroute"
 DEFAULT_MAX_BYTES = 256 * 2**20  # payload bytes per log
@@ -257,11 +257,11 @@ class RayEventBus(EventBus):
         if self._last is not None:
             ray.get(self._last, timeout=timeout_s)
 
-    def read(self, cursor: int, max_items: int = 4096) -> BusRead:
+    def read(self, cursor: int, max_items: int = MAX_READ_ITEMS) -> BusRead:
         return BusRead(*ray.get(self._hub.read.remote(self.name, cursor, max_items)))
 
     def read_pair(
-        self, cursor: int, other: EventBus, other_cursor: int, max_items: int = 4096
+        self, cursor: int, other: EventBus, other_cursor: int, max_items: int = MAX_READ_ITEMS
     ) -> tuple[BusRead, BusRead]:
         """One actor call when ``other`` is a log of the same hub, two reads otherwise."""
         if not (

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from cachemap.bus import BusRead, EventBus
+from cachemap.bus import MAX_READ_ITEMS, BusRead, EventBus
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +71,13 @@ class RedisStreamBus(EventBus):
         mine, theirs = _publish_all(self._redis, [(self, payloads), (other, other_payloads)])
         return mine, theirs
 
-    def read(self, cursor: int, max_items: int = 4096) -> BusRead:
+    def read(self, cursor: int, max_items: int = MAX_READ_ITEMS) -> BusRead:
         pipe = self._redis.pipeline(transaction=True)
         self._queue_read(pipe, cursor, max_items)
         return self._read_from(pipe.execute(), cursor, max_items)
 
     def read_pair(
-        self, cursor: int, other: EventBus, other_cursor: int, max_items: int = 4096
+        self, cursor: int, other: EventBus, other_cursor: int, max_items: int = MAX_READ_ITEMS
     ) -> tuple[BusRead, BusRead]:
         """One round trip when ``other`` is a stream on the same client, two reads otherwise."""
         if not (isinstance(other, RedisStreamBus) and other._redis is self._redis):

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 # An instance whose load samples stop for this long is taken for dead (engines publish one every
 # ``LOAD_INTERVAL_S``); the router also stops trusting its last sample after it.
 STALE_AFTER_S = 2.0
+# KV events applied later than this after the engine stamped them mean this router replica is
+# behind the cluster (it says so: ``EngineWatcher.behind``, a warning, ``/metrics``); at
+# production cadence they arrive within the forwarder's publish interval plus a bus poll
+LAG_WARN_S = 1.0
 
 
 class EngineWatcher:
@@ -71,6 +75,12 @@ class EngineWatcher:
         self.dropped = 0
         self.malformed_loads = 0
         self._blind_since: float | None = None  # when reading the buses started failing
+        # how far behind the engines the cache map is: the age (our clock minus the engine's
+        # stamp) of the oldest event batch the latest read applied, and whether that read was
+        # full, so more was waiting (the map is older than that)
+        self.event_lag_s = 0.0
+        self.behind = False
+        self._lag_warned = -float("inf")
         self._forgotten: set[str] = set()  # dropped as silent; a resync is due if they return
 
     def pump(self, now: float) -> list[str]:
@@ -98,7 +108,20 @@ class EngineWatcher:
             for inst in self.last_seen:
                 self.last_seen[inst] += blind
         events, got = fetched
-        self.consumer.apply(events)
+        consumer = self.consumer
+        consumer.apply(events)
+        if consumer.oldest_ts is not None:
+            self.event_lag_s = max(0.0, now - consumer.oldest_ts)
+        elif not events.items:
+            self.event_lag_s = 0.0  # caught up: nothing was waiting
+        self.behind = consumer.full or self.event_lag_s > LAG_WARN_S
+        if self.behind and now - self._lag_warned >= 60.0:
+            self._lag_warned = now
+            log.warning(
+                "KV events are %.2f s old when applied%s: the cache map routes on stale state",
+                self.event_lag_s,
+                " and more are waiting" if consumer.full else "",
+            )
         self.load_cursor = got.cursor
         for payload in got.items:
             try:

@@ -284,6 +284,18 @@ class RouterMetrics:
         self.resync_pending = Gauge(
             "kvroute_resync_pending", "Instances awaiting resync", registry=r
         )
+        self.kv_event_lag = Gauge(
+            "kvroute_kv_event_lag_seconds",
+            "Age of the oldest KV event batch the latest bus read applied (engine stamp to "
+            "now): how stale the cache map is",
+            registry=r,
+        )
+        self.kv_events_behind = Gauge(
+            "kvroute_kv_events_behind",
+            "1 while this replica is behind the engines' KV events (the latest read was full, "
+            "or its events were over engines.liveness.LAG_WARN_S old)",
+            registry=r,
+        )
         # per engine instance, as placement sees it (its load sample plus this router's newer
         # requests); the labels of an instance that left go with it
         self.instance_waiting = Gauge(
@@ -339,6 +351,10 @@ class RouterMetrics:
         self.admission_rejected.labels("queue").set(admission.rejected_queue)
         self.bus_errors.set(state.bus_errors)
         self.resync_pending.set(len(state.needs_resync()))
+        watcher = state.core.watcher
+        if watcher is not None:
+            self.kv_event_lag.set(watcher.event_lag_s)
+            self.kv_events_behind.set(int(watcher.behind))
         if state.disaggregated:
             self.pd_requests.labels("split").set(dispatcher.pd_split)
             self.pd_requests.labels("colocated").set(dispatcher.pd_colocated)

@@ -451,7 +451,9 @@ class RouterState:
         def run() -> None:
             while not self._stop.is_set():
                 self.pump()
-                self._stop.wait(interval_s)
+                watcher = self.core.watcher
+                if watcher is None or not watcher.consumer.full:  # behind: read on at once
+                    self._stop.wait(interval_s)
 
         self._pump_thread = threading.Thread(target=run, name="kvroute-bus-pump", daemon=True)
         self._pump_thread.start()
