@@ -88,6 +88,12 @@ class EngineEventTranslator:
     space, so a ``BlockStored`` without ``token_ids`` maps each engine hash to itself. That is
     the case for hash-only traces (Mooncake/Bailian ``hash_ids``, which identify a whole prefix)
     replayed on sim engines; never for vLLM, whose hashes are opaque and process-local.
+
+    ``stride``: emit every ``stride``-th block of a prompt only (block index ``i`` with
+    ``(i + 1) % stride == 0``, each the child of the kept block ``stride`` before it, at depth
+    ``(i + 1) // stride - 1``), for a ``CacheMap`` of the same ``stride``: the bus and every
+    router replica carry ``stride`` times fewer blocks, and a match rounds down to whole runs
+    of ``stride`` blocks. The translator itself still follows every block.
     """
 
     def __init__(
@@ -98,9 +104,13 @@ class EngineEventTranslator:
         cpu_blocks_per_chunk: int = 1,
         *,
         trusted_hashes: bool = False,
+        stride: int = 1,
     ) -> None:
         if cpu_blocks_per_chunk < 1:
             raise ValueError(f"cpu_blocks_per_chunk must be >= 1, got {cpu_blocks_per_chunk}")
+        if stride < 1:
+            raise ValueError(f"stride must be >= 1, got {stride}")
+        self.stride = stride
         self.instance = instance
         self.block_size = block_size
         self.cpu_blocks_per_chunk = cpu_blocks_per_chunk
@@ -236,7 +246,44 @@ class EngineEventTranslator:
                 b.refs[ti] += 1
             prev = eh
             d += 1
-        out.append(Stored(tier.value, list(ours), parent_ours, depth))
+        self._emit(tier.value, ours, depth, ev.parent_block_hash, parent_ours, out)
+
+    def _emit(
+        self,
+        tier: str,
+        ours: Sequence[int],
+        depth: int,
+        parent: EngineHash | None,
+        parent_ours: int | None,
+        out: list[Update],
+    ) -> None:
+        """A stored chain ``ours`` from block index ``depth`` on, after the engine block
+        ``parent`` (ours: ``parent_ours``), as the update of its blocks the map keeps."""
+        k = self.stride
+        if k == 1:
+            out.append(Stored(tier, list(ours), parent_ours, depth))
+            return
+        first = -(depth + 1) % k  # the first position with (depth + position + 1) % k == 0
+        if first >= len(ours):
+            return
+        back = first - k  # the kept block before it, relative to ours[0]
+        kept_parent: int | None
+        if back >= 0:
+            kept_parent = ours[back]
+        elif depth + back < 0:
+            kept_parent = None
+        else:
+            kept_parent = self._ancestor(parent, -back - 1)
+        out.append(Stored(tier, list(ours[first::k]), kept_parent, (depth + first + 1) // k - 1))
+
+    def _ancestor(self, eh: EngineHash | None, steps: int) -> int | None:
+        """Our hash of the block ``steps`` parents above engine block ``eh`` (None: unknown)."""
+        b = self._table.get(eh) if eh is not None else None
+        for _ in range(steps):
+            if b is None or b.parent is None:
+                return None
+            b = self._table.get(b.parent)
+        return b.ours if b is not None else None
 
     def _chain(self, last: EngineHash) -> list[EngineHash]:
         """The placeholder chunk ending at ``last``, oldest first, as far as the table knows."""
@@ -266,14 +313,9 @@ class EngineEventTranslator:
         parent = table.get(first.parent) if first.parent is not None else None
         for m in members:
             table[m].refs[ti] += 1
-        out.append(
-            Stored(
-                tier.value,
-                [table[m].ours for m in members],
-                parent.ours if parent is not None else None,
-                first.depth,
-            )
-        )
+        ours = [table[m].ours for m in members]
+        parent_ours = parent.ours if parent is not None else None
+        self._emit(tier.value, ours, first.depth, first.parent, parent_ours, out)
 
     def _removed(self, tier: _Tier, hashes: list[EngineHash], out: list[Update]) -> None:
         """Removals of ``hashes`` (from one or more BlockRemoved events) on ``tier``."""
@@ -281,6 +323,7 @@ class EngineEventTranslator:
         table = self._table
         chunks = self._chunks if tier.tier is Tier.CPU else None
         gone: list[int] = []
+        k = self.stride
         for eh in hashes:
             members = chunks.pop(eh, None) if chunks is not None else None
             for m in members or (eh,):
@@ -291,7 +334,8 @@ class EngineEventTranslator:
                 refs = b.refs
                 refs[ti] -= 1
                 if refs[ti] == 0:
-                    gone.append(b.ours)
+                    if k == 1 or b.depth % k == k - 1:  # a block the map keeps
+                        gone.append(b.ours)
                     if not any(refs):
                         del table[m]
         if gone:  # adjacent removals on one tier become one update: one call to the map
@@ -311,12 +355,14 @@ class EngineEventTranslator:
 
     def snapshot(self) -> Snapshot:
         """Everything this instance holds, as of ``self.seq`` (for a router's resync)."""
-        table = self._table
+        table, k = self._table, self.stride
         blocks = []
         for b in table.values():
-            parent = table.get(b.parent) if b.parent is not None else None
+            if b.depth % k != k - 1:
+                continue  # not a block the map keeps
+            parent = self._ancestor(b.parent, k - 1) if b.depth >= k else None
             tiers = [t.value for t in _TIERS.values() if b.refs[t.slot]]
-            blocks.append(SnapshotBlock(b.ours, parent.ours if parent else None, b.depth, tiers))
+            blocks.append(SnapshotBlock(b.ours, parent, (b.depth + 1) // k - 1, tiers))
         return Snapshot(self.instance, self.seq, blocks)
 
 

@@ -128,9 +128,19 @@ _FLAG = {t: 1 << i for i, t in enumerate(_TIERS)}  # a tier's flag in an inline 
 
 
 class CacheMap:
-    """Per-instance, per-tier block residency keyed by chained block hash. Not thread-safe."""
+    """Per-instance, per-tier block residency keyed by chained block hash. Not thread-safe.
 
-    def __init__(self, initial_slots: int = 1024) -> None:
+    ``stride``: the map holds every ``stride``-th block of a prompt only (the engines' KV
+    events carry no others: ``EngineEventTranslator``'s ``stride``), so each entry stands for a
+    run of ``stride`` engine blocks ending at it. ``match`` still takes every block's hash and
+    answers in engine blocks (whole runs: a prefix ending inside a run counts up to the run
+    before it), and ``count`` estimates engine blocks; ``store``, ``remove`` and ``resident``
+    deal in the kept hashes."""
+
+    def __init__(self, initial_slots: int = 1024, stride: int = 1) -> None:
+        if stride < 1:
+            raise ValueError(f"stride must be >= 1, got {stride}")
+        self.stride = stride
         cap = max(16, initial_slots)
         self._index = HashIndex(cap)
         # released slots, reused first (last in, first out); a list, as it grows and shrinks
@@ -382,8 +392,9 @@ class CacheMap:
         GPU or CPU. Instances with no leading block are absent."""
         if not len(hashes):
             return {}
-        keys = np.asarray(hashes, np.uint64)
-        bits, packed, dense = _match(*self._index.table(), keys, *self._holders())
+        k = self.stride
+        keys = np.asarray(hashes if k == 1 else hashes[k - 1 :: k], np.uint64)
+        bits, packed, dense = _match(*self._index.table(), keys, *self._holders(), k)
         if len(dense):
             return MatchResult(self._bit_of, self._instance_at, dense.tolist())
         if len(bits) == 0:
@@ -432,7 +443,8 @@ class CacheMap:
         return {k: frozenset(v) for k, v in out.items()}
 
     def count(self, instance: str, tier: Tier) -> int:
-        return self._count[as_tier(tier)].get(instance, 0)
+        """Engine blocks ``instance`` holds on ``tier`` (entries times ``stride``)."""
+        return self._count[as_tier(tier)].get(instance, 0) * self.stride
 
     def _slot(self, block: int) -> int:
         return int(self._index.get(np.asarray([block], np.uint64))[0])
@@ -529,11 +541,11 @@ def _drops(d, w, i, out):  # type: ignore[no-untyped-def]
 
 
 @jit
-def _match(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu):  # type: ignore[no-untyped-def]
+def _match(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, scale):  # type: ignore[no-untyped-def]
     """Every instance bit's leading run of ``keys`` (found in the index table ``tk``, ``tv``,
-    ``shift``, ``tmask``: ``HashIndex.table``) on GPU and on GPU or CPU, packed as ``gpu << 32 |
-    any``, for the bits holding the first key: as a dense array indexed by bit when that block
-    is wide, else as (bits, packed runs) of its few inline holders.
+    ``shift``, ``tmask``: ``HashIndex.table``) on GPU and on GPU or CPU, times ``scale``, packed
+    as ``gpu << 32 | any``, for the bits holding the first key: as a dense array indexed by bit
+    when that block is wide, else as (bits, packed runs) of its few inline holders.
 
     While the slots are wide, the rows are ANDed a word at a time and each bit that drops out
     at position ``i`` gets a run of ``i``; at the first narrow slot only its few inline holders
@@ -628,10 +640,10 @@ def _match(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu):  # type: ignore[no
     dense = np.empty(64 * words if dense_start else 0, np.int64)
     if dense_start:
         for d in range(dense.shape[0]):
-            dense[d] = ng[d] << 32 | na[d]
+            dense[d] = ng[d] * scale << 32 | na[d] * scale
     for c in range(nc):
-        g = n if cg[c] < 0 else cg[c]
-        a = n if ca[c] < 0 else ca[c]
+        g = (n if cg[c] < 0 else cg[c]) * scale
+        a = (n if ca[c] < 0 else ca[c]) * scale
         if dense_start:
             dense[cand[c]] = g << 32 | a
         else:

@@ -148,6 +148,7 @@ class RouterCore:
         recorder: PlacementRecorder | None = None,
         pools: Sequence[Pool] | None = None,
         planner: PdPlanner | None = None,
+        event_stride: int = 1,
     ) -> None:
         """``kv_bus`` and ``load_bus`` come together (or neither: the caller then drives the
         core by hand); an instance silent on the load bus for ``stale_after_s`` is dropped.
@@ -158,8 +159,10 @@ class RouterCore:
         pool, where instances go that name no pool. None: one pool of role ``both`` named
         ``DEFAULT_POOL`` from ``latency``, ``block_size`` and ``kv_capacity_blocks``.
         ``planner``: places the two legs of a request when there are prefill or decode pools
-        (``router.pd``; ``place`` then plans both)."""
-        self.cache_map = CacheMap()
+        (``router.pd``; ``place`` then plans both). ``event_stride``: the engines' KV events
+        keep every ``event_stride``-th block (``EngineConfig.event_stride``; the map's
+        ``stride``)."""
+        self.cache_map = CacheMap(stride=event_stride)
         self._scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
         self._scorer.attach(self.cache_map)
         if pools is None:
