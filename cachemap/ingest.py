@@ -44,6 +44,11 @@ from cachemap.map import CacheMap
 
 log = logging.getLogger(__name__)
 
+# KV event blocks (stored or removed) one router core decodes and applies per second
+# (``benchmarks/cachemap_bench.py``'s ``ingest.apply_blocks_per_s``, on this project's 2-core
+# reference machine): what ``kvroute plan``'s event-volume model divides by
+APPLY_BLOCKS_PER_S = 2_000_000
+
 
 class _Tier(NamedTuple):
     """A tier as the translator uses it, resolved once (this runs per event)."""

@@ -140,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         Planner,
         PlanSetup,
         Slo,
+        event_volume,
         parse_tiers,
         prefill_count,
         rescaled,
@@ -280,6 +281,11 @@ def run(args: argparse.Namespace) -> int:
         ok = rate.max_pass is not None
     else:
         doc = {"meta": meta, "sizes": [_size_doc(r, setup, slo) for r in sizes]}
+        for d in doc["sizes"]:
+            b = d["best"]
+            if b is not None:
+                ev = event_volume(plan, d["rate_rps"], b["instances"], b["hit_rate"])
+                d["kv_events"] = ev.to_dict()
         ok = all(r.best is not None for r in sizes)
     if args.json:
         print(json.dumps(doc, indent=1))
@@ -331,6 +337,8 @@ def _print(doc: dict[str, Any], slo: Any) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from loadgen.planner import ROUTER_CORE_BUDGET
+
     meta, a = doc["meta"], doc["meta"]["assumptions"]
     con = Console(width=100, highlight=False)
     tpot = f" and TPOT <= {slo.tpot_ms:g} ms" if slo.tpot_ms is not None else ""
@@ -380,6 +388,20 @@ def _print(doc: dict[str, Any], slo: Any) -> None:
                         else ""
                     )
                     + f"), hit rate {_pct(b['hit_rate'])}"
+                )
+            ev = s.get("kv_events")
+            if ev is not None:
+                con.print(
+                    f"  KV events at {ev['block_size']}-token blocks: "
+                    f"{ev['blocks_per_engine_s']:,} blocks/s per engine, "
+                    f"{ev['cluster_blocks_s'] / 1e6:.2f}M/s in all: "
+                    f"{ev['router_cores']:.0%} of one router core"
+                    + (
+                        f" (over {ROUTER_CORE_BUDGET:.0%}: set engines.event_stride "
+                        f"{ev['event_stride']})"
+                        if ev["event_stride"] > 1
+                        else ""
+                    )
                 )
             f = s["next_cheaper_failing"]
             if f is not None:

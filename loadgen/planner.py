@@ -375,6 +375,58 @@ class PlanSetup:
         )
 
 
+# vLLM's default KV block size on GPUs: the granularity its KV events come in
+VLLM_BLOCK_SIZE = 16
+# the share of one router core that following the engines' KV events may take
+ROUTER_CORE_BUDGET = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class EventVolume:
+    """The KV events a cluster's engines publish at one operating point, and what following
+    them costs each router replica (every replica reads them all).
+
+    Every prompt token the engines compute (not a cache hit) and every output token fills
+    blocks that are stored, and, once the caches are full, as many are evicted: blocks stored
+    plus removed per second = 2 x (uncached prompt + output tokens per second) / block size."""
+
+    block_size: int
+    blocks_per_engine_s: float
+    cluster_blocks_s: float
+    router_cores: float  # of one router core, at event_stride 1
+    stride: int  # the smallest event_stride in 1, 2, 4, 8, 16 under ROUTER_CORE_BUDGET
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "block_size": self.block_size,
+            "blocks_per_engine_s": round(self.blocks_per_engine_s),
+            "cluster_blocks_s": round(self.cluster_blocks_s),
+            "router_cores": round(self.router_cores, 4),
+            "event_stride": self.stride,
+        }
+
+
+def event_volume(
+    plan: Sequence[Planned],
+    rate_rps: float,
+    instances: int,
+    hit_rate: float | None,
+    block_size: int = VLLM_BLOCK_SIZE,
+) -> EventVolume:
+    """The event volume of ``plan``'s requests at ``rate_rps`` on ``instances`` engines whose
+    caches serve ``hit_rate`` of the prompt tokens."""
+    from cachemap.ingest import APPLY_BLOCKS_PER_S
+
+    n = max(1, len(plan))
+    prompt = sum(p.req.input_length for p in plan) / n
+    output = sum(p.req.output_length for p in plan) / n
+    new_tokens = prompt * (1 - (hit_rate or 0.0)) + output
+    cluster = 2 * rate_rps * new_tokens / block_size
+    cores = cluster / APPLY_BLOCKS_PER_S
+    stride = next((k for k in (1, 2, 4, 8) if cores / k <= ROUTER_CORE_BUDGET), 16)
+    return EventVolume(block_size, cluster / max(1, instances), cluster, cores, stride)
+
+
 # the setups forked workers evaluate against, by fidelity (inherited, never pickled)
 _WORKER_SETUPS: dict[str, PlanSetup] = {}
 

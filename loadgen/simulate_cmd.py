@@ -127,6 +127,12 @@ def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
         "transfer_gbps, transfer_latency_ms)",
     )
     c.add_argument("--block-size", type=int, help="engine block size [the workload's]")
+    c.add_argument(
+        "--event-stride",
+        type=int,
+        default=1,
+        help="the engines' KV events (and the router's map) keep every K-th block only [1]",
+    )
 
 
 def add_truth_arguments(p: argparse.ArgumentParser) -> None:
@@ -157,6 +163,7 @@ def sim_settings(args: argparse.Namespace, instances: int, slo_ttft_s: float | N
         load_lag_s=args.lag_ms / 1e3,
         slo_ttft_s=slo_ttft_s,
         prefill_instances=getattr(args, "prefill_instances", 0),
+        event_stride=args.event_stride,
     )
     if settings.prefill_instances:
         local = args.pd_max_local_prefill_tokens

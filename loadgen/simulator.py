@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from cachemap.bus import InProcessBus
-from cachemap.events import InstanceGone, encode_message
+from cachemap.events import Cleared, InstanceGone, encode_message
 from cachemap.hashing import Tier
 from cachemap.ingest import EngineEventTranslator
 from engines.base import LOAD_INTERVAL_S
@@ -167,6 +167,8 @@ class SimSettings:
     # membership (``ClusterSimulator.run`` with an autoscaler): seconds from the scale decision
     # to a new engine's first step (see ``DEFAULT_COLD_START_S``)
     cold_start_s: float = DEFAULT_COLD_START_S
+    # the engines' KV events keep every event_stride-th block (EngineConfig.event_stride)
+    event_stride: int = 1
 
     def gpu_blocks(self, truth: LatencyProfile, block_size: int) -> int:
         """Each engine's GPU KV blocks: ``num_gpu_blocks`` when set, else the profile's
@@ -181,6 +183,8 @@ class SimSettings:
         for lag in (self.event_lag_s, self.load_lag_s):
             if not 0 <= lag < 60:
                 raise ValueError(f"--lag-ms must be in [0, 60000), got {lag * 1e3:g}")
+        if self.event_stride < 1:
+            raise ValueError(f"--event-stride must be >= 1, got {self.event_stride}")
         if not 0 <= self.cold_start_s < 86_400:
             raise ValueError(f"--cold-start-s must be in [0, 86400), got {self.cold_start_s}")
         if not self.load_interval_s > 0:
@@ -248,6 +252,9 @@ class SimRun:
     gpu_seconds: float = 0.0
     # the pool's target replica count over time: (t, n, reason) at the start and each change
     replicas: list[tuple[float, int, str]] = field(default_factory=list)
+    # KV event messages and blocks (stored and removed) the engines put on the bus
+    kv_messages: int = 0
+    kv_blocks: int = 0
 
     @property
     def requests_per_wall_s(self) -> float:
@@ -311,7 +318,12 @@ class ClusterSimulator:
             recorder=recorder,
             pools=pools,
             planner=planner,
+            event_stride=s.event_stride,
         )
+        if self.core.watcher is not None:  # it reads the buses only when a request arrives
+            self.core.watcher.lag_warn_s = math.inf
+        # what the engines' KV events put on the bus (after the stride): the event volume
+        self.kv_messages = self.kv_blocks = 0
         # PD: per decode instance (by index), the hand-overs waiting to reach it, as
         # (time, seq, request) heaps; the instances that got one since the last look; and per
         # split request its decode placement and the client's arrival time
@@ -362,7 +374,7 @@ class ClusterSimulator:
         i, p = len(self.instances), self.settings.perturbation
         iid = f"sim-{i}"
         self.translators[iid] = EngineEventTranslator(
-            iid, "sim", self.block_size, trusted_hashes=True
+            iid, "sim", self.block_size, trusted_hashes=True, stride=self.settings.event_stride
         )
         self._events[iid] = deque()
         inst = VirtualInstance(
@@ -401,6 +413,8 @@ class ClusterSimulator:
         msg = self.translators[instance].feed(payload, seq, ts)
         if msg is not None:
             self._events[instance].append((ts, encode_message(msg)))
+            self.kv_messages += 1
+            self.kv_blocks += sum(len(u.hashes) for u in msg.updates if not isinstance(u, Cleared))
 
     def _progress_fn(self, iid: str) -> Callable[[float, SimRequest, bool], None]:
         def on_progress(t: float, req: SimRequest, finished: bool) -> None:
@@ -722,6 +736,8 @@ class ClusterSimulator:
             ),
             slowdowns=self.slowdowns,
             aborted=aborted,
+            kv_messages=self.kv_messages,
+            kv_blocks=self.kv_blocks,
             gpu_seconds=gpu_s,
             replicas=list(self._replicas),
         )

@@ -18,6 +18,7 @@ from loadgen.planner import (
     Planner,
     PlanSetup,
     Slo,
+    event_volume,
     find_boundary,
     judge,
     parse_tiers,
@@ -291,6 +292,21 @@ def test_plan_cli_names_the_bad_flag(capsys, argv: list[str], flag: str) -> None
     assert flag in capsys.readouterr().err
 
 
+def test_event_volume_counts_every_computed_block_stored_then_evicted(setup: PlanSetup) -> None:
+    from cachemap.ingest import APPLY_BLOCKS_PER_S
+
+    plan = setup.plan
+    n = len(plan)
+    new = sum(p.req.input_length * 0.75 + p.req.output_length for p in plan) / n
+    ev = event_volume(plan, 10.0, 4, 0.25)
+    assert ev.cluster_blocks_s == pytest.approx(2 * 10.0 * new / 16)
+    assert ev.blocks_per_engine_s == pytest.approx(ev.cluster_blocks_s / 4)
+    assert ev.router_cores == pytest.approx(ev.cluster_blocks_s / APPLY_BLOCKS_PER_S)
+    # a thousand engines' worth: a coarser granularity keeps one router core within budget
+    big = event_volume(plan, 10.0 * APPLY_BLOCKS_PER_S / ev.cluster_blocks_s, 1024, 0.25)
+    assert big.router_cores == pytest.approx(1.0) and big.stride == 2
+
+
 def test_plan_cli_json_and_report(capsys, tmp_path) -> None:
     argv = [
         "plan", "--workload", "to-b", "--rate", "20", "--duration", "20", "--seed", "3",
@@ -304,6 +320,11 @@ def test_plan_cli_json_and_report(capsys, tmp_path) -> None:
     assert not size["next_cheaper_failing"]["passes"] and size["next_cheaper_failing"]["why"]
     a = doc["meta"]["assumptions"]
     assert a["profile"] == PROFILE and a["router"] == "kv_ttft" and a["not_modelled"]
+    ev = size["kv_events"]  # the event volume at the size it answers
+    assert ev["block_size"] == 16 and ev["event_stride"] == 1
+    assert ev["cluster_blocks_s"] == pytest.approx(
+        ev["blocks_per_engine_s"] * size["best"]["instances"], rel=0.01
+    )
     assert {p.name for p in tmp_path.iterdir()} == {"plan.json", "curve.csv", "attainment.png"}
     # an SLO nothing meets: exit 1, and the answer says so
     argv[argv.index("1500")] = "1"
