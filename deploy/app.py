@@ -16,6 +16,13 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
 
+from deploy.autoscaling import (
+    DecisionPoller,
+    kill_decision_log,
+    open_decision_log,
+    policy_kwargs,
+    serve_autoscaling_config,
+)
 from deploy.config import (
     RAY_PREFIX_ROUTER,
     ServeConfig,
@@ -115,6 +122,7 @@ class IngressDeployment:
         self.tokenizer = PromptTokenizer(_tokenizer_path(cfg))
         client = ServeEngineClient(engines, self.state.pool_name)
         self.dispatcher = Dispatcher(self.state, client, pre_place=pre_place)
+        self.decisions = DecisionPoller(cfg.app_name).start() if cfg.autoscaling else None
 
     def __serve_build_asgi_app__(self) -> Any:
         ecfg = self.cfg.engine
@@ -132,12 +140,15 @@ class IngressDeployment:
                 pins=any(p.engine.cpu_tier is not None for p in self.cfg.engine_pools),
                 engine_kind=ecfg.kind,
                 max_body_bytes=self.cfg.router.max_body_bytes,
+                autoscale=self.decisions,
             ),
             self.dispatcher,
             self.tokenizer,
         )
 
     def __del__(self) -> None:
+        if self.decisions is not None:
+            self.decisions.stop()
         unregister_state(self.cfg.app_name, self.state)
         self.state.stop()
 
@@ -155,7 +166,25 @@ def build_serve_app(cfg: ServeConfig) -> Application:
                 request_router_class="router.serve_router:KvRequestRouter",  # type: ignore[arg-type]
                 request_router_kwargs={"state_key": cfg.app_name, "pool": pool.name},
             )
-        engines[pool.name] = build_engine_app(pool, request_router_config=rr)
+        scaling = cfg.autoscaling.get(pool.name)
+        if scaling is None:
+            engines[pool.name] = build_engine_app(pool, request_router_config=rr)
+            continue
+        ecfg = pool.engine
+        limits = {
+            "max_num_batched_tokens": ecfg.max_num_batched_tokens,
+            "long_prefill_token_threshold": ecfg.long_prefill_token_threshold,
+        }
+        profile = cfg.router.profile or ecfg.profile or DEFAULT_PROFILE
+        kwargs = policy_kwargs(cfg.app_name, pool.name, scaling, profile, limits)
+        engines[pool.name] = build_engine_app(
+            pool,
+            request_router_config=rr,
+            autoscaling_config=serve_autoscaling_config(scaling, pool.instances, kwargs),
+            graceful_shutdown_timeout_s=scaling.drain_timeout_s,
+        )
+    if cfg.autoscaling:
+        open_decision_log(cfg.app_name)  # the policies write it, the ingress replicas read it
     router = cfg.router
     # NOTE: mypy does not apply class decorators: the class is the Deployment
     # @serve.deployment made of it
@@ -191,8 +220,11 @@ def wait_until_ready(base_url: str, instances: int, timeout_s: float = 300.0) ->
 
 
 def delete_app(cfg: ServeConfig) -> None:
-    """Delete the Serve app and the event-bus hubs its engines published to."""
+    """Delete the Serve app, its autoscaling decision log and the event-bus hubs its engines
+    published to."""
     serve.delete(cfg.app_name)
+    if cfg.autoscaling:
+        kill_decision_log(cfg.app_name)
     for bus in open_buses(cfg.deployment_bus, create=False):
         kill = getattr(bus, "kill", None)  # Ray-actor hubs; Redis streams outlive the app
         if kill is not None:

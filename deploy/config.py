@@ -17,6 +17,7 @@ from pydantic import (
 )
 
 from engines.config import BusConfig, EngineConfig, EngineDeploymentConfig, StrictModel
+from router.autoscale import DEFAULT_INTERVAL_S, POLICIES, Slo, create_policy
 from router.pd import (
     DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     DEFAULT_OVERLOAD_FACTOR,
@@ -186,6 +187,61 @@ def placement_recorder(cfg: RouterConfig) -> JsonlRecorder | None:
     return JsonlRecorder(path) if path else None
 
 
+class PoolAutoscaling(StrictModel):
+    """Online autoscaling of one engine pool (``autoscaling.<pool name>``): Serve's controller
+    runs kvroute's autoscaling core (``router.autoscale``) every ``interval_s`` on what the
+    pool's replicas report (``deploy.autoscaling``), within [min_replicas, max_replicas]; the
+    pool starts with its ``instances``, brought into that range."""
+
+    policy: str = Field(
+        "kvroute",
+        description=f"the core's policy spec, NAME or NAME@key=value+...; NAME one of "
+        f"{', '.join(POLICIES)}",
+    )
+    min_replicas: int = Field(1, ge=1, le=1024)
+    max_replicas: int = Field(..., ge=1, le=1024)
+    interval_s: float = Field(DEFAULT_INTERVAL_S, gt=0, le=600, description="between decisions")
+    metrics_interval_s: float = Field(
+        2.0, gt=0, le=60, description="each replica reports its load and counters this often"
+    )
+    slo_ttft_ms: float = Field(2000.0, gt=0, description="the TTFT SLO the policy plans for")
+    slo_tpot_ms: float | None = Field(None, gt=0, description="the TPOT SLO (None: none)")
+    attainment: float = Field(0.99, gt=0, le=1, description="fraction of requests within both")
+    cold_start_s: float = Field(
+        45.0,
+        ge=0,
+        description="seconds from a scale-up decision to the new engine serving (node start, "
+        "model load), which the policy forecasts across",
+    )
+    drain_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a replica scaled down finishes its requests within this long (Serve's "
+        "graceful_shutdown_timeout_s) before it is stopped",
+    )
+
+    @model_validator(mode="after")
+    def _fits(self) -> PoolAutoscaling:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(
+                f"max_replicas: must be >= min_replicas ({self.min_replicas}), "
+                f"got {self.max_replicas}"
+            )
+        try:
+            create_policy(self.policy, profile=None, slo=self.slo, cold_start_s=self.cold_start_s)
+        except ValueError as e:
+            raise ValueError(f"policy: {str(e).removeprefix('--autoscale').lstrip(': ')}") from None
+        return self
+
+    @property
+    def slo(self) -> Slo:
+        tpot = None if self.slo_tpot_ms is None else self.slo_tpot_ms / 1e3
+        return Slo(self.slo_ttft_ms / 1e3, tpot, self.attainment)
+
+    def initial_replicas(self, instances: int) -> int:
+        return min(self.max_replicas, max(self.min_replicas, instances))
+
+
 class ServeConfig(StrictModel):
     """A deployment: engine pools, the event bus they share, and the router (ingress).
 
@@ -209,6 +265,11 @@ class ServeConfig(StrictModel):
         None, description="the event bus of every pool; default: engines.bus, or a Ray bus"
     )
     router: RouterConfig = Field(default_factory=RouterConfig)
+    autoscaling: dict[str, PoolAutoscaling] = Field(
+        default_factory=dict,
+        description="pools that Serve autoscales, by pool name (the others keep their "
+        "instances); see deploy/autoscaling.py",
+    )
     tokenizer: str | None = Field(None, description="HF tokenizer dir; default: the model's")
 
     @model_validator(mode="after")
@@ -257,6 +318,12 @@ class ServeConfig(StrictModel):
             check_pools(tuple(Pool(p.name, p.role, p.engine.block_size) for p in self.engine_pools))
         except ValueError as e:
             raise ValueError(str(e)) from None
+        names = [p.name for p in self.engine_pools]
+        for name in self.autoscaling:
+            if name not in names:
+                raise ValueError(
+                    f"autoscaling.{name}: no pool named {name!r}; pools: {', '.join(names)}"
+                )
         if self.router.scorer == RAY_PREFIX_ROUTER and len(self.engine_pools) > 1:
             raise ValueError(
                 f"router.scorer: {RAY_PREFIX_ROUTER!r} places within one Serve deployment; "
@@ -295,8 +362,11 @@ class ServeConfig(StrictModel):
 
     @property
     def instances(self) -> int:
-        """Engine instances over all pools."""
-        return sum(p.instances for p in self.engine_pools)
+        """Engine instances over all pools (an autoscaled pool's: those it starts with)."""
+        return sum(
+            a.initial_replicas(p.instances) if (a := self.autoscaling.get(p.name)) else p.instances
+            for p in self.engine_pools
+        )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ServeConfig:

@@ -12,13 +12,14 @@ instance when its load samples stop (``engines.liveness.EngineWatcher``).
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypedDict, cast
 
 import msgspec
 from ray import serve
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
 
 from cachemap.bus import EventBus
@@ -41,6 +42,66 @@ from engines.forwarder import KvEventForwarder
 from engines.tiny_model import MODEL_PRESETS, resolve_model
 
 log = logging.getLogger(__name__)
+
+# What each engine replica reports to Serve's autoscaler (``record_autoscaling_stats``; read by
+# ``deploy.autoscaling``'s policy in Serve's controller): its load now, and cumulative request
+# counters since it started, TTFT and TPOT as cumulative histogram buckets (upper bounds in
+# seconds; the last one unbounded), the way Prometheus keeps them.
+STAT_WAITING, STAT_RUNNING, STAT_KV_USAGE, STAT_PREFILL = (
+    "waiting",
+    "running",
+    "kv_usage",
+    "pending_prefill_tokens",
+)
+STAT_ARRIVALS, STAT_PROMPT, STAT_CACHED, STAT_OUTPUT = (
+    "arrivals",
+    "prompt_tokens",
+    "cached_tokens",
+    "output_tokens",
+)
+TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, float("inf"))
+TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, float("inf"))
+
+
+def bucket_key(kind: str, bound: float) -> str:
+    """The stat name of one histogram bucket, e.g. ``ttft_le_0.5``, ``tpot_le_inf``."""
+    return f"{kind}_le_{bound:g}"
+
+
+class RequestStats:
+    """A replica's cumulative request counters for the autoscaler (cheap: a few additions per
+    request; nothing per token)."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, float] = dict.fromkeys(
+            (STAT_ARRIVALS, STAT_PROMPT, STAT_CACHED, STAT_OUTPUT), 0.0
+        )
+        self.counters.update({bucket_key("ttft", b): 0.0 for b in TTFT_BUCKETS_S})
+        self.counters.update({bucket_key("tpot", b): 0.0 for b in TPOT_BUCKETS_S})
+
+    def arrived(self, prompt_tokens: int) -> None:
+        c = self.counters
+        c[STAT_ARRIVALS] += 1
+        c[STAT_PROMPT] += prompt_tokens
+
+    def _observe(self, kind: str, buckets: tuple[float, ...], seconds: float) -> None:
+        for b in buckets:
+            if seconds <= b:
+                self.counters[bucket_key(kind, b)] += 1
+                return
+
+    def first_token(self, ttft_s: float) -> None:
+        self._observe("ttft", TTFT_BUCKETS_S, ttft_s)
+
+    def finished(self, out: EngineOutput, first_at: float | None, now: float) -> None:
+        """The final output of a request whose first token came at ``first_at`` (None: none)."""
+        u = out.usage
+        if u is None:
+            return
+        self.counters[STAT_CACHED] += u.cached_tokens
+        self.counters[STAT_OUTPUT] += u.completion_tokens
+        if first_at is not None and u.completion_tokens > 1:
+            self._observe("tpot", TPOT_BUCKETS_S, (now - first_at) / (u.completion_tokens - 1))
 
 
 class _Limits(TypedDict, total=False):
@@ -223,6 +284,7 @@ class EngineDeployment:
         self.config = EngineDeploymentConfig.model_validate(config)
         ecfg = self.config.engine
         self.instance_id = replica_instance_id()
+        self.stats = RequestStats()
         self.engine = build_engine(ecfg, self.instance_id)
         await self.engine.start()
         try:
@@ -257,13 +319,22 @@ class EngineDeployment:
     ) -> AsyncIterator[EngineOutput]:
         """Stream one request; a ``RoutedRequest`` (what the ingress sends through the request
         router) runs its ``request``."""
+        req = _engine_request(request)
+        stats, arrived = self.stats, time.monotonic()
+        stats.arrived(len(req.prompt_token_ids))
+        first_at: float | None = None
         first = True
         # NOTE: each output is an object of its own through Serve's stream (ingress_bench: 9 per
         # request): what queued up goes as one.
-        async for out in coalesce(self.engine.generate(_engine_request(request))):
+        async for out in coalesce(self.engine.generate(req)):
             if first:
                 # NOTE: tells the ingress where Serve delivered it (overrides are counted there).
                 out.instance_id, first = self.instance_id, False
+            if first_at is None and out.token_ids:
+                first_at = time.monotonic()
+                stats.first_token(first_at - arrived)
+            if out.finished:
+                stats.finished(out, first_at, time.monotonic())
             yield out
 
     async def generate_whole(
@@ -271,8 +342,28 @@ class EngineDeployment:
     ) -> EngineOutput:
         """``generate`` for a request nobody streams: its outputs as one, in a unary call
         (cheaper through Serve than a stream of one). Cancelling the call aborts the request."""
-        out = await whole(self.engine.generate(_engine_request(request)))
+        req = _engine_request(request)
+        stats, arrived = self.stats, time.monotonic()
+        stats.arrived(len(req.prompt_token_ids))
+        first_at: float | None = None
+
+        async def timed() -> AsyncIterator[EngineOutput]:
+            nonlocal first_at
+            outputs = self.engine.generate(req)
+            try:
+                async for o in outputs:
+                    if first_at is None and o.token_ids:
+                        first_at = time.monotonic()
+                        stats.first_token(first_at - arrived)
+                    yield o
+            finally:  # closed early (the call cancelled): abort the engine request, as before
+                close = getattr(outputs, "aclose", None)
+                if close is not None:
+                    await close()
+
+        out = await whole(timed())
         out.instance_id = self.instance_id
+        stats.finished(out, first_at, time.monotonic())
         return out
 
     async def abort(self, request_id: str) -> None:
@@ -296,6 +387,18 @@ class EngineDeployment:
         snap = self.engine.load()
         snap.pool = self.config.name
         return snap
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What Serve's autoscaler reads of this replica (Serve calls it every few seconds on an
+        autoscaled deployment; ``deploy.autoscaling``): its load now and ``RequestStats``."""
+        snap = self.engine.load()
+        return {
+            STAT_WAITING: snap.waiting,
+            STAT_RUNNING: snap.running,
+            STAT_KV_USAGE: snap.gpu_kv_usage,
+            STAT_PREFILL: snap.queued_prefill_tokens,
+            **self.stats.counters,
+        }
 
     def resync(self) -> None:
         """Publish a full residency ``Snapshot`` of this instance on the event bus."""
@@ -321,24 +424,34 @@ class EngineDeployment:
 def build_engine_app(
     config: EngineDeploymentConfig | dict[str, Any],
     request_router_config: RequestRouterConfig | dict[str, Any] | None = None,
+    autoscaling_config: AutoscalingConfig | None = None,
+    graceful_shutdown_timeout_s: float | None = None,
 ) -> Application:
     """The Serve application for one engine pool (``serve.run(build_engine_app(cfg))``).
 
     Call it with Ray initialised (the driver): it creates the bus hubs the replicas connect to.
     ``request_router_config``: Serve's request router for the pool (e.g. kvroute's
-    ``KvRequestRouter``); None keeps Serve's default.
+    ``KvRequestRouter``); None keeps Serve's default. ``autoscaling_config``: Serve autoscales
+    the pool (``deploy.autoscaling``) instead of holding ``cfg.instances`` replicas;
+    ``graceful_shutdown_timeout_s``: how long a replica being stopped may finish its requests
+    (None: Serve's default, 20 s).
     """
     cfg = EngineDeploymentConfig.model_validate(config)
     open_buses(cfg.bus, create=True)
     extra: dict[str, Any] = {}
     if request_router_config is not None:
         extra["request_router_config"] = request_router_config
+    if autoscaling_config is not None:
+        extra["autoscaling_config"] = autoscaling_config
+    else:
+        extra["num_replicas"] = cfg.instances
+    if graceful_shutdown_timeout_s is not None:
+        extra["graceful_shutdown_timeout_s"] = graceful_shutdown_timeout_s
     # NOTE: mypy does not apply class decorators: the class is the Deployment
     # @serve.deployment made of it
     deployment = cast(Deployment, EngineDeployment)
     return deployment.options(
         name=cfg.name,
-        num_replicas=cfg.instances,
         ray_actor_options={"num_cpus": cfg.resources.num_cpus, "num_gpus": cfg.resources.num_gpus},
         max_ongoing_requests=cfg.max_ongoing_requests,
         health_check_period_s=cfg.health_check_period_s,

@@ -13,7 +13,7 @@ import secrets
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,9 @@ class IngressConfig:
     # distinct request categories (kvroute_category, x-kvroute-category) this ingress passes
     # to the engines' CPU-tier policies, which keep state per category; a new one past it: 400
     max_categories: int = 64
+    # the online autoscaling decisions of the app's pools (``deploy.autoscaling``'s
+    # ``DecisionPoller``: a ``DecisionLog.snapshot``), shown in /metrics; None: none autoscale
+    autoscale: Callable[[], Mapping[str, Any]] | None = None
 
 
 # NOTE: msgspec's decoder, not json.loads: a 1k-token-id prompt's body decodes in ~31 us
@@ -396,6 +399,8 @@ class Ingress:
         if self.config.metrics_admin:
             self.check_admin(request, "/metrics")
         self.metrics.observe(self.dispatcher)
+        if self.config.autoscale is not None:
+            self.metrics.autoscaled(self.config.autoscale())
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
 
     def models(self, request: Request) -> dict[str, Any]:

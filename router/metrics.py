@@ -39,8 +39,8 @@ only.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -310,6 +310,40 @@ class RouterMetrics:
             ["instance"],
             registry=r,
         )
+        # online autoscaling (deploy/autoscaling.py): the decisions Serve's controller took for
+        # each autoscaled pool, as this replica last read them (none: no pool autoscales)
+        self.autoscale_target = Gauge(
+            "kvroute_autoscale_target_replicas",
+            "The replica count the pool's latest autoscaling decision set",
+            ["pool"],
+            registry=r,
+        )
+        self.autoscale_replicas = Gauge(
+            "kvroute_autoscale_replicas",
+            "The pool's replicas when it was last decided: counted (serving or starting, the "
+            "target before the decision) and ready (serving)",
+            ["pool", "state"],
+            registry=r,
+        )
+        self.autoscale_decisions = Gauge(
+            "kvroute_autoscale_decisions_total",
+            "Autoscaling decisions by direction (up, down, hold) and reason class (model, "
+            "backlog, delay, clamped, idle)",
+            ["pool", "direction", "reason"],
+            registry=r,
+        )
+        self.autoscale_last = Gauge(
+            "kvroute_autoscale_last_decision_timestamp_seconds",
+            "Unix time of the pool's latest autoscaling decision",
+            ["pool"],
+            registry=r,
+        )
+        self.autoscale_info = Gauge(
+            "kvroute_autoscale_last_decision_info",
+            "1, labelled with the pool's latest autoscaling decision and its reason in full",
+            ["pool", "direction", "reason"],
+            registry=r,
+        )
 
     def placed(self, p: Placement) -> None:
         self.predicted_cached_blocks.observe(p.cached_blocks)
@@ -384,6 +418,21 @@ class RouterMetrics:
         if cal is not None:
             for coef in ("a", "b", "c", "d", "samples"):
                 self.ttft_calibration.labels(coef).set(getattr(cal, coef))
+
+    def autoscaled(self, snapshot: Mapping[str, Any]) -> None:
+        """Show the autoscaling decisions of ``snapshot`` (``DecisionLog.snapshot``: per pool
+        its latest decision and the counts by direction and reason class)."""
+        for gauge in (self.autoscale_decisions, self.autoscale_info):
+            gauge.clear()
+        for pool, d in snapshot.get("pools", {}).items():
+            self.autoscale_target.labels(pool).set(d["target"])
+            self.autoscale_replicas.labels(pool, "counted").set(d["replicas"])
+            self.autoscale_replicas.labels(pool, "ready").set(d["ready"])
+            self.autoscale_last.labels(pool).set(d["ts"])
+            self.autoscale_info.labels(pool, d["direction"], d["reason"]).set(1)
+            for key, n in d.get("counts", {}).items():
+                way, _, kind = key.partition("|")
+                self.autoscale_decisions.labels(pool, way, kind).set(n)
 
     def render(self) -> bytes:
         """The exposition text: every series with its ``model_name`` and ``router`` labels."""
