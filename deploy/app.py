@@ -116,6 +116,7 @@ class IngressDeployment:
                 max_wait_s=cfg.router.max_wait_s,
             ),
             recorder=placement_recorder(cfg.router),
+            event_stride=cfg.engine.event_stride,
         )
         register_state(cfg.app_name, self.state)
         self.state.start(cfg.router.bus_poll_s)

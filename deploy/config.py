@@ -307,7 +307,7 @@ class ServeConfig(StrictModel):
             )
         first = self.engine_pools[0].engine
         for i, p in enumerate(self.engine_pools[1:], 1):
-            for key in ("model_name", "block_size", "max_model_len"):
+            for key in ("model_name", "block_size", "max_model_len", "event_stride"):
                 if getattr(p.engine, key) != getattr(first, key):
                     raise ValueError(
                         f"pools.{i}.engine.{key}: every pool serves the same model with the "

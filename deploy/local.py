@@ -44,6 +44,7 @@ class LocalStack:
         pools: Sequence[Pool] | None = None,
         pool_of: Mapping[str, str] | None = None,
         planner: PdPlanner | None = None,
+        event_stride: int = 1,
         **ingress: Any,
     ) -> None:
         """``ingress``: ``IngressConfig`` fields past model, context and block size (api_keys,
@@ -51,10 +52,11 @@ class LocalStack:
         (default: in-process ones). ``forward=False``: another stack runs these engines and their
         forwarders on ``buses``, and this one is one more router replica over them.
         ``pools``/``pool_of``/``planner``: engine pools (``router.pools``), each engine's pool
-        by id (default: the first pool), and the prefill/decode planner they need."""
+        by id (default: the first pool), and the prefill/decode planner they need.
+        ``event_stride``: the forwarders' and the map's (``EngineConfig.event_stride``)."""
         self.engines = dict(engines)
         self.pool_of = dict(pool_of or {})
-        self.model, self.block_size = model, block_size
+        self.model, self.block_size, self.event_stride = model, block_size, event_stride
         self.kv_bus, self.load_bus = buses or (InProcessBus(), InProcessBus())
         self.forward = forward
         self.state = RouterState(
@@ -68,6 +70,7 @@ class LocalStack:
             recorder=recorder,
             pools=pools,
             planner=planner,
+            event_stride=event_stride,
         )
         self.client = LocalEngineClient(self.engines)
         self.dispatcher = Dispatcher(self.state, self.client)
@@ -86,7 +89,7 @@ class LocalStack:
             if endpoint is None:
                 raise ValueError(f"engine {iid}: KV events must be on")
             fwd = KvEventForwarder(
-                EngineEventTranslator(iid, self.model, self.block_size),
+                EngineEventTranslator(iid, self.model, self.block_size, stride=self.event_stride),
                 self.kv_bus,
                 endpoint,
                 replay_endpoint=engine.kv_events_replay_endpoint,

@@ -114,6 +114,14 @@ class EngineConfig(StrictModel):
         None, description="the name hashed into block hashes; default: model"
     )
     block_size: int = Field(32, gt=0, le=1024, description="tokens per KV block")
+    event_stride: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="the KV events (and the routers' cache map) keep every k-th block only: k "
+        "times fewer events for every router replica to read, at the price of matching prefixes "
+        "in runs of k blocks (kvroute plan names the stride a cluster needs)",
+    )
     kv_space_gib: int | None = Field(
         1, ge=1, description="vLLM CPU build: VLLM_CPU_KVCACHE_SPACE in whole GiB"
     )

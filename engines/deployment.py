@@ -303,7 +303,9 @@ class EngineDeployment:
             raise EngineError(f"engine {self.instance_id} publishes no KV events")
         take = getattr(events, "take_resync", None)
         return KvEventForwarder(
-            EngineEventTranslator(self.instance_id, ecfg.model_name, ecfg.block_size),
+            EngineEventTranslator(
+                self.instance_id, ecfg.model_name, ecfg.block_size, stride=ecfg.event_stride
+            ),
             events,
             endpoint,
             replay_endpoint=self.engine.kv_events_replay_endpoint,

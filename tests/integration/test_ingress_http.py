@@ -469,3 +469,23 @@ def test_ready_waits_for_a_routable_engine_heard_on_the_bus() -> None:
             body = httpx.get(f"{base}/ready").json()
             assert body["routable_instances"] == 2 and body["bus"] == "connected"
         assert wait_for(lambda: httpx.get(f"{base}/ready").status_code == 503, timeout_s=20)
+
+
+def test_a_coarser_event_stride_still_routes_repeated_prompts_to_their_cache() -> None:
+    """``event_stride`` 4: the forwarders put every fourth block on the bus, the map holds a
+    quarter of the entries, and the router still sends each repeated prompt where it is
+    cached (three prompts over two engines: each repeat a hit), matching in whole runs of four
+    blocks."""
+    stack = sim_stack(block_size=16, event_stride=4)
+    with Server(stack, free_port()) as s:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="x")
+        cmap = stack.state.cache_map
+        for i in range(3):
+            prompt = f"{i} {LONG}"
+            first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+            blocks = first.usage.prompt_tokens // 16
+            assert wait_for(lambda: cmap.stats().residency >= (i + 1) * (blocks // 4))
+            again = client.completions.create(model=MODEL, prompt=f"{prompt} Again?", max_tokens=4)
+            assert again.usage.prompt_tokens_details.cached_tokens >= (blocks // 4 * 4 - 4) * 16
+        # a quarter of the prompts' full blocks (and of the outputs') are entries
+        assert cmap.stats().residency <= 6 * (blocks + 1) // 4 + 6

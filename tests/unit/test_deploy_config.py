@@ -77,6 +77,11 @@ def test_defaults_are_two_sim_engines_on_localhost() -> None:
             r"pools\.1\.engine\.block_size",
         ),
         (
+            {"pools": [{"name": "a"}, {"name": "b", "engine": {"event_stride": 4}}]},
+            r"pools\.1\.engine\.event_stride",
+        ),
+        ({"engines": {"engine": {"event_stride": 0}}}, "event_stride"),
+        (
             {"pools": [{"name": "a"}, {"name": "b"}], "router": {"scorer": "ray_prefix"}},
             "router.scorer",
         ),
