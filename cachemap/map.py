@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import compress
+from types import MappingProxyType
 from typing import NamedTuple, TypeVar, overload
 
 import numpy as np
@@ -441,6 +442,11 @@ class CacheMap:
             for b in held:
                 out.setdefault(self._instance_at[b], set()).add(t)
         return {k: frozenset(v) for k, v in out.items()}
+
+    def counts(self, tier: Tier) -> Mapping[str, int]:
+        """Entries per instance on ``tier``, live and read-only (times ``stride``: engine
+        blocks), for a caller that asks about many instances at once."""
+        return MappingProxyType(self._count[as_tier(tier)])
 
     def count(self, instance: str, tier: Tier) -> int:
         """Engine blocks ``instance`` holds on ``tier`` (entries times ``stride``)."""

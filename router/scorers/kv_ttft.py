@@ -65,6 +65,7 @@ fit rather than preempting for it, and the estimate prices the queue.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from itertools import compress
 from operator import is_not
@@ -163,18 +164,23 @@ class KvTtftScorer(Scorer):
     def attach(self, cache_map: CacheMap) -> None:
         self._cache_map = cache_map
 
-    def _spreads(self) -> bool:
-        return self.spread_cold and self._cache_map is not None
-
-    def _fill(self, inst: InstanceView) -> float:
-        """How full ``inst``'s GPU cache is, by the map: the share of its blocks holding some
-        prefix (the blocks a new prompt there would evict first once it is full); its resident
-        block count when its capacity is unknown, 0 without a map."""
+    def _filler(self) -> Callable[[InstanceView], float] | None:
+        """How full an instance's GPU cache is, by the map (None: no map, or not spreading):
+        the share of its blocks holding some prefix (the blocks a new prompt there would evict
+        first once it is full); its resident block count when its capacity is unknown. One
+        per placement: it reads the map's counts directly (it is asked about every idle
+        instance of a large cluster)."""
         cm = self._cache_map
         if cm is None or not self.spread_cold:
-            return 0.0
-        resident = cm.count(inst.instance_id, Tier.GPU)
-        return resident / inst.kv_capacity_blocks if inst.kv_capacity_blocks else float(resident)
+            return None
+        get, k = cm.counts(Tier.GPU).get, cm.stride
+
+        def fill(inst: InstanceView) -> float:
+            resident = get(inst.instance_id, 0) * k
+            cap = inst.kv_capacity_blocks
+            return resident / cap if cap else float(resident)
+
+        return fill
 
     def profile_estimate(
         self, request: PlacementRequest, inst: InstanceView, m: Match | None
@@ -202,8 +208,10 @@ class KvTtftScorer(Scorer):
         match: Mapping[str, Match],
     ) -> Placement:
         pool: list[tuple[InstanceView, Match | None]]
+        filler: Callable[[InstanceView], float] | None = None
         if self.kv_veto is None and len(instances) >= _INDEXED_FROM:
-            pool = self._index.candidates(instances, match, self._fill if self._spreads() else None)
+            filler = self._filler()
+            pool = self._index.candidates(instances, match, filler)
             if not pool:
                 healthy(instances)  # raises: none is
         else:
@@ -245,8 +253,8 @@ class KvTtftScorer(Scorer):
             # then the longest cached prefix, then the emptiest cache, so that cold prefixes
             # spread over the cluster's whole cache instead of filling (and evicting on) the
             # first engines in view order, while a short prompt stays with its cache
-            if self._spreads():
-                fill = self._fill
+            fill = filler or self._filler()
+            if fill is not None:
                 s, cached, base, inst = min(
                     near, key=lambda x: (x[3].running + x[3].waiting, -x[1], fill(x[3]), x[0])
                 )
@@ -373,23 +381,21 @@ class _CandidateIndex:
         # the others: per group (sorted by running sequences, then position) the first not
         # cached, or with ``fill`` the least filled of those with its fewest running sequences
         for members in self._groups.values():
-            pick: tuple[float, int] | None = None
-            low = -1
-            for running, i in members:
-                if i in cached:
+            free = [m for m in members[: len(cached) + 1] if m[1] not in cached]
+            if not free:  # every one of the first is cached: look further
+                free = [m for m in members if m[1] not in cached]
+                if not free:
                     continue
-                if fill is None:
-                    pick = (0.0, i)
-                    break
-                if low < 0:
-                    low = running
-                elif running != low:
-                    break
-                f = (fill(views[i]), i)
-                if pick is None or f < pick:
-                    pick = f
-            if pick is not None:
-                out.append((pick[1], None))
+            if fill is None:
+                out.append((free[0][1], None))
+                continue
+            # the fewest running sequences among the uncached ones, then the least fill
+            low = free[0][0]
+            end = bisect.bisect_left(members, (low + 1, -1))
+            fills = [
+                (fill(views[i]), i) for _, i in itertools.islice(members, end) if i not in cached
+            ]
+            out.append((min(fills)[1], None))
         out.sort(key=_first)
         return [(views[i], m) for i, m in out]
 
