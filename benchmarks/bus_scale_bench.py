@@ -1,7 +1,7 @@
 """The event bus at scale: many engines publishing to Redis Streams, several routers reading. JSON.
 
     .venv/bin/python benchmarks/bus_scale_bench.py [--engines 16,64,128,256] [--readers 1,2,4]
-        [--seconds 12] [--repeats 1] [--keep-every 1] [--publishers 2] [--apply]
+        [--seconds 12] [--repeats 1] [--event-stride 1] [--publishers 2] [--apply]
 
 A harness of simulated engines: one busy H100 engine's KV events are recorded once (a
 ``VirtualInstance`` on the ``h100-llama3.1-8b`` profile, saturated with distinct 1-4k-token
@@ -90,32 +90,6 @@ class Recording:
     removed_per_s: float
 
 
-def thin(updates: list[Update], keep_every: int, depth_of: dict[int, int]) -> list[Update]:
-    """Keep every ``keep_every``-th block (those ending a ``keep_every``-block span: a router
-    granularity of ``keep_every`` engine blocks); ``depth_of`` learns stored blocks' depths so
-    removals can be thinned the same way. The parent of a thinned chain is its last kept
-    ancestor where the chain starts on one, else None (sizes are what matter here)."""
-    if keep_every == 1:
-        return updates
-    out: list[Update] = []
-    for u in updates:
-        if isinstance(u, Stored):
-            kept = []
-            for i, h in enumerate(u.hashes):
-                depth_of[h] = u.depth + i
-                if (u.depth + i + 1) % keep_every == 0:
-                    kept.append(h)
-            if kept:
-                out.append(Stored(u.tier, kept, None, (u.depth + 1) // keep_every))
-        elif isinstance(u, Removed):
-            kept = [h for h in u.hashes if (depth_of.pop(h, 0) + 1) % keep_every == 0]
-            if kept:
-                out.append(Removed(u.tier, kept))
-        else:
-            out.append(u)
-    return out
-
-
 def record(
     seconds: float = 20.0, stored_per_s: float = 1750.0, keep_every: int = 1, seed: int = 0
 ) -> Recording:
@@ -150,14 +124,16 @@ def record(
         n, t = n + 1, t + rng.expovariate(12.0)  # ~30k prompt tokens/s: more than it prefills
     inst.run_until(end_s)
     translator = EngineEventTranslator("e", profile.model, bs)
-    depth_of: dict[int, int] = {}
+    # the forwarder's translator at the router granularity (engines.event_stride)
+    coarse = EngineEventTranslator("e", profile.model, bs, stride=keep_every)
     kept: list[tuple[float, list[Update]]] = []
     stored = removed = 0
     for clock, seq, payload in batches:
         msg = translator.feed(payload, seq, clock)
+        thinned = coarse.feed(payload, seq, clock)
         if msg is None:
             continue
-        updates = thin(list(msg.updates), keep_every, depth_of)
+        updates = list(thinned.updates) if thinned is not None else []
         if clock < fill_s:
             continue
         for u in msg.updates:
@@ -500,7 +476,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs per point (median)")
     ap.add_argument("--publishers", type=int, default=2, help="publisher processes")
     ap.add_argument("--stored-per-s", type=float, default=1750.0, help="blocks/s per engine")
-    ap.add_argument("--keep-every", type=int, default=1, help="router granularity, in blocks")
+    ap.add_argument("--event-stride", type=int, default=1, help="engines.event_stride [1]")
     ap.add_argument("--apply", action="store_true", help="readers also apply to a CacheMap")
     ap.add_argument("--target-engines", type=int, default=1024)
     ap.add_argument("--target-readers", type=int, default=4)
@@ -521,13 +497,13 @@ def main() -> None:
         ap.error("--engines and --readers: every count must be >= 1")
     if args.seconds <= 0 or args.warmup < 0 or args.repeats < 1 or args.publishers < 1:
         ap.error("--seconds > 0, --warmup >= 0, --repeats >= 1 and --publishers >= 1")
-    if args.keep_every < 1 or args.stored_per_s <= 0:
-        ap.error("--keep-every >= 1 and --stored-per-s > 0")
-    _REC = rec = record(stored_per_s=args.stored_per_s, keep_every=args.keep_every)
+    if args.event_stride < 1 or args.stored_per_s <= 0:
+        ap.error("--event-stride >= 1 and --stored-per-s > 0")
+    _REC = rec = record(stored_per_s=args.stored_per_s, keep_every=args.event_stride)
     out: dict[str, Any] = {
         "config": {
             k: getattr(args, k)
-            for k in ("seconds", "warmup", "repeats", "publishers", "keep_every", "apply")
+            for k in ("seconds", "warmup", "repeats", "publishers", "event_stride", "apply")
         },
         "recording": {
             "profile": PROFILE,

@@ -24,12 +24,3 @@ def test_wire_message_is_byte_identical_to_encode_message() -> None:
     got = bench.wire_message("e00001", 3, 1.5, msgspec.msgpack.encode(updates))
     assert got == want
     assert decode_message(got) == InstanceEvents("e00001", 3, 1.5, updates)
-
-
-def test_thin_keeps_every_kth_block_and_its_removals() -> None:
-    depth_of: dict[int, int] = {}
-    stored = [Stored("gpu", [10, 11, 12, 13, 14, 15, 16, 17], None, 0)]  # depths 0..7
-    kept = bench.thin(stored, 4, depth_of)
-    assert kept == [Stored("gpu", [13, 17], None, 0)]  # the blocks ending 4-block spans
-    assert bench.thin([Removed("gpu", [10, 13, 16, 17])], 4, depth_of) == [Removed("gpu", [13, 17])]
-    assert bench.thin(stored, 1, {}) == stored
