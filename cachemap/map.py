@@ -25,8 +25,8 @@ instance's leading run at once.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import compress
 from types import MappingProxyType
 from typing import NamedTuple, TypeVar, overload
 
@@ -68,11 +68,12 @@ class MatchResult(Mapping[str, Match]):
         self,
         bit_of: dict[str, int],
         instance_at: dict[int, InstanceId],
-        runs: list[int] | dict[int, int],
+        runs: array[int] | dict[int, int],
     ) -> None:
         """``runs``: per instance bit its runs packed as ``gpu_blocks << 32 | total_blocks``
-        (0: none), as a list indexed by bit (many holders) or a dict of the bits that have one
-        (a few)."""
+        (0: none), as an int64 ``array`` indexed by bit (many holders: a copy of the kernel's
+        answer, where a list would make an int object per bit) or a dict of the bits that have
+        one (a few)."""
         self._bit_of, self._instance_at, self._runs = bit_of, instance_at, runs
 
     def __getitem__(self, instance: str) -> Match:
@@ -105,7 +106,8 @@ class MatchResult(Mapping[str, Match]):
         inst, runs = self._instance_at, self._runs
         if isinstance(runs, dict):
             return (inst[b] for b, v in runs.items() if v and b in inst)
-        return (inst[b] for b in compress(range(len(runs)), runs) if b in inst)
+        held = np.flatnonzero(np.frombuffer(runs, np.int64)).tolist()
+        return (inst[b] for b in held if b in inst)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -397,7 +399,7 @@ class CacheMap:
         keys = np.asarray(hashes if k == 1 else hashes[k - 1 :: k], np.uint64)
         bits, packed, dense = _match(*self._index.table(), keys, *self._holders(), k)
         if len(dense):
-            return MatchResult(self._bit_of, self._instance_at, dense.tolist())
+            return MatchResult(self._bit_of, self._instance_at, array("q", dense.tobytes()))
         if len(bits) == 0:
             return {}
         runs = dict(zip(bits.tolist(), packed.tolist(), strict=True))
