@@ -44,10 +44,11 @@ from cachemap.map import CacheMap
 
 log = logging.getLogger(__name__)
 
-# KV event blocks (stored or removed) one router core decodes and applies per second
-# (``benchmarks/cachemap_bench.py``'s ``ingest.apply_blocks_per_s``, on this project's 2-core
-# reference machine): what ``kvroute plan``'s event-volume model divides by
-APPLY_BLOCKS_PER_S = 2_000_000
+# Engine blocks (stored or removed) whose KV events one router core decodes and applies per
+# second at event_stride 1: ``benchmarks/cachemap_bench.py``'s ``router_ingest`` measured 4.3M
+# (10M resident blocks over 1,024 instances) to 4.9M (1M) on this project's 2-core reference
+# machine; rounded down. What ``kvroute plan``'s event-volume model divides by.
+APPLY_BLOCKS_PER_S = 4_000_000
 
 
 class _Tier(NamedTuple):
