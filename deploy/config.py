@@ -26,7 +26,8 @@ from router.pd import (
 )
 from router.placement import create_scorer, scorer_names
 from router.pools import Pool, check_pools
-from router.state import BUS_POLL_S, JsonlRecorder
+from router.recorder import JsonlRecorder
+from router.state import BUS_POLL_S
 
 RAY_PREFIX_ROUTER = "ray_prefix"  # Ray Serve's own PrefixCacheAffinityRouter, as a peer
 ADMIN_KEY_ENV = "KVROUTE_ADMIN_KEY"

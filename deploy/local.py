@@ -21,7 +21,8 @@ from router.local_client import LocalEngineClient
 from router.pd import PdPlanner
 from router.placement import LatencyModel, Scorer
 from router.pools import Pool
-from router.state import PlacementRecorder, RouterState
+from router.recorder import PlacementRecorder
+from router.state import RouterState
 from router.tokenizer import PromptTokenizer
 
 

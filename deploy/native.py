@@ -63,7 +63,7 @@ MODULES: tuple[str, ...] = (
     "engines.sim.virtual",
     "loadgen.simulator",
     "router.load",
-    "router.state",
+    "router.core",
     "router.scorers.kv_ttft",
 )
 

@@ -64,6 +64,7 @@ from loadgen.workloads import Planned, ideal_hits
 from router import lifecycle
 from router.admission import Admission, Rejected
 from router.autoscale import Autoscaler, EngineLoad, Observation
+from router.core import RouterCore
 from router.pd import (
     DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     DEFAULT_OVERLOAD_FACTOR,
@@ -72,7 +73,7 @@ from router.pd import (
 )
 from router.placement import Placement, PlacementRequest, Scorer, create_scorer
 from router.pools import Pool
-from router.state import PlacementRecorder, RouterCore
+from router.recorder import PlacementRecorder
 
 # VirtualInstance options an ``--engine key=value`` may set
 ENGINE_OPTIONS: tuple[str, ...] = (

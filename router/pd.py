@@ -29,9 +29,9 @@ load view, as kv_ttft prices them; the KV hand-over is priced by ``TransferModel
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cachemap import Match
 from router.placement import (
@@ -39,14 +39,12 @@ from router.placement import (
     NoInstanceError,
     Placement,
     PlacementRequest,
+    Scorer,
     cached_tokens,
     kv_fits,
     profile_ttft,
 )
-from router.pools import DECODE_ROLES, PREFILL_ROLES
-
-if TYPE_CHECKING:
-    from router.state import RouterCore
+from router.pools import DECODE_ROLES, PREFILL_ROLES, Role
 
 # RDMA between GPU nodes (a 200 Gb/s NIC: 25 GB/s) with ~1 ms of set-up per request; NVLink
 # inside a node is faster, TCP across a CPU cluster slower: configure it per deployment.
@@ -124,20 +122,22 @@ class PdPlanner:
 
     def plan(
         self,
-        core: RouterCore,
+        scorer: Scorer,
+        role: Callable[[str], Role],
         request: PlacementRequest,
         views: Sequence[InstanceView],
         match: Mapping[str, Match],
         colocate: bool = False,
     ) -> PdPlan:
         """Both legs of ``request`` over ``views`` (the candidates' load views, as the core
-        built them) and the cache map's ``match`` for its blocks; ``core`` tells each
-        instance's role and lends its scorer. ``colocate``: no prefill leg (a re-run after a
-        failed hand-over recomputes the prompt on a decode engine). Raises ``NoInstanceError``
+        built them) and the cache map's ``match`` for its blocks; ``role`` tells each
+        instance's role (its pool's) and ``scorer`` places the prefill leg. ``colocate``: no
+        prefill leg (a re-run after a failed hand-over recomputes the prompt on a decode
+        engine). Raises ``NoInstanceError``
         when no healthy decode-capable instance is among ``views``; with no prefill-capable
         one, the request runs colocated."""
         views = [v for v in views if v.healthy]
-        roles = {v.instance_id: _role(core, v.instance_id) for v in views}
+        roles = {v.instance_id: role(v.instance_id) for v in views}
         decoders = [v for v in views if roles[v.instance_id] in DECODE_ROLES]
         if not decoders:
             raise NoInstanceError("no decode engine available")
@@ -154,7 +154,7 @@ class PdPlanner:
         if colocate or not prefillers or uncached <= 0:
             why = "re-run" if colocate else "no prefill engine" if not prefillers else "cached"
             return PdPlan(decode, None, 0, colocated, colocated, why)
-        prefill = core.scorer.place(request, prefillers, match)
+        prefill = scorer.place(request, prefillers, match)
         p_ttft = prefill.estimated_ttft_s
         if p_ttft is None:  # a scorer without an estimate: price it as kv_ttft would
             p = next(v for v in prefillers if v.instance_id == prefill.instance_id)
@@ -190,8 +190,3 @@ class PdPlanner:
                 best = (key, v, cached)
         assert best is not None
         return best[1], best[2]
-
-
-def _role(core: RouterCore, iid: str) -> str:
-    pool = core.pool_of(iid)
-    return pool.role if pool is not None else core.default_pool.role

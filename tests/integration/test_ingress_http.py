@@ -484,7 +484,8 @@ def test_a_coarser_event_stride_still_routes_repeated_prompts_to_their_cache() -
             prompt = f"{i} {LONG}"
             first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
             blocks = first.usage.prompt_tokens // 16
-            assert wait_for(lambda: cmap.stats().residency >= (i + 1) * (blocks // 4))
+            want = (i + 1) * (blocks // 4)
+            assert wait_for(lambda want=want: cmap.stats().residency >= want)
             again = client.completions.create(model=MODEL, prompt=f"{prompt} Again?", max_tokens=4)
             assert again.usage.prompt_tokens_details.cached_tokens >= (blocks // 4 * 4 - 4) * 16
         # a quarter of the prompts' full blocks (and of the outputs') are entries

@@ -18,12 +18,13 @@ from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned
 from router import lifecycle
 from router.admission import Admission, Rejected
+from router.core import RouterCore
 from router.dispatch import Dispatcher
 from router.local_client import LocalEngineClient
 from router.pd import PdPlanner, TransferModel
 from router.placement import PlacementRequest
 from router.pools import Pool
-from router.state import RouterCore, RouterState
+from router.state import RouterState
 
 PROFILE = LatencyProfile.load("cpu-tiny-llama")
 BS = 16

@@ -56,7 +56,7 @@ def test_every_compiled_module_exists_in_the_repository() -> None:
 def test_the_real_closure_holds_what_the_compiled_modules_import_and_not_the_cli() -> None:
     closure = native.closure()
     assert {str(native.source(m).relative_to(native.ROOT)) for m in native.MODULES} <= set(closure)
-    # imported by router.state (TYPE_CHECKING or not), and the packages above the modules
+    # imported by router.core (TYPE_CHECKING or not), and the packages above the modules
     assert {"router/__init__.py", "router/placement.py", "engines/sim/__init__.py"} <= set(closure)
     # no compiled module imports the command line or the builder: editing them rebuilds nothing
     assert not {"deploy/cli.py", "deploy/native.py", "deploy/__init__.py"} & set(closure)
@@ -93,13 +93,13 @@ def test_touching_or_rewriting_a_source_unchanged_is_not_stale(tree: Path) -> No
 def test_an_edited_module_they_do_not_import_costs_no_rebuild(tree: Path) -> None:
     _build(tree)
     _write(tree, "router/other.py", "X = 2\n")
-    _write(tree, "deploy/cli.py", "import router.state\n")  # imports them: not the other way
+    _write(tree, "deploy/cli.py", "import router.core\n")  # imports them: not the other way
     assert native.stale() == [] and native.changes() == []
 
 
 def test_an_edited_module_they_import_makes_them_stale_even_transitively(tree: Path) -> None:
     # compiled code bakes in the types and constants it imported
-    _write(tree, "router/state.py", "from router import other\n")  # `other` is a module
+    _write(tree, "router/core.py", "from router import other\n")  # `other` is a module
     _write(tree, "router/other.py", "import cachemap.deep\n")
     built = _build(tree)
     _write(tree, "cachemap/deep.py", "LIMIT = 3\n")
@@ -133,7 +133,7 @@ def test_type_checking_function_level_and_relative_imports_count(tree: Path) -> 
 
 def test_a_source_that_does_not_parse_is_stale_not_an_error(tree: Path) -> None:
     built = _build(tree)
-    _write(tree, "router/state.py", "def broken(:\n")
+    _write(tree, "router/core.py", "def broken(:\n")
     assert sorted(native.stale()) == built
 
 
@@ -185,11 +185,11 @@ def test_check_exits_1_naming_stale_files_and_what_changed(
     tree: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     built = _build(tree)
-    _write(tree, "router/state.py", "X = 1\n")
+    _write(tree, "router/core.py", "X = 1\n")
     assert native.main(["check"]) == 1
     out, err = capsys.readouterr()
     assert all(f"stale: {path}" in out for path in built)
-    assert "router/state.py" in err
+    assert "router/core.py" in err
     native.clean()
     assert native.main(["check"]) == 0
 

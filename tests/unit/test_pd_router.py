@@ -9,10 +9,11 @@ import pytest
 from cachemap.map import Tier
 from engines.base import LoadSnapshot
 from engines.sim.profile import LatencyProfile
+from router.core import RouterCore
 from router.pd import PdPlanner, TransferModel
 from router.placement import NoInstanceError, PlacementRequest
 from router.pools import Pool
-from router.state import MemoryRecorder, RouterCore
+from router.recorder import MemoryRecorder
 
 H100 = LatencyProfile.load("h100-llama3.1-8b")
 BS = 16

@@ -281,7 +281,8 @@ def test_router_state_reports_first_tokens_to_the_scorer() -> None:
 def test_placement_log_records_every_candidate(tmp_path) -> None:
     import json
 
-    from router.state import JsonlRecorder, RouterState
+    from router.recorder import JsonlRecorder
+    from router.state import RouterState
 
     path = tmp_path / "placements.jsonl"
     recorder = JsonlRecorder(str(path))
@@ -301,7 +302,8 @@ def test_placement_log_records_every_candidate(tmp_path) -> None:
 def test_router_core_takes_time_as_an_argument() -> None:
     """The core reads no clock: a load sample is fresh or stale by the ``now`` it is given."""
     from engines.base import LoadSnapshot
-    from router.state import MemoryRecorder, RouterCore
+    from router.core import RouterCore
+    from router.recorder import MemoryRecorder
 
     rec = MemoryRecorder()
     core = RouterCore("least_loaded", Linear(), block_size=BS, stale_after_s=1.0, recorder=rec)
@@ -505,7 +507,7 @@ def test_router_core_apply_registers_and_refreshes_from_the_load_bus() -> None:
     instance is back with its next sample, not before."""
     from cachemap.bus import InProcessBus
     from engines.forwarder import encode_load
-    from router.state import RouterCore
+    from router.core import RouterCore
 
     kv, loads = InProcessBus(), InProcessBus()
     core = RouterCore("least_loaded", Linear(), block_size=BS, kv_bus=kv, load_bus=loads)
@@ -606,7 +608,7 @@ def test_kv_ttft_spreads_cold_prefixes_over_the_emptiest_caches() -> None:
     """Between idle engines a cold prompt goes to the engine whose cache holds least (by the
     cache map the core attaches), not to the first in view order: the cluster's whole cache
     fills instead of the first engines' evicting."""
-    from router.state import RouterCore
+    from router.core import RouterCore
 
     core = RouterCore("kv_ttft", Linear(), block_size=BS)
     for iid in ("a", "b", "c"):

@@ -12,9 +12,10 @@ from cachemap.bus import InProcessBus
 from engines.base import EngineRequest, LoadSnapshot, RoutedRequest
 from engines.forwarder import encode_load
 from engines.sim.profile import LatencyProfile
+from router.core import RouterCore
 from router.pools import Pool, check_pools
 from router.serve_router import KvRequestRouter
-from router.state import RouterCore, RouterState, register_state, unregister_state
+from router.state import RouterState, register_state, unregister_state
 
 
 class ReplicaId(NamedTuple):

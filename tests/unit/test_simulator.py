@@ -14,7 +14,7 @@ from loadgen.simulator import EXACT, ClusterSimulator, Perturbation, SimSettings
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule
 from router.placement import create_scorer
-from router.state import MemoryRecorder
+from router.recorder import MemoryRecorder
 
 
 @pytest.fixture(scope="module")

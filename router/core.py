@@ -1,0 +1,277 @@
+"""The routing core of one router replica: its copy of the cache map (fed by KV events through
+the ingestion path), live load (load samples + its own in-flight accounting), liveness, the
+scorer and admission.
+
+``RouterCore`` reads no clock, starts no thread and opens no file: every method that needs time
+takes ``now`` (seconds, on the clock of the engines' ``LoadSnapshot.ts``), and placements go to
+an injected ``router.recorder.PlacementRecorder``. The production router (``router.state``'s
+shell) and the cluster simulator (``loadgen.simulator``, virtual time) run this same object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+from typing import Any
+
+from cachemap import CacheMap
+from cachemap.bus import BusRead, EventBus
+from cachemap.ingest import CacheMapIngestor
+from engines.liveness import STALE_AFTER_S, EngineWatcher
+from router.admission import Admission
+from router.load import LoadTracker
+from router.pd import PdPlanner
+from router.placement import (
+    LatencyModel,
+    NoInstanceError,
+    Placement,
+    PlacementRequest,
+    Scorer,
+    create_scorer,
+)
+from router.pools import DEFAULT_POOL, Pool, Role, check_pools
+from router.recorder import PlacementRecorder, placement_record
+
+
+class RouterCore:
+    def __init__(
+        self,
+        scorer: Scorer | str = "kv_ttft",
+        latency: LatencyModel | None = None,
+        block_size: int = 16,
+        kv_capacity_blocks: int = 0,
+        kv_bus: EventBus | None = None,
+        load_bus: EventBus | None = None,
+        admission: Admission | None = None,
+        stale_after_s: float = STALE_AFTER_S,
+        recorder: PlacementRecorder | None = None,
+        pools: Sequence[Pool] | None = None,
+        planner: PdPlanner | None = None,
+        event_stride: int = 1,
+    ) -> None:
+        """``kv_bus`` and ``load_bus`` come together (or neither: the caller then drives the
+        core by hand); an instance silent on the load bus for ``stale_after_s`` is dropped.
+        After a sequence gap the event bus's own ``request_resync`` (where it has one) asks the
+        instance's forwarder for a snapshot.
+
+        ``pools``: the deployment's engine pools (``router.pools``); the first is the default
+        pool, where instances go that name no pool. None: one pool of role ``both`` named
+        ``DEFAULT_POOL`` from ``latency``, ``block_size`` and ``kv_capacity_blocks``.
+        ``planner``: places the two legs of a request when there are prefill or decode pools
+        (``router.pd``; ``place`` then plans both). ``event_stride``: the engines' KV events
+        keep every ``event_stride``-th block (``EngineConfig.event_stride``; the map's
+        ``stride``)."""
+        self.cache_map = CacheMap(stride=event_stride)
+        self._scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
+        self._scorer.attach(self.cache_map)
+        if pools is None:
+            pools = (Pool(DEFAULT_POOL, "both", block_size, latency, kv_capacity_blocks),)
+        self.pools: dict[str, Pool] = {p.name: p for p in pools}
+        check_pools(tuple(pools))
+        self.default_pool = pools[0]
+        self.block_size = self.default_pool.block_size
+        self._pool_of: dict[str, Pool] = {}  # instance -> its pool
+        self.planner = planner
+        # prefill or decode pools: a request may go in two legs (``planner`` places them)
+        self.disaggregated = any(p.role != "both" for p in pools)
+        self.ingestor = CacheMapIngestor(self.cache_map)
+        self.load = LoadTracker(stale_after_s)
+        self.admission = admission or Admission()
+        self.recorder = recorder
+        if (kv_bus is None) != (load_bus is None):
+            raise ValueError("kv_bus and load_bus go together: give both or neither")
+        self.watcher = (
+            EngineWatcher(
+                kv_bus,
+                load_bus,
+                self.ingestor,
+                timeout_s=stale_after_s,
+                request_resync=getattr(kv_bus, "request_resync", None),
+            )
+            if kv_bus is not None and load_bus is not None
+            else None
+        )
+
+    @property
+    def scorer(self) -> Scorer:
+        return self._scorer
+
+    @scorer.setter
+    def scorer(self, scorer: Scorer) -> None:
+        scorer.attach(self.cache_map)
+        self._scorer = scorer
+
+    # -- membership ------------------------------------------------------------------------------
+
+    def sync_instances(self, instance_ids: Iterable[str], pool: str | None = None) -> None:
+        """Make the known instances of ``pool`` (default: the default pool) exactly
+        ``instance_ids`` (Serve's live replica set of that pool's deployment); an instance
+        that left is dropped from the cache map too, and other pools are untouched. New
+        instances are registered in sorted order, so scorers that break ties by position see
+        the same order in every process (router replicas, repeated simulations), not a set's
+        hash order. An instance known in another pool moves to this one."""
+        target = self._pool(pool)
+        want = set(instance_ids)
+        have = {iid for iid, p in self._pool_of.items() if p is target}
+        for iid in sorted(want - have):
+            self.add_instance(iid, target.name)
+        for iid in sorted(have - want):
+            self.remove_instance(iid)
+
+    def _pool(self, name: str | None) -> Pool:
+        if name is None:
+            return self.default_pool
+        pool = self.pools.get(name)
+        if pool is None:
+            raise ValueError(f"unknown pool {name!r}; pools: {', '.join(self.pools)}")
+        return pool
+
+    def add_instance(self, iid: str, pool: str | None = None) -> None:
+        """Register ``iid`` as an instance of ``pool`` (default: the default pool)."""
+        p = self._pool(pool)
+        if p.latency is None:
+            raise RuntimeError("the router needs a latency model to add instances")
+        self.load.register(iid, p.block_size, p.latency, p.kv_capacity_blocks)
+        self._pool_of[iid] = p
+
+    def pool_of(self, iid: str) -> Pool | None:
+        """The pool of a known instance (None: not known)."""
+        return self._pool_of.get(iid)
+
+    def role_of(self, iid: str) -> Role:
+        """The role of ``iid``'s pool (an unknown instance: the default pool's)."""
+        pool = self._pool_of.get(iid)
+        return pool.role if pool is not None else self.default_pool.role
+
+    def members(self, roles: Iterable[Role] | None = None) -> list[str]:
+        """The known instances (of the given roles), in registration order."""
+        if roles is None:
+            return list(self._pool_of)
+        want = set(roles)
+        return [iid for iid, p in self._pool_of.items() if p.role in want]
+
+    def remove_instance(self, iid: str) -> None:
+        self._pool_of.pop(iid, None)
+        self.load.remove(iid)
+        self.cache_map.drop_instance(iid)
+        if self.watcher is not None:
+            self.watcher.forget(iid)
+
+    # -- the buses -------------------------------------------------------------------------------
+
+    def fetch(self) -> tuple[BusRead, BusRead] | None:
+        """Read both buses (the I/O half of ``pump``; touches no routing state)."""
+        return self.watcher.fetch() if self.watcher is not None else None
+
+    def apply(self, fetched: tuple[BusRead, BusRead] | None, now: float) -> None:
+        """Apply what ``fetch`` read: events, load samples, liveness, resync requests."""
+        if self.watcher is None or fetched is None:
+            return
+        dropped = self.watcher.apply(fetched, now)
+        for iid in dropped:
+            self.load.remove(iid)
+            self._pool_of.pop(iid, None)
+        loads, load = self.watcher.loads, self.load
+        # NOTE: every instance with a sample is known and holds its latest sample afterwards (a
+        # newer sample clears its failures). Only the ones sampled, or registered, since the
+        # last call can lack it: the others are not visited (hundreds of engines, each pump).
+        if not load.knows_all(loads):
+            known = set(load.instance_ids())
+            pools = self.pools
+            for iid, sample in loads.items():  # in sample order: the order of registration
+                if iid not in known:
+                    self.add_instance(iid, sample.pool if sample.pool in pools else None)
+        for iid in (*self.watcher.take_sampled(), *load.take_registered()):
+            latest = loads.get(iid)
+            if latest is not None:
+                load.on_snapshot(latest)
+
+    def pump(self, now: float) -> None:
+        self.apply(self.fetch(), now)
+
+    # -- decisions -------------------------------------------------------------------------------
+
+    def place(
+        self,
+        request: PlacementRequest,
+        now: float,
+        candidates: Sequence[str] | None = None,
+        exclude: Iterable[str] = (),
+        rerun: bool = False,
+    ) -> Placement:
+        """Choose an instance among ``candidates`` (default: all known) minus ``exclude``."""
+        placement, entry = self.decide(request, now, candidates, exclude, rerun)
+        if entry is not None and self.recorder is not None:
+            self.recorder.record(entry)
+        return placement
+
+    def decide(
+        self,
+        request: PlacementRequest,
+        now: float,
+        candidates: Sequence[str] | None = None,
+        exclude: Iterable[str] = (),
+        rerun: bool = False,
+    ) -> tuple[Placement, dict[str, Any] | None]:
+        """``place`` without recording: the placement, and its ``placement_record`` entry when
+        there is a recorder to give it to (the caller records it, e.g. outside a lock).
+
+        With prefill or decode pools (and no ``candidates``) the planner places both legs: the
+        placement is the decode engine's, with its ``prefill`` leg (None: colocated).
+        ``rerun``: a request whose hand-over or decode failed, placed whole on a decode-capable
+        engine (which recomputes its prompt)."""
+        excluded = set(exclude)
+        allowed = set(candidates) if candidates is not None else None
+        views = self.load.views(now)
+        if excluded or allowed is not None:
+            views = [
+                v
+                for v in views
+                if v.instance_id not in excluded and (allowed is None or v.instance_id in allowed)
+            ]
+        match = self.cache_map.match(request.block_hashes)
+        plan = None
+        if self.disaggregated and candidates is None:
+            if self.planner is None:
+                raise RuntimeError("a deployment with prefill or decode pools needs a PdPlanner")
+            plan = self.planner.plan(self.scorer, self.role_of, request, views, match, rerun)
+            placement = replace(
+                plan.decode, prefill=plan.prefill, transfer_tokens=plan.transfer_tokens
+            )
+        else:
+            if not views:
+                raise NoInstanceError("no engine instance available")
+            placement = self.scorer.place(request, views, match)
+        if self.recorder is None:
+            return placement, None
+        entry = placement_record(now, request, views, match, placement)
+        if plan is not None:
+            entry["pd"] = plan.record()
+        return placement, entry
+
+    def cached_tokens(self, request: PlacementRequest, placement: Placement) -> int:
+        """Prompt tokens ``placement`` expects its instance to spare ``request``."""
+        return request.cached_tokens(placement.cached_blocks, self.block_size)
+
+    def assigned(self, request: PlacementRequest, placement: Placement, now: float) -> None:
+        """``request`` was sent where ``placement`` says; the decode leg of a split request
+        (``placement.prefill``) computes only the prompt's last token once its KV arrives."""
+        if placement.prefill is not None:
+            uncached = 1
+        else:
+            uncached = request.prompt_tokens - self.cached_tokens(request, placement)
+        self.load.assigned(request.request_id, placement.instance_id, uncached, now, placement)
+
+    def first_token(self, request_id: str, now: float, observed: bool = True) -> None:
+        """The request's first output arrived; ``observed``: at its first token (a stream), so
+        its TTFT teaches the scorer (an output delivered whole arrives at the end)."""
+        a = self.load.prefill_done(request_id)
+        if observed and a is not None and a.placement is not None:
+            self.scorer.on_first_token(a.placement, now - a.assigned_at)
+
+    def finished(self, request: PlacementRequest, instance_id: str) -> None:
+        self.load.finished(request.request_id)
+        self.scorer.on_finished(request, instance_id)
+
+    def failed(self, instance_id: str) -> None:
+        self.load.mark_failed(instance_id)
