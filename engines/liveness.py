@@ -118,8 +118,9 @@ class EngineWatcher:
             self.event_lag_s = max(0.0, now - consumer.oldest_ts)
         elif not events.items:
             self.event_lag_s = 0.0  # caught up: nothing was waiting
-        self.behind = consumer.full or self.event_lag_s > self.lag_warn_s
-        if self.behind and now - self._lag_warned >= 60.0:
+        late = self.event_lag_s > self.lag_warn_s
+        self.behind = consumer.full or late
+        if late and now - self._lag_warned >= 60.0:
             self._lag_warned = now
             log.warning(
                 "KV events are %.2f s old when applied%s: the cache map routes on stale state",
