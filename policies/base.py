@@ -3,62 +3,31 @@
 The cache owns the mechanics (which blocks are resident, capacity, pinning, events); a policy
 owns only the order in which resident blocks should go. The cache tells the policy about every
 block it stores (``insert``), every reuse (``touch``) and every removal it makes on its own
-(``remove``), and asks it for victims with ``evict``.
+(``remove``), and asks it for victims with ``evict``. What a policy knows of a request is a
+``RequestInfo`` (``policies.hints``, where the router's hints to it are parsed).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Hashable, Iterable, Mapping, Sequence, Set
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Container, Hashable, Iterable, Sequence, Set
+from typing import ClassVar
+
+from policies.hints import RequestInfo
 
 # A block identity: an ``int`` trace hash id or chained ``BlockHash``, vLLM's ``bytes`` OffloadKey.
 Key = Hashable
 
 NO_PROTECTION: frozenset[Key] = frozenset()
 
-
-@dataclass(slots=True, frozen=True)
-class RequestInfo:
-    """What a policy may know about the request whose blocks it is about to see.
-
-    ``category`` is ``type_turn`` (``text_2``) or ``"all"``; ``session_id`` and ``parent_id``
-    identify a multi-turn conversation when the workload has one; ``index`` is the request's
-    position in a replayed trace (the Belady oracle's clock); ``num_blocks`` is the prompt's
-    length in blocks (0: unknown); ``continuation_p`` is an external prediction that the session
-    sends another turn (None: the policy predicts it itself). ``pin`` is an operator's order
-    for the request's blocks (the KV control API): True pins them in the CPU tier (never a
-    victim, admitted whatever the policy says), False unpins them, None leaves pins alone. The
-    cache carries it out; a policy never sees a pinned block as a candidate.
-    """
-
-    category: str = "all"
-    turn: int = 1
-    session_id: int | None = None
-    parent_id: int | None = None
-    index: int = -1
-    num_blocks: int = 0
-    continuation_p: float | None = None
-    pin: bool | None = None
-
-    @classmethod
-    def from_hints(cls, kv_transfer_params: Mapping[str, Any] | None) -> RequestInfo | None:
-        """The router's policy hints, ``kv_transfer_params["kvroute"]`` (``category``,
-        ``turn``, ``session_id``, ``parent_id``, ``continuation``, ``pin``), or None without
-        them. The one parser for the sim engine's CPU tier and the vLLM adapter."""
-        hints = (kv_transfer_params or {}).get("kvroute")
-        if not isinstance(hints, Mapping):
-            return None
-        cont = hints.get("continuation")
-        return cls(
-            category=str(hints.get("category", "all")),
-            turn=int(hints.get("turn", 1)),
-            session_id=hints.get("session_id"),
-            parent_id=hints.get("parent_id"),
-            continuation_p=float(cont) if cont is not None else None,
-            pin=bool(hints["pin"]) if hints.get("pin") is not None else None,
-        )
+__all__ = [
+    "NO_PROTECTION",
+    "EvictionPolicy",
+    "Key",
+    "OfflinePolicy",
+    "OperatorPins",
+    "RequestInfo",
+]
 
 
 class EvictionPolicy(ABC):

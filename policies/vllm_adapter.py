@@ -14,12 +14,11 @@ connector's config, so the policy's constructor options come from the environmen
 ``POLICY_OPTIONS_ENV`` (JSON ``{"KvrouteWA": {"window": 500}}``, keyed by class name), which the
 engine core process inherits from the process that starts ``AsyncLLM``
 (``engines.offload.policy_options_env``). The request category comes from
-``ReqContext.kv_transfer_params["kvroute"]`` (``category``, ``turn``, ``session_id``,
-``parent_id``, ``continuation``, ``pin``, ``now_s``; parsed by ``RequestInfo.from_hints``), which
-the router sets per request.
+``ReqContext.kv_transfer_params["kvroute"]`` (``policies.hints.PolicyHints``, parsed once per
+request by ``PolicyHints.from_params``), which the router sets per request.
 
 This is the shell around the pure policies: vLLM's contract carries no time, so the adapter
-reads ``now_s`` from the request when the router sends one and otherwise its clock
+reads ``PolicyHints.now_s`` from the request when the sender gives one and otherwise its clock
 (``time.monotonic``, replaceable per class for tests). It owns the chunks and two kinds of pins,
 kept apart: a chunk with ``ref_cnt != 0`` is in transfer, and an operator's pin
 (``RequestInfo.pin``) holds a request's chunks until a request for the same prefix unpins them;
@@ -32,22 +31,37 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence, Set
+from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus, order_request_keys
 
 from policies.base import EvictionPolicy, OperatorPins, RequestInfo
+from policies.hints import PolicyHints
 from policies.registry import ENGINE_POLICY_CLASSES, POLICY_OPTIONS_ENV, create_policy
 
 # vLLM class name -> kvroute policy name (the engine-runnable ones; the registry owns the list).
 CLASS_NAMES: dict[str, str] = {cls: name for name, cls in ENGINE_POLICY_CLASSES.items()}
 
 
-def request_info(req_context: ReqContext | None) -> RequestInfo:
-    """The kvroute request fields from ``kv_transfer_params["kvroute"]`` (defaults if absent)."""
+def request_hints(req_context: ReqContext | None) -> PolicyHints:
+    """The router's ``kv_transfer_params["kvroute"]`` of a request (defaults if absent)."""
     params = req_context.kv_transfer_params if req_context is not None else None
-    return RequestInfo.from_hints(params if isinstance(params, dict) else None) or RequestInfo()
+    return PolicyHints.from_params(params if isinstance(params, dict) else None) or PolicyHints()
+
+
+def request_info(req_context: ReqContext | None) -> RequestInfo:
+    """The request as the policy sees it (``request_hints``)."""
+    return request_hints(req_context).request_info()
+
+
+@dataclass(frozen=True, slots=True)
+class _Request:
+    """A request's hints, parsed once (kept in its ``ReqContext``'s state)."""
+
+    info: RequestInfo
+    now_s: float | None  # PolicyHints.now_s
 
 
 def policy_options(class_name: str) -> dict[str, Any]:
@@ -117,14 +131,14 @@ class KvrouteCachePolicy(CachePolicy):
         self._now = 0.0
 
     def _begin(self, req_context: ReqContext) -> RequestInfo:
-        info = req_context.get_state(RequestInfo)
-        first = info is None
-        if info is None:
-            info = request_info(req_context)
-            req_context.set_state(info)
-        params = (req_context.kv_transfer_params or {}).get("kvroute") or {}
-        now = params.get("now_s") if isinstance(params, dict) else None
-        self._now = max(self._now, float(now) if now is not None else type(self).clock())
+        req = req_context.get_state(_Request)
+        first = req is None
+        if req is None:
+            hints = request_hints(req_context)
+            req = _Request(hints.request_info(), hints.now_s)
+            req_context.set_state(req)
+        info = req.info
+        self._now = max(self._now, req.now_s if req.now_s is not None else type(self).clock())
         if req_context is not self._current:
             self._current = req_context
             # NOTE: requests interleave; a request is counted (begin) once, then resumed
@@ -224,6 +238,7 @@ __all__ = [
     "POLICY_OPTIONS_ENV",
     "KvrouteCachePolicy",
     "policy_options",
+    "request_hints",
     "request_info",
     *CLASS_NAMES,
 ]

@@ -13,14 +13,14 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import msgspec
 
 from engines.base import EngineError, EngineOutput, KvCommand, RoutedRequest, Usage, whole
+from policies.hints import PolicyHints, TransferReport
 from router import lifecycle, tracing
-from router.hints import HINTS_KEY
 from router.placement import NoInstanceError, Placement, PlacementRequest
 from router.state import RouterState
 
@@ -54,6 +54,38 @@ def request_for_placement(routed: RoutedRequest) -> PlacementRequest:
     )
 
 
+@dataclass(slots=True)
+class PdStats:
+    """What one dispatcher saw of prefill/decode disaggregation (``router.metrics`` exports it).
+
+    Requests: ``split`` handed from a prefill to a decode engine, ``colocated`` run whole on a
+    decode engine (conditional disaggregation), ``recomputed`` hand-overs that failed and were
+    recomputed on a decode engine. Prefill legs that handed KV over: ``prefill_s`` seconds in
+    all, ``handed_tokens`` prompt tokens planned to be handed over. What decode engines measured
+    of their pulls (``TransferReport``): ``pulls`` (``pull_failures`` of them failed),
+    ``pull_bytes``, ``pull_s`` and ``decode_prompt_tokens`` (prompt tokens the decode engines
+    computed themselves)."""
+
+    split: int = 0
+    colocated: int = 0
+    recomputed: int = 0
+    prefill_s: float = 0.0
+    handed_tokens: int = 0
+    pulls: int = 0
+    pull_failures: int = 0
+    pull_bytes: int = 0
+    pull_s: float = 0.0
+    decode_prompt_tokens: int = 0
+
+    def pulled(self, report: TransferReport) -> None:
+        """Count a decode engine's report of one pull."""
+        self.pulls += 1
+        self.pull_failures += not report.ok
+        self.pull_bytes += report.bytes
+        self.pull_s += report.seconds
+        self.decode_prompt_tokens += report.prompt_tokens_computed or 0
+
+
 class StreamBroken(Exception):
     """The engines failed after the first token more times than a request may migrate."""
 
@@ -79,22 +111,7 @@ class Dispatcher:
         self.failovers = 0
         self.migrations = 0  # requests moved to another engine after their first token
         self.overrides = 0  # requests an engine reported running off their placement
-        # prefill/decode: requests handed from a prefill to a decode engine; those that ran
-        # whole on a decode engine (conditional disaggregation); hand-overs that failed and
-        # were recomputed on a decode engine
-        self.pd_split = 0
-        self.pd_colocated = 0
-        self.pd_recomputed = 0
-        self.pd_prefill_s = 0.0  # total seconds of prefill legs that handed KV over
-        self.pd_handed_tokens = 0  # total prompt tokens planned to be handed over
-        # what decode engines measured of their pulls (kvroute's connector reports each in its
-        # final output's kv_transfer_params["kvroute"]["transfer"]): count, failures, bytes,
-        # seconds, and prompt tokens the decode engines computed themselves
-        self.pd_pulls = 0
-        self.pd_pull_failures = 0
-        self.pd_pull_bytes = 0
-        self.pd_pull_s = 0.0
-        self.pd_decode_prompt_tokens = 0
+        self.pd = PdStats()
 
     def placement_request(self, routed: RoutedRequest) -> PlacementRequest:
         return request_for_placement(routed)
@@ -119,9 +136,9 @@ class Dispatcher:
         )
         if state.disaggregated and not rerun:
             if placement.prefill is not None:
-                self.pd_split += 1
+                self.pd.split += 1
             else:
-                self.pd_colocated += 1
+                self.pd.colocated += 1
         return placement
 
     async def stream(
@@ -152,7 +169,7 @@ class Dispatcher:
                 handed = await self._prefill(current, preq, placement)
                 if handed is None:  # no prefill engine could do it: recompute on the decoder
                     placement = replace(placement, prefill=None, transfer_tokens=0)
-                    self.pd_recomputed += 1
+                    self.pd.recomputed += 1
                 else:
                     current = handed
                 current.target_instance = placement.instance_id
@@ -215,7 +232,7 @@ class Dispatcher:
                     self.failovers += 1
                     if current is not routed and not generated:  # the hand-over or decode failed
                         current, preq = routed, self.placement_request(routed)
-                        self.pd_recomputed += 1
+                        self.pd.recomputed += 1
                 # NOTE: no SLO gate: the request was admitted, and an accepted request is
                 # served (only NoInstanceError, with no instance left, ends it here)
                 placement = self.place(preq, tried, gate=False, rerun=True)
@@ -270,23 +287,21 @@ class Dispatcher:
                     prefill.instance_id,
                 )
                 return None
-            self.pd_prefill_s += time.monotonic() - started
-            self.pd_handed_tokens += placement.transfer_tokens
+            self.pd.prefill_s += time.monotonic() - started
+            self.pd.handed_tokens += placement.transfer_tokens
             return lifecycle.decode_leg(routed, out.kv_transfer_params)
         return None
 
     def _pulled(self, params: dict[str, Any]) -> None:
-        """Count a decode engine's pull record (``transfer`` under the router's hints key), if
-        its output carries one."""
-        own = params.get(HINTS_KEY)
-        record = own.get("transfer") if isinstance(own, dict) else None
-        if not isinstance(record, dict):
+        """Count a decode engine's report of its pull (``PolicyHints.transfer``), if its output
+        carries one; a malformed one is logged and not counted."""
+        try:
+            hints = PolicyHints.from_params(params)
+        except ValueError as e:
+            log.warning("engine output with unreadable hints, its pull not counted: %s", e)
             return
-        self.pd_pulls += 1
-        self.pd_pull_failures += not record.get("ok", False)
-        self.pd_pull_bytes += int(record.get("bytes") or 0)
-        self.pd_pull_s += float(record.get("seconds") or 0.0)
-        self.pd_decode_prompt_tokens += int(record.get("prompt_tokens_computed") or 0)
+        if hints is not None and hints.transfer is not None:
+            self.pd.pulled(hints.transfer)
 
     def _next_prefill(self, preq: PlacementRequest, tried: set[str]) -> Placement | None:
         """Another prefill engine for a prefill leg whose engine failed (None: none is left)."""

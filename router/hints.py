@@ -1,6 +1,8 @@
-"""The router's hints to an engine's CPU-tier eviction policy: one typed record per request,
-one encoder (``PolicyHints.encode``, into ``kv_transfer_params["kvroute"]``) and one parser
-(``policies.base.RequestInfo.from_hints``, in the engines).
+"""The router's hints to an engine's CPU-tier eviction policy: how the ingress derives them.
+
+The record is ``policies.hints.PolicyHints`` (the ``kv_transfer_params["kvroute"]`` entry, with
+its one encoder, ``merged_into``, and its one parser, ``from_params``, which the engines use);
+it is re-exported here beside the helpers that fill it in.
 
 What a workload-aware policy can use (LPC's history predictor, prefix-odds): the request's
 category and turn, the id of the conversation state this request is (``session_id``) and of
@@ -21,37 +23,11 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import xxhash
 
-HINTS_KEY = "kvroute"  # the key of kv_transfer_params the hints ride under
 _ID_BITS = (1 << 63) - 1  # ids are non-negative 63-bit ints (RequestInfo's session_id type)
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyHints:
-    category: str
-    turn: int = 1
-    session_id: int | None = None
-    parent_id: int | None = None
-    continuation: float | None = None
-    pin: bool | None = None  # KV control API: pin (True) or unpin (False) the request's blocks
-
-    def encode(self) -> dict[str, Any]:
-        """The JSON-able dict ``RequestInfo.from_hints`` reads (unset fields left out)."""
-        out: dict[str, Any] = {"category": self.category, "turn": self.turn}
-        for key in ("session_id", "parent_id", "continuation", "pin"):
-            value = getattr(self, key)
-            if value is not None:
-                out[key] = value
-        return out
-
-    def merged_into(self, params: Mapping[str, Any] | None) -> dict[str, Any]:
-        """``params`` (what a KV connector or the client put in ``kv_transfer_params``) with
-        these hints under ``HINTS_KEY``; nothing else of ``params`` is touched."""
-        return {**(params or {}), HINTS_KEY: self.encode()}
 
 
 def conversation_ids(

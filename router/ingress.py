@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cachemap import BlockHasher
 from engines.base import EngineError, EngineOutput, EngineRequest, RoutedRequest
+from policies.hints import PolicyHints
 from router import tracing
 from router.admission import Rejected, Ticket
 from router.api import (
@@ -43,7 +44,7 @@ from router.api import (
     validation_error,
 )
 from router.dispatch import ChoiceStreams, Dispatcher, StreamBroken
-from router.hints import PolicyHints, conversation_ids, parse_continuation
+from router.hints import conversation_ids, parse_continuation
 from router.kv_control import KvControl, kv_routes
 from router.lifecycle import choice_requests
 from router.metrics import RouterMetrics

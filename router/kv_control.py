@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from cachemap import BlockHasher
 from cachemap.map import Match
 from engines.base import EngineError, EngineRequest, KvCommand, RoutedRequest, SamplingParams
+from policies.hints import PolicyHints
 from router.api import (
     ADMIN_ERRORS,
     BODY_ERRORS,
@@ -50,7 +51,6 @@ from router.api import (
 )
 from router.api import json_body_schema as _schema
 from router.dispatch import EngineClient
-from router.hints import PolicyHints
 from router.placement import InstanceView, cached_tokens
 from router.state import RouterState
 from router.tokenizer import PromptTokenizer

@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import msgspec
 
 from engines.base import RoutedRequest
+from policies.hints import HINTS_KEY
 from router.admission import Admission
-from router.hints import HINTS_KEY
 from router.placement import Placement, PlacementRequest
 
 PREFILL_SUFFIX = "-prefill"  # a split request's prefill leg is request ``<id>-prefill``

@@ -11,7 +11,7 @@ Contract: NixlConnector's ``kv_transfer_params``. The prefill engine gets the re
 returns ``do_remote_prefill``, ``remote_engine_id``, ``remote_request_id``,
 ``remote_block_ids``, ``remote_host``, ``remote_port``, ``tp_size``, ``remote_num_tokens``
 (and ``transfer_mode``), which the router passes unchanged to the decode engine. Keys it does not
-know (``"kvroute"``) are ignored.
+know (the router's ``"kvroute"`` entry, ``policies.hints.PolicyHints``) are ignored.
 
 Decode side. ``get_num_new_matched_tokens`` reports the prompt tokens past the local prefix cache
 as loadable asynchronously; vLLM parks the request in ``WAITING_FOR_REMOTE_KVS``, and once the
@@ -35,10 +35,11 @@ without a pull.
 Observability. Every transfer (both sides) is a record in the connector's ``KVConnectorStats``
 (``KvrouteConnectorStats``; vLLM's periodic "KV Transfer metrics" log line reduces them, and a
 stat logger sees them in ``SchedulerStats.kv_connector_stats``), and the decode request's final
-output carries ``kv_transfer_params["kvroute"]["transfer"]``: ``ok``, ``bytes``, ``blocks``,
-``seconds`` (pull wall time: control round trips, group setup if any, wire and scatter),
-``wire_seconds`` (the receive alone), ``error``, and ``prompt_tokens_computed`` (prompt tokens
-vLLM scheduled on this engine after the load: 1 when the pull worked).
+output carries a ``policies.hints.TransferReport`` in its ``kv_transfer_params["kvroute"]``
+(``PolicyHints.transfer``): ``ok``, ``bytes``, ``blocks``, ``seconds`` (pull wall time: control
+round trips, group setup if any, wire and scatter), ``wire_seconds`` (the receive alone),
+``error``, and ``prompt_tokens_computed`` (prompt tokens vLLM scheduled on this engine after the
+load: 1 when the pull worked).
 
 Limits: one KV cache group (no hybrid/sliding-window models), equal TP sizes on both sides
 (decode TP rank r pulls from prefill TP rank r), no pipeline parallelism.
@@ -57,6 +58,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 import zmq
 from torch._C._distributed_c10d import TCPStore
@@ -97,6 +99,7 @@ from engines.pd.transfer import (
     TransferStats,
     layer_specs,
 )
+from policies.hints import PolicyHints, TransferReport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -311,7 +314,7 @@ class _SchedulerSide:
         self._to_send: dict[str, list[int]] = {}
         self._to_recv: list[RecvTask] = []
         self._to_release: list[PullParams] = []
-        self._info: dict[str, dict[str, Any]] = {}  # decode request -> its transfer's record
+        self._info: dict[str, TransferReport] = {}  # decode request -> its pull's report
         self._pulling: dict[str, Any] = {}  # decode request id -> Request, pull under way
         self._watch: dict[str, _Watch] = {}
         self._warned: set[str] = set()
@@ -331,7 +334,7 @@ class _SchedulerSide:
             if rid not in self._warned:
                 self._warned.add(rid)
                 log.warning("request %s: no KV pull, computing locally: %s", rid, e)
-            self._info[rid] = {"ok": False, "error": str(e)}
+            self._info[rid] = TransferReport(ok=False, error=str(e))
             return None
 
     def get_num_new_matched_tokens(
@@ -362,7 +365,7 @@ class _SchedulerSide:
             self._pulling[request.request_id] = request
         else:  # all cached here already: the prefill engine may free its copy now
             self._to_release.append(pull)
-            self._info[request.request_id] = {"ok": True, "blocks": 0, "bytes": 0, "cached": True}
+            self._info[request.request_id] = TransferReport(ok=True, cached=True)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvrouteConnectorMetadata(self._to_send, self._to_recv, self._to_release)
@@ -376,8 +379,11 @@ class _SchedulerSide:
             prompt = w.request.num_prompt_tokens
             w.computed += max(0, min(prompt, done + n) - done)
             if done + n >= prompt:
-                if rid in self._info:
-                    self._info[rid]["prompt_tokens_computed"] = w.computed
+                report = self._info.get(rid)
+                if report is not None:
+                    self._info[rid] = msgspec.structs.replace(
+                        report, prompt_tokens_computed=w.computed
+                    )
                 del self._watch[rid]
         return meta
 
@@ -385,10 +391,8 @@ class _SchedulerSide:
         stats = connector_output.kv_connector_stats
         data = getattr(stats, "data", stats) or {}
         for rec in data.get("transfers", []):
-            if rec.get("role") == "recv":
-                self._info[rec["request_id"]] = {
-                    k: v for k, v in rec.items() if k not in ("role", "request_id")
-                }
+            if rec.get("role") == "recv":  # the worker's record (``record``) is a report's superset
+                self._info[rec["request_id"]] = msgspec.convert(rec, TransferReport)
             elif not rec.get("ok"):
                 log.warning("KV send of %s failed: %s", rec.get("request_id"), rec.get("error"))
         for rid in connector_output.finished_recving or ():
@@ -446,10 +450,18 @@ class _SchedulerSide:
             return False, None
         if info is None:
             return False, None
-        hints = params.get("kvroute")
-        merged = dict(hints) if isinstance(hints, dict) else {}
-        merged["transfer"] = info
-        return False, {"kvroute": merged}
+        return False, _with_report(params, info)
+
+
+def _with_report(params: dict[str, Any], report: TransferReport) -> dict[str, Any]:
+    """The decode request's final ``kv_transfer_params``: its ``PolicyHints`` with ``report``.
+    Hints this engine cannot read are not the pull's business: they are left out."""
+    try:
+        hints = PolicyHints.from_params(params) or PolicyHints()
+    except ValueError as e:
+        log.warning("dropping unreadable policy hints from the transfer report: %s", e)
+        hints = PolicyHints()
+    return msgspec.structs.replace(hints, transfer=report).merged_into(None)
 
 
 # --------------------------------------------------------------------------- worker side

@@ -60,12 +60,12 @@ def test_a_long_prompt_is_prefilled_then_decoded_elsewhere_with_the_same_tokens(
     pd: Server, colocated: Server
 ) -> None:
     d = pd.stack.dispatcher
-    before = d.pd_split
+    before = d.pd.split
     got = client(pd).chat.completions.create(model=SIM_MODEL, messages=CHAT, max_tokens=12)
     want = client(colocated).chat.completions.create(model=SIM_MODEL, messages=CHAT, max_tokens=12)
     assert got.choices[0].message.content == want.choices[0].message.content
     assert got.usage.completion_tokens == 12 and got.usage.prompt_tokens > 300
-    assert d.pd_split == before + 1 and d.pd_handed_tokens >= got.usage.prompt_tokens - BS
+    assert d.pd.split == before + 1 and d.pd.handed_tokens >= got.usage.prompt_tokens - BS
     # the prefill engine computed the prompt; a decode engine pulled it and computed only the
     # last token (its scheduler's counters: pulled = prompt - local hit)
     assert scheduler(pd, "sim-0").prompt_tokens_admitted >= got.usage.prompt_tokens
@@ -84,9 +84,9 @@ def test_the_next_turn_finds_its_prefix_on_the_decode_engine_and_stays_there(pd:
     first = client(pd).chat.completions.create(model=SIM_MODEL, messages=CHAT, max_tokens=4)
     settle()  # KV events reach the router's map
     d = pd.stack.dispatcher
-    colocated_before, split_before = d.pd_colocated, d.pd_split
+    colocated_before, split_before = d.pd.colocated, d.pd.split
     nxt = client(pd).chat.completions.create(model=SIM_MODEL, messages=messages, max_tokens=4)
-    assert d.pd_colocated == colocated_before + 1 and d.pd_split == split_before
+    assert d.pd.colocated == colocated_before + 1 and d.pd.split == split_before
     assert nxt.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - BS
 
 
@@ -124,13 +124,13 @@ def test_a_decode_engine_that_fails_before_its_first_token_is_recomputed_elsewhe
         assert target in ("sim-1", "sim-2")
         asyncio.run_coroutine_threadsafe(stack.engines[target].stop(), pd.loop).result(10)
         try:
-            recomputed, failovers = d.pd_recomputed, d.failovers
+            recomputed, failovers = d.pd.recomputed, d.failovers
             r = client(pd).chat.completions.create(model=SIM_MODEL, messages=other, max_tokens=6)
             assert r.usage.completion_tokens == 6
-            if d.pd_recomputed == recomputed and d.failovers == failovers:
+            if d.pd.recomputed == recomputed and d.failovers == failovers:
                 continue  # its decode leg went to the other engine, which served it
             # the chosen decode engine failed; the re-run went to the other decode engine
-            assert d.pd_recomputed == recomputed + 1 and d.failovers == failovers + 1
+            assert d.pd.recomputed == recomputed + 1 and d.failovers == failovers + 1
             return
         finally:
             asyncio.run_coroutine_threadsafe(stack.engines[target].start(), pd.loop).result(10)
@@ -140,7 +140,7 @@ def test_a_decode_engine_that_fails_before_its_first_token_is_recomputed_elsewhe
 def test_without_its_prefill_engine_a_long_prompt_is_served_whole_by_a_decoder(pd: Server) -> None:
     d = pd.stack.dispatcher
     asyncio.run_coroutine_threadsafe(pd.stack.engines["sim-0"].stop(), pd.loop).result(10)
-    recomputed = d.pd_recomputed
+    recomputed = d.pd.recomputed
     other = [{"role": "system", "content": "Yet another prompt, " * 60}, CHAT[1]]
     r = client(pd).chat.completions.create(model=SIM_MODEL, messages=other, max_tokens=6)
-    assert r.usage.completion_tokens == 6 and d.pd_recomputed == recomputed + 1
+    assert r.usage.completion_tokens == 6 and d.pd.recomputed == recomputed + 1

@@ -5,22 +5,34 @@ The engine tier (tests/engine/test_pd_connector.py) runs the same code inside vl
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
+from vllm import SamplingParams as VllmSampling
+from vllm.config import VllmConfig
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+from engines.base import EngineOutput, EngineRequest, RoutedRequest
 from engines.pd.connector import (
     KvrouteConnectorMetadata,
     KvrouteConnectorStats,
     RecvTask,
+    _SchedulerSide,
     _WorkerSide,
 )
 from engines.pd.protocol import ConnectorSettings, PullParams
 from engines.vllm_engine import free_port
+from policies.hints import PolicyHints
+from router.dispatch import Dispatcher, PdStats
+from router.state import RouterState
 
 NUM_BLOCKS = 16
 
@@ -193,3 +205,54 @@ def test_foreign_messages_do_not_stop_the_control_channel(pair) -> None:
     decode.start(KvrouteConnectorMetadata(to_recv=[RecvTask("d5", _pull(port, "p5", [4]), [2])]))
     _wait(decode, lambda s, d, f: "d5" in d and not f)
     assert _same_blocks(_caches(True), [4], dst, [2])
+
+
+def test_a_pull_report_reaches_the_router_as_one_record(pair) -> None:
+    """A real pull's record on the decode worker becomes, on the scheduler side, the request's
+    ``TransferReport`` in its final ``kv_transfer_params``, beside the router's hints (kept); the
+    dispatcher reads it back into its PD stats."""
+    prefill, decode, port, _ = pair
+    prefill.start(KvrouteConnectorMetadata(to_send={"p1": [0, 1]}))
+    decode.start(
+        KvrouteConnectorMetadata(to_recv=[RecvTask("d1", _pull(port, "p1", [0, 1]), [4, 5])])
+    )
+    _wait(decode, lambda s, d, f: "d1" in d)
+    sched = _SchedulerSide(VllmConfig(), _settings(None), "eng-d")
+    stats = decode.take_stats()
+    sched.update_connector_output(
+        KVConnectorOutput(finished_recving={"d1"}, kv_connector_stats=stats)
+    )
+    hints = PolicyHints("text_2", 2, session_id=5, continuation=0.5)
+    sampling = VllmSampling(
+        max_tokens=2, extra_args={"kv_transfer_params": hints.merged_into(None)}
+    )
+    keep, params = sched.request_finished(Request("d1", [1] * 64, sampling, None), [4, 5])
+    assert keep is False and params is not None
+    got = PolicyHints.from_params(params)
+    assert got is not None and got.transfer is not None
+    report = got.transfer
+    assert report.ok and report.blocks == 2 and report.bytes == 2 * 2 * 32 * 128 * 2
+    assert report.remote_request_id == "p1" and report.error is None and report.seconds > 0
+    assert got == PolicyHints("text_2", 2, session_id=5, continuation=0.5, transfer=report)
+
+    class Decoder:  # the decode engine's final output, as its engine client delivers it
+        def stream(self, routed: RoutedRequest) -> AsyncIterator[EngineOutput]:
+            async def outs() -> AsyncIterator[EngineOutput]:
+                yield EngineOutput("d1", [7], finished=True, kv_transfer_params=params)
+
+            return outs()
+
+        async def command(self, command: Any) -> dict[str, Any]:
+            return {}
+
+        def isolate(self) -> None:
+            return
+
+    dispatcher = Dispatcher(RouterState("round_robin", block_size=16), Decoder(), pre_place=False)
+
+    async def run() -> None:
+        async for _ in dispatcher.stream(RoutedRequest(EngineRequest("d1", [1] * 64), "")):
+            pass
+
+    asyncio.run(run())
+    assert dispatcher.pd == PdStats(pulls=1, pull_bytes=report.bytes, pull_s=report.seconds)
