@@ -34,6 +34,7 @@ __all__ = [
     "sim_app_config",
     "sim_stack",
     "wait_for",
+    "wait_for_async",
 ]
 
 SIM_MODEL = "tiny-sim"
@@ -120,6 +121,19 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 
         if cond():
             return True
         time.sleep(poll_s)
+    return cond()
+
+
+async def wait_for_async(
+    cond: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.005
+) -> bool:
+    """``wait_for`` inside an event loop: polls ``cond`` between ``asyncio.sleep``s, so the
+    tasks that make it hold run meanwhile; its last value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(poll_s)
     return cond()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -73,17 +73,52 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Serv
         yield base, cfg
 
 
+def lookups(
+    base: str,
+    prompt: dict[str, Any],
+    until: Callable[[dict[str, int]], bool],
+    timeout_s: float = 10.0,
+) -> dict[str, dict[str, int]]:
+    """Ask ``/v1/kv/lookup`` for ``prompt`` until every ingress replica (told apart by
+    ``x-kvroute-router``) has answered rows (``cached_tokens`` by instance) that satisfy
+    ``until``: the KV events have reached each replica's map. Ten such answers in a row will
+    do as well: Serve may send every request to one replica for a while (a busy box), and a
+    request goes where the lookups go. Fails after ``timeout_s``; returns each replica's last
+    rows."""
+    replicas = {a["name"].rsplit("#", 1)[1] for a in named_replicas("kvroute-it", "ingress")}
+    headers = {"authorization": f"Bearer {ADMIN}"}
+    seen: dict[str, dict[str, int]] = {}
+    streak = 0
+
+    def all_know() -> bool:
+        nonlocal streak
+        r = httpx.post(f"{base}/v1/kv/lookup", json=prompt, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        rows = {row["instance"]: row["cached_tokens"] for row in r.json()["instances"]}
+        seen[r.headers["x-kvroute-router"]] = rows
+        streak = streak + 1 if until(rows) else 0
+        return streak >= 10 or all(k in seen and until(seen[k]) for k in replicas)
+
+    assert wait_for(all_know, timeout_s), f"not every router replica got there: {seen}"
+    return seen
+
+
+def some_cached(rows: dict[str, int]) -> bool:
+    return max(rows.values()) > 0
+
+
 @pytest.fixture()
 def client(served: tuple[str, ServeConfig]) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{served[0]}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def test_openai_client_end_to_end(client: openai.OpenAI) -> None:
+def test_openai_client_end_to_end(served: tuple[str, ServeConfig], client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == ["sim-tiny"]
     msgs = [{"role": "system", "content": LONG}, {"role": "user", "content": "hi"}]
     first = client.chat.completions.create(model="sim-tiny", messages=msgs, max_tokens=5)
     assert first.usage.completion_tokens == 5
-    time.sleep(0.5)  # KV events travel engine -> forwarder -> Ray bus -> ingress map
+    # KV events travel engine -> forwarder -> Ray bus -> each ingress replica's map
+    lookups(served[0], {"messages": msgs}, some_cached)
     again = client.chat.completions.create(model="sim-tiny", messages=msgs, max_tokens=5)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     text = client.completions.create(model="sim-tiny", prompt="route me", max_tokens=3)
@@ -201,12 +236,10 @@ def test_placements_are_honoured_and_follow_ups_hit(
             max_tokens=2,
             messages=[{"role": "system", "content": system}, {"role": "user", "content": "a"}],
         )
-        time.sleep(0.5)  # the first request's KV events reach the ingress's map
-        again = client.chat.completions.create(
-            model="sim-tiny",
-            max_tokens=2,
-            messages=[{"role": "system", "content": system}, {"role": "user", "content": "b"}],
-        )
+        follow_up = [{"role": "system", "content": system}, {"role": "user", "content": "b"}]
+        # the first request's KV events reach every ingress replica's map
+        lookups(served[0], {"messages": follow_up}, some_cached)
+        again = client.chat.completions.create(model="sim-tiny", max_tokens=2, messages=follow_up)
         assert first.usage is not None and again.usage is not None
         details = again.usage.prompt_tokens_details
         hits.append((details.cached_tokens if details else 0) / first.usage.prompt_tokens)
@@ -229,15 +262,13 @@ def test_kv_control_reaches_each_replica_through_serve(served: tuple[str, ServeC
     assert len(ids) == 2
     warmed = kv("warm", {**prompt, "instances": [ids[1]]})
     assert warmed["instances"][0]["ok"], warmed
-    time.sleep(0.5)
-    rows = {r["instance"]: r["cached_tokens"] for r in kv("lookup", prompt)["instances"]}
-    assert rows[ids[1]] > 0 and rows[ids[0]] == 0
+    seen = lookups(served[0], prompt, lambda rows: rows[ids[1]] > 0)
+    assert all(rows[ids[0]] == 0 for rows in seen.values()), seen  # only where it was warmed
     pinned = kv("pin", {**prompt, "instances": [ids[0]]})
     assert pinned["instances"][0]["ok"] and pinned["instances"][0]["cached_tokens"] == 0
     cleared = kv("clear", {})
     assert sorted(r["instance"] for r in cleared["instances"] if r["cleared"]) == ids
-    time.sleep(0.5)
-    assert {r["cached_tokens"] for r in kv("lookup", prompt)["instances"]} == {0}
+    lookups(served[0], prompt, lambda rows: set(rows.values()) == {0})  # every map dropped it
 
 
 def test_killing_a_router_replica_under_load(served: tuple[str, ServeConfig]) -> None:
@@ -275,7 +306,9 @@ def test_killing_a_router_replica_under_load(served: tuple[str, ServeConfig]) ->
 
     with cf.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(one, i) for i in range(60)]
-        time.sleep(0.5)
+        # under load: the first answers are back, most requests still to come
+        assert wait_for(lambda: sum(f.done() for f in futures) >= 6, 60), "no load"
+        pending = sum(not f.done() for f in futures)
         victim = routers[0]
         ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
         killed_at = time.monotonic()
@@ -305,7 +338,8 @@ def test_killing_a_router_replica_under_load(served: tuple[str, ServeConfig]) ->
             new_hit = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             break
     print(
-        f"\nrouter replica killed under load: {len(outcomes)} requests, "
+        f"\nrouter replica killed under load ({pending} requests unanswered): "
+        f"{len(outcomes)} requests, "
         f"{outcomes.count('ok')} ok, others {sorted(o for o in outcomes if o != 'ok')}; "
         f"replacement answered after {answered:.1f} s, knew the warmed prefix after "
         f"{routed:.1f} s; its completion found {new_hit} cached tokens"
@@ -332,13 +366,16 @@ def test_killing_an_engine_under_load_loses_no_request(client: openai.OpenAI) ->
     assert len(replicas) == 2
     with cf.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(one, i) for i in range(60)]
-        time.sleep(0.5)
+        # under load: the first answers are back, most requests still to come
+        assert wait_for(lambda: sum(f.done() for f in futures) >= 8, 60), "no load"
+        pending = sum(not f.done() for f in futures)
         victim = ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"])
         ray.kill(victim, no_restart=True)
         outcomes = [f.result(timeout=120) for f in futures]
     # Every request finished, or ended with a clean HTTP error; none hung or vanished.
     print(
-        f"\nengine killed under load: {len(outcomes)} requests, {outcomes.count('ok')} ok, "
+        f"\nengine killed under load ({pending} requests unanswered): {len(outcomes)} "
+        f"requests, {outcomes.count('ok')} ok, "
         f"others {sorted(o for o in outcomes if o != 'ok')}"
     )
     assert len(outcomes) == 60

@@ -14,6 +14,7 @@ from cachemap.events import BlockStored, decode_vllm_batch
 from engines.base import EngineError, EngineOutput, EngineRequest, SamplingParams
 from engines.sim.engine import SimEngine
 from engines.sim.profile import LatencyProfile
+from tests.support import wait_for_async
 
 BS = 32
 
@@ -140,8 +141,7 @@ def test_abort_ends_the_stream_and_frees_blocks():
                 got.append(out)
 
         task = asyncio.create_task(consume())
-        while not got:
-            await asyncio.sleep(0.01)
+        assert await wait_for_async(lambda: bool(got)), "no output came"
         load = eng.load()
         await eng.abort("long")
         await task
@@ -165,7 +165,9 @@ def test_load_snapshot_counts_waiting_and_running():
             for i in range(3)
         ]
         firsts = [asyncio.create_task(anext(g)) for g in gens]
-        await asyncio.sleep(0.05)
+        # all three past their request overhead, at the scheduler
+        at_scheduler = lambda: len(eng.scheduler.running) + len(eng.scheduler.waiting) == 3  # noqa: E731
+        assert await wait_for_async(at_scheduler), "the requests never reached the scheduler"
         snap = eng.load()
         await eng.stop()
         for t in firsts:
@@ -189,7 +191,8 @@ def test_queued_prefill_work_leaves_out_a_waiting_requests_cached_prefix():
         first = await anext(busy)  # holds the only slot
         follow = eng.generate(request("follow", prompt(192), max_tokens=1))
         task = asyncio.create_task(anext(follow))
-        await asyncio.sleep(0.05)
+        # past its request overhead, queued behind the busy one
+        assert await wait_for_async(lambda: len(eng.scheduler.waiting) == 1), "follow not queued"
         snap = eng.load()
         await eng.stop()
         task.cancel()
@@ -276,7 +279,9 @@ def test_abort_during_the_request_overhead():
         await eng.start()
         gen = eng.generate(request("a", prompt(64), max_tokens=4))
         first = asyncio.create_task(anext(gen))
-        await asyncio.sleep(0.05)  # the request is still in its overhead
+        assert await wait_for_async(lambda: eng.load().waiting == 1), "the request never came"
+        # still in its 500 ms overhead: counted waiting, not yet at the scheduler
+        assert eng.scheduler.idle, "the request left its overhead before the abort"
         await eng.abort("a")
         out = await first
         snap = eng.load()
@@ -327,19 +332,19 @@ def test_coalesce_merges_what_queued_up_behind_a_slow_consumer():
                 outs.append(out)
                 await asyncio.sleep(delay_s)
             plain = [o async for o in engine.generate(msgspec.structs.replace(req, request_id="p"))]
-            early = coalesce(engine.generate(msgspec.structs.replace(req, request_id="x")))
+            # "x" and "c" run for seconds unless aborted (4,000 tokens)
+            endless = SamplingParams(max_tokens=4000, seed=1)
+            early = coalesce(engine.generate(EngineRequest("x", list(range(100)), endless)))
             await anext(early)
-            await early.aclose()
-            await asyncio.sleep(0.01)
+            await early.aclose()  # closes the engine's stream on its way out
             assert engine.load().running == 0  # the early close aborted it
             one = await whole(engine.generate(msgspec.structs.replace(req, request_id="w")))
             waiting = asyncio.ensure_future(
-                whole(engine.generate(msgspec.structs.replace(req, request_id="c")))
+                whole(engine.generate(EngineRequest("c", list(range(100)), endless)))
             )
-            await asyncio.sleep(0.01)
-            assert engine.load().running == 1
+            assert await wait_for_async(lambda: engine.load().running == 1), "c never ran"
             waiting.cancel()
-            await asyncio.sleep(0.01)
+            await asyncio.gather(waiting, return_exceptions=True)  # its cancellation ran
             assert engine.load().running == 0  # the cancelled wait aborted it
         finally:
             await engine.stop()
