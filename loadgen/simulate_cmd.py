@@ -57,7 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--autoscale",
         metavar="POLICY[@k=v,...]",
         help="run each router with this autoscaling policy in virtual time, from --instances "
-        "(clamped to the bounds): static, ray_default, throughput or kvroute, options as "
+        "(clamped to the bounds): static, ray_default, throughput, kvroute (model-predictive: "
+        "simulates candidate pool sizes every decision; period_s=S for a known cycle) or "
+        "kvroute_reactive, options as "
         "NAME@key=value+key=value (or ,); needs --slo-ttft-ms; reports attainment, GPU-hours "
         "and the replica count over time",
     )
@@ -72,6 +74,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="seconds from a scale-up decision to the new engine's first step "
         "[45: vLLM, 8B model, one H100, weights local; loadgen.simulator.DEFAULT_COLD_START_S]",
+    )
+    a.add_argument(
+        "--warm-prefixes",
+        type=int,
+        default=0,
+        help="a new engine prefills this many of the recent requests' hottest prefixes at the "
+        "end of its cold start, before it takes traffic (0: joins cold) [0]",
     )
     a.add_argument(
         "--attainment",
@@ -241,7 +250,8 @@ def autoscaler_factory(
     _positive(args.autoscale_interval_s, "--autoscale-interval-s")
     if args.cold_start_s is not None:
         settings.cold_start_s = args.cold_start_s
-        settings.validate()
+    settings.warm_prefixes = args.warm_prefixes
+    settings.validate()
     slo = Slo(
         args.slo_ttft_ms / 1e3,
         args.slo_tpot_ms / 1e3 if args.slo_tpot_ms is not None else None,
@@ -262,6 +272,7 @@ def autoscaler_factory(
         "start_instances": settings.instances,
         "interval_s": args.autoscale_interval_s,
         "cold_start_s": settings.cold_start_s,
+        "warm_prefixes": settings.warm_prefixes,
         "attainment_target": args.attainment,
     }
     return make, meta

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from cachemap.bus import InProcessBus
+from cachemap.bus import MAX_READ_ITEMS, InProcessBus
 from cachemap.events import Cleared, InstanceGone, encode_message
 from cachemap.hashing import Tier
 from cachemap.ingest import EngineEventTranslator
@@ -63,7 +63,7 @@ from loadgen.records import RequestRecord
 from loadgen.workloads import Planned, ideal_hits
 from router import lifecycle
 from router.admission import Admission, Rejected
-from router.autoscale import Autoscaler, EngineLoad, Observation
+from router.autoscale import Autoscaler, EngineLoad, Observation, Slo
 from router.core import RouterCore
 from router.pd import (
     DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
@@ -97,6 +97,46 @@ ENGINE_OPTIONS: tuple[str, ...] = (
 # that a policy must see coming. (A node that must boot first, or weights from the network,
 # take minutes more: set ``cold_start_s``.)
 DEFAULT_COLD_START_S = 45.0
+
+# the request ids of warming prefills (``SimSettings.warm_prefixes``)
+WARM_PREFIX = "warm-"
+
+
+def hot_prefixes(recent: Sequence[Planned], k: int) -> list[tuple[Any, tuple[int, ...]]]:
+    """The ``k`` prefixes (trace block ids) of ``recent`` whose caching saves the most prefill:
+    per first block, the prefix length maximising length x the requests sharing it (at least
+    two), ranked by that; each with one request that carries it (its category and info)."""
+    groups: dict[int, list[tuple[int, ...]]] = {}
+    carrier: dict[int, Any] = {}
+    for p in recent:
+        h = p.req.hash_ids
+        if h:
+            groups.setdefault(h[0], []).append(h)
+            carrier.setdefault(h[0], p.req)
+    ranked = []
+    for first, hs in groups.items():
+        if len(hs) < 2:
+            continue
+        best, best_len, prefix = 0, 0, hs[0][:1]
+        length = 1
+        while True:
+            counts: dict[tuple[int, ...], int] = {}
+            for h in hs:
+                if len(h) >= length:
+                    key = h[:length]
+                    counts[key] = counts.get(key, 0) + 1
+            if not counts:
+                break
+            key, c = max(counts.items(), key=lambda kv: kv[1])
+            if c < 2:
+                break
+            if c * length > best:
+                best, best_len, prefix = c * length, length, key
+            length = length * 2 if length < 8 else length + max(1, length // 4)
+        if best_len:
+            ranked.append((best, first, prefix))
+    ranked.sort(key=lambda x: (-x[0], x[1]))
+    return [(carrier[first], prefix) for _, first, prefix in ranked[:k]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +210,14 @@ class SimSettings:
     cold_start_s: float = DEFAULT_COLD_START_S
     # the engines' KV events keep every event_stride-th block (EngineConfig.event_stride)
     event_stride: int = 1
+    # the autoscaler's simulator (``Observation.what_if``: a ``WhatIfSimulator`` every
+    # decision), sampling the requests of the last ``what_if_history_s`` seconds
+    what_if: bool = True
+    what_if_history_s: float = 120.0
+    # warming (KV-aware scale-up): a joining engine, at the end of its cold start and before
+    # it is routable, prefills the ``warm_prefixes`` hottest prefixes of the requests placed
+    # in the last ``what_if_history_s`` (``hot_prefixes``); 0: it joins cold
+    warm_prefixes: int = 0
 
     def gpu_blocks(self, truth: LatencyProfile, block_size: int) -> int:
         """Each engine's GPU KV blocks: ``num_gpu_blocks`` when set, else the profile's
@@ -186,6 +234,8 @@ class SimSettings:
                 raise ValueError(f"--lag-ms must be in [0, 60000), got {lag * 1e3:g}")
         if self.event_stride < 1:
             raise ValueError(f"--event-stride must be >= 1, got {self.event_stride}")
+        if self.warm_prefixes < 0:
+            raise ValueError(f"--warm-prefixes must be >= 0, got {self.warm_prefixes}")
         if not 0 <= self.cold_start_s < 86_400:
             raise ValueError(f"--cold-start-s must be in [0, 86400), got {self.cold_start_s}")
         if not self.load_interval_s > 0:
@@ -256,6 +306,16 @@ class SimRun:
     # KV event messages and blocks (stored and removed) the engines put on the bus
     kv_messages: int = 0
     kv_blocks: int = 0
+    # each engine's billing, (from, to): ``gpu_seconds`` is their sum (see ``gpu_seconds_in``)
+    billed: list[tuple[float, float]] = field(default_factory=list)
+    # autoscaling: each decision's cost in seconds of this process's CPU (what-ifs included)
+    decision_cpu_s: list[float] = field(default_factory=list)
+    # per engine that joined during the run: (routable from, its id, warmed first)
+    joins: list[tuple[float, str, bool]] = field(default_factory=list)
+
+    def gpu_seconds_in(self, t0: float, t1: float = math.inf) -> float:
+        """GPU-seconds billed within ``[t0, t1]``."""
+        return sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in self.billed)
 
     @property
     def requests_per_wall_s(self) -> float:
@@ -350,6 +410,11 @@ class ClusterSimulator:
         self._arrivals: deque[tuple[float, int, int, int]] = deque()
         self._ttfts: deque[tuple[float, float]] = deque()
         self._tpots: deque[tuple[float, float]] = deque()
+        self._recent: deque[Planned] = deque()  # the what-if's sample of recent requests
+        self._decision_cpu: list[float] = []
+        self._joins: list[tuple[float, str, bool]] = []
+        self._warmed: set[int] = set()
+        self._belief = belief
         self.translators: dict[str, EngineEventTranslator] = {}
         self.instances: list[VirtualInstance] = []
         self.by_id: dict[str, VirtualInstance] = {}
@@ -679,6 +744,7 @@ class ClusterSimulator:
                 self._arrivals.append(
                     (t, tr.input_length, tr.output_length, core.cached_tokens(preq, placement))
                 )
+                self._recent.append(p)
             preqs[rid] = (preq, p)
             if leg is req:
                 core.assigned(preq, placement, t)
@@ -704,8 +770,8 @@ class ClusterSimulator:
             progress(total, total)
         for inst in self.instances:
             for r in inst.finished:
-                if r.remote_decode:  # a prefill leg: its request's record is its decode's
-                    continue
+                if r.remote_decode or r.request_id.startswith(WARM_PREFIX):
+                    continue  # a prefill leg (its record is its decode's), or warming
                 rec = records[r.request_id]
                 rec.first_token_s, rec.done_s = r.first_token_s, r.finish_s
                 rec.output_tokens = r.num_output
@@ -741,6 +807,9 @@ class ClusterSimulator:
             kv_blocks=self.kv_blocks,
             gpu_seconds=gpu_s,
             replicas=list(self._replicas),
+            billed=[(a, b) for a, b in self._billed],
+            decision_cpu_s=list(self._decision_cpu),
+            joins=list(self._joins),
         )
 
     # -- membership and the autoscaler -------------------------------------------------------
@@ -772,9 +841,56 @@ class ClusterSimulator:
             self._tick(now)
 
     def _join(self, i: int, at: float) -> None:
-        """Engine ``i`` finished its cold start at ``at``: routable from now on."""
+        """Engine ``i`` finished its cold start at ``at``: routable from now on, or, with
+        warming, once it has prefilled the hot prefixes (then it joins again at that time)."""
+        k = self.settings.warm_prefixes
+        if k and i not in self._warmed:
+            self._warmed.add(i)
+            done = self._warm(i, at, k)
+            if done > at:
+                self._starting[i] = done
+                return
         self._publishing[i] = True  # it samples from the next load tick on
         self.core.add_instance(self.instances[i].instance_id)
+        self._joins.append((at, self.instances[i].instance_id, i in self._warmed))
+
+    def _warm(self, i: int, at: float, k: int) -> float:
+        """Prefill on engine ``i`` (not routable: it runs nothing else) the ``k`` hottest
+        prefixes of the recent requests, each a one-token request ``warm-<i>-<j>`` submitted at
+        ``at``, as the KV control API's warm path would; its KV events reach the map like any
+        others'. Returns when the last finished (``at`` when there was nothing to warm)."""
+        self._recent_since(at)
+        inst = self.instances[i]
+        n = 0
+        for j, (tr, blocks) in enumerate(hot_prefixes(self._recent, k)):
+            length = min(len(blocks) * self.trace_block_size, inst.max_model_len - 1)
+            if length < self.block_size:
+                continue
+            try:
+                _, req = trace_arrival(
+                    f"{WARM_PREFIX}{i}-{j}",
+                    at,
+                    length,
+                    1,
+                    blocks,
+                    self.trace_block_size,
+                    self.block_size,
+                    inst.max_model_len,
+                    request_info(tr, -1),
+                )
+                inst.submit(req, at)
+            except ValueError:
+                continue
+            n += 1
+        if not n:
+            return at
+        inst.drain()
+        return max(at, inst.clock)
+
+    def _recent_since(self, now: float) -> None:
+        recent = self._recent
+        while recent and recent[0].offset_s < now - self.settings.what_if_history_s:
+            recent.popleft()
 
     def _tick(self, now: float) -> None:
         """One autoscaling decision at ``now``: bring the cluster up to ``now`` as the
@@ -795,7 +911,9 @@ class ClusterSimulator:
             iid = inst.instance_id
             self._events[iid].append((released, encode_message(InstanceGone(iid))))
         self._publish_events(now)
+        cpu0 = time.process_time()
         decision = scaler.decide(self._observe(now, scaler.interval_s))
+        self._decision_cpu.append(time.process_time() - cpu0)
         if decision.target != self._target:
             self._scale_to(decision.target, now)
             self._replicas.append((now, decision.target, decision.reason))
@@ -809,6 +927,19 @@ class ClusterSimulator:
                 dq.popleft()
         arr = self._arrivals
         views = self.core.load.views(now)
+        self._recent_since(now)
+        recent = self._recent
+        what_if = None
+        if self.settings.what_if and recent:
+            what_if = WhatIfSimulator(
+                self._belief,
+                self.core.scorer.name,
+                self.trace_block_size,
+                list(recent),
+                waiting=sum(v.waiting for v in views),
+                ready=len(views),
+                settings=self.settings,
+            )
         return Observation(
             now=now,
             replicas=self._target,
@@ -826,6 +957,7 @@ class ClusterSimulator:
             ),
             ttfts=tuple(x for _, x in self._ttfts),
             tpots=tuple(x for _, x in self._tpots),
+            what_if=what_if,
         )
 
     def _scale_to(self, target: int, now: float) -> None:
@@ -873,6 +1005,8 @@ class ClusterSimulator:
         heap, core, budget = self._progress, self.core, self._budget
         while heap and heap[0][0] <= t:
             at, _, iid, req, finished = heapq.heappop(heap)
+            if req.request_id.startswith(WARM_PREFIX):  # warming: no client sees it
+                continue
             if finished:
                 entry = preqs.pop(req.request_id, None)
                 if entry is not None:
@@ -897,8 +1031,121 @@ class ClusterSimulator:
         while True:  # a burst larger than one bus read is applied whole, as a busy pump would
             fetched = core.fetch()
             core.apply(fetched, now)
-            if fetched is None or max(len(fetched[0].items), len(fetched[1].items)) < 4096:
+            if (
+                fetched is None
+                or max(len(fetched[0].items), len(fetched[1].items)) < MAX_READ_ITEMS
+            ):
                 return
+
+
+class WhatIfSimulator:
+    """The model-predictive policy's simulator of the pool (``router.autoscale.WhatIf``): what
+    a pool of ``replicas`` engines would attain if requests arrived at ``rate`` per second for
+    ``horizon_s``, replayed on the production router core (scorer ``scorer``, default
+    options) and sim engines of the router's profile, unperturbed (the router does not know
+    the engines' speeds).
+
+    The traffic: the most recent of ``recent`` (the requests of the last few minutes, their
+    tokens and prefixes) re-timed to arrive evenly at the rate, after a backlog of the
+    ``waiting`` requests queued now (the latest requests again, all at the start). At most
+    ``max_engines`` are simulated: a larger pool is simulated as a slice of that many engines
+    given that share of the rate and of the backlog (the router spreads load evenly), so a
+    decision at 64 instances costs what one at ``max_engines`` does; the slice is thinner
+    still where the forecast would bring more than ``max_requests`` arrivals (short prompts,
+    many requests a second per engine). A request used again
+    (a short history) gets fresh block ids for each lap. The engines start with empty caches,
+    so the requests of the first ``warm_fraction`` of the horizon only warm them (the
+    backlog's are always counted). The attainment returned is over the requests some pool
+    could serve in time (their ``ideal_ttfts`` within the TTFT SLO): the policy's goal is set
+    over those (``PredictivePolicy.sim_goal``). Built fresh by the cluster simulator at each
+    decision; in production the same object can be built from the ingress's recent
+    requests."""
+
+    def __init__(
+        self,
+        profile: LatencyProfile,
+        scorer: str,
+        trace_block_size: int,
+        recent: Sequence[Planned],
+        *,
+        waiting: int = 0,
+        ready: int = 1,
+        settings: SimSettings | None = None,
+        max_engines: int = 8,
+        warm_fraction: float = 0.25,
+        max_requests: int = 400,
+    ) -> None:
+        self.profile, self.scorer = profile, scorer
+        self.trace_block_size, self.recent = trace_block_size, list(recent)
+        self.waiting, self.ready = waiting, max(1, ready)
+        base = settings or SimSettings()
+        self.settings = SimSettings(
+            instances=1,
+            block_size=base.block_size,
+            engine=dict(base.engine),
+            perturbation=EXACT,
+            event_lag_s=base.event_lag_s,
+            load_lag_s=base.load_lag_s,
+            load_interval_s=base.load_interval_s,
+            what_if=False,
+        )
+        self.max_engines, self.warm_fraction = max(1, max_engines), warm_fraction
+        self.max_requests = max(1, max_requests)
+        self.calls = 0
+
+    def plan(self, replicas: int, rate: float, horizon_s: float) -> tuple[int, list[Planned]]:
+        """The slice simulated for ``replicas`` engines: its size, and its requests (the
+        backlog's first, at 0)."""
+        m = min(replicas, self.max_engines)
+        if rate * horizon_s > 0:  # at most ``max_requests`` arrivals: a thinner slice
+            m = max(1, min(m, int(self.max_requests * replicas / (rate * horizon_s))))
+        share = m / replicas
+        lam = rate * share
+        backlog = round(self.waiting * m / self.ready)
+        n = max(1, math.ceil(lam * horizon_s)) if lam > 0 else 0
+        pool = self.recent
+        if not pool:
+            return m, []
+        take = backlog + n
+        out = []
+        for k in range(take):
+            lap, j = divmod(take - 1 - k, len(pool))
+            req = pool[-1 - j].req
+            if lap:  # a request used again: fresh blocks, so it hits only its own lap's
+                req = replace(req, hash_ids=tuple(b + (lap << 48) for b in req.hash_ids))
+            out.append(Planned(k, 0.0 if k < backlog else (k - backlog) / lam, req))
+        return m, out
+
+    def __call__(self, replicas: int, rate: float, horizon_s: float, slo: Slo) -> float:
+        self.calls += 1
+        m, plan = self.plan(replicas, rate, horizon_s)
+        if not plan:
+            return 1.0
+        settings = replace(self.settings, instances=m)
+        sim = ClusterSimulator(
+            self.profile, self.scorer, settings, self.trace_block_size, router_profile=self.profile
+        )
+        try:
+            run = sim.run(plan)
+        finally:
+            sim.close()
+        # requests no pool can serve within the TTFT SLO (alone on an idle engine with every
+        # earlier block cached: ``ideal_ttfts``) are left out: the policy's goal is over the
+        # attainable ones, and the few in a small sample would swing it
+        ideal = ideal_ttfts(plan, self.trace_block_size, self.profile, settings)
+        warm = self.warm_fraction * horizon_s
+        good = n = 0
+        for r in run.records:
+            if 0 < r.intended_s < warm or not ideal[r.index] <= slo.ttft_s:
+                continue
+            n += 1
+            if not r.ok or r.ttft_s > slo.ttft_s:
+                continue
+            tpot = r.tpot_s
+            if slo.tpot_s is not None and not math.isnan(tpot) and tpot > slo.tpot_s:
+                continue
+            good += 1
+        return good / n if n else 1.0
 
 
 @contextlib.contextmanager

@@ -22,14 +22,20 @@ Policies (``create_policy``; each is ``NAME`` or ``NAME@key=value+key=value``):
   (predicted from recent windows) over one replica's capacity at the SLO, from the profile
   (``replica_capacity``, prompts priced uncached as a profiled interpolation prices them), with
   ``headroom``.
-- ``kvroute``: a profile-based capacity model with SLO feedback (NOT yet model-predictive:
-  no candidate sizes are simulated). The capacity model prices the prompts' uncached tokens as
-  the router placed them (its cache-map hits: KV-aware), forecasts the rate one cold start
-  ahead (a new engine takes ``cold_start_s`` to serve), adds the replicas that the queued
-  backlog needs to drain within the TTFT SLO, and multiplies by a gain that SLO feedback
-  learns (raised while measured TTFT/TPOT attainment is under target, decayed back while it
-  is met). Scale-down waits ``down_delay_s`` of consistently lower targets and steps by at
-  most ``down_step`` of the pool at a time.
+- ``kvroute_reactive``: a profile-based capacity model with SLO feedback (no candidate sizes
+  are simulated; the first pass's ``kvroute``). The capacity model prices the prompts'
+  uncached tokens as the router placed them (its cache-map hits: KV-aware), forecasts the
+  rate one cold start ahead (a new engine takes ``cold_start_s`` to serve), adds the
+  replicas that the queued backlog needs to drain within the TTFT SLO, and multiplies by a
+  gain that SLO feedback learns (raised while measured TTFT/TPOT attainment is under
+  target, decayed back while it is met). Scale-down waits ``down_delay_s`` of consistently
+  lower targets and steps by at most ``down_step`` of the pool at a time.
+- ``kvroute``: model-predictive (``PredictivePolicy``): a forecast of the peak rate until a
+  replica removed now could be back (trend, and the same time of the last cycles when the
+  cycle is known), and the smallest pool whose simulation of that traffic meets the target
+  (``Observation.what_if``, which the caller provides; the capacity model without one).
+- ``SchedulePolicy`` (not a ``create_policy`` name): a schedule fixed in advance, the
+  hindsight oracle's (``benchmarks/autoscale_suite.py`` finds it).
 """
 
 from __future__ import annotations
@@ -44,6 +50,20 @@ from router.placement import parse_spec
 
 # seconds between two decisions (the simulator's default; Ray's own loop runs every 0.1 s)
 DEFAULT_INTERVAL_S = 10.0
+
+
+class WhatIf(Protocol):
+    """A simulator of the pool the caller hands the policy (``Observation.what_if``): the
+    fraction of requests (0..1) within ``slo`` that ``replicas`` serving engines would reach
+    over the next ``horizon_s`` seconds if requests arrived at ``rate`` per second with the
+    recent mix, starting from the current queue. The cluster simulator provides one
+    (``loadgen.simulator.WhatIfSimulator``: the recent requests re-timed, replayed on the
+    production router core); a production deployment can hand the same object, built from
+    the ingress's recent requests. It keeps ``calls`` (simulations run) for the reason."""
+
+    calls: int
+
+    def __call__(self, replicas: int, rate: float, horizon_s: float, slo: Slo) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +100,9 @@ class Observation:
     ttfts: tuple[float, ...] = ()
     tpots: tuple[float, ...] = ()
     pool: str = "default"
+    # the caller's simulator of this pool (``WhatIf``); None where it has none (the
+    # model-predictive policy then falls back to its capacity model)
+    what_if: WhatIf | None = None
 
     @property
     def rate(self) -> float:
@@ -369,7 +392,192 @@ class KvroutePolicy:
         return max(want, cur - step), f"{why}: down"
 
 
-POLICIES = ("static", "ray_default", "throughput", "kvroute")
+class SeasonalForecaster:
+    """The arrival rate over a coming span of time: the highest of a trend forecast
+    (``Forecaster``) and, with a known cycle (``period_s`` > 0: a day in production, the
+    suite's burst-and-lull cycle in the simulator), the rates observed at the same time of
+    the cycle in the last ``periods`` cycles. Only what was observed before ``now`` is used;
+    before one full cycle has been seen the seasonal part has nothing to say."""
+
+    def __init__(self, period_s: float = 0.0, points: int = 4, periods: int = 2) -> None:
+        self.period_s, self.periods = period_s, max(1, periods)
+        self.trend = Forecaster(points)
+        # (window's start, window's end, rate), oldest first, at most ``periods`` cycles
+        self.history: deque[tuple[float, float, float]] = deque()
+
+    def add(self, now: float, window_s: float, rate: float) -> None:
+        self.trend.add(now, rate)
+        if self.period_s > 0:
+            self.history.append((now - window_s, now, rate))
+            keep = now - self.period_s * self.periods - window_s
+            while self.history and self.history[0][1] < keep:
+                self.history.popleft()
+
+    def peak(self, now: float, until_s: float) -> tuple[float, str]:
+        """The highest rate forecast over ``[now, now + until_s]``, and where it comes from."""
+        trend = self.trend.predict(until_s)
+        if self.period_s <= 0 or not self.history:
+            return trend, "trend"
+        seasonal = 0.0
+        for k in range(1, self.periods + 1):
+            lo, hi = now - k * self.period_s, now + until_s - k * self.period_s
+            seen = [r for a, b, r in self.history if b > lo and a < hi]
+            if seen:
+                seasonal = max(seasonal, max(seen))
+        if seasonal > trend:
+            return seasonal, "cycle"
+        return trend, "trend"
+
+
+@dataclass
+class PredictivePolicy:
+    """kvroute's model-predictive policy (``kvroute``): every decision, forecast the highest
+    arrival rate until a replica removed now could be back (``cold_start_s`` plus one
+    interval: ``SeasonalForecaster``), and search the smallest pool whose simulation
+    (``Observation.what_if``: the recent requests re-timed at that rate on the production
+    router core, from the current queue, for ``horizon_s``) keeps ``sim_goal`` of the requests
+    that any pool could serve in time within the SLO (the issue's target, 99% or a point
+    under the workload's ceiling, is about that share of the attainable requests). Holding
+    capacity through a lull shorter than a scale cycle follows from the forecast window; a
+    burst one cycle back at this time of the cycle (``period_s``) is provisioned ahead.
+
+    The search starts at the rate over the per-replica capacity the last search found
+    (first: ``replica_capacity`` with the router's cache hits) and moves by bisection, at
+    most ``max_sims`` simulations a decision; the count found times ``headroom`` (the
+    simulation's engines run at the profile's speed, real ones spread around it) is the
+    target. SLO feedback: while measured attainment is under
+    the target, a gain (x ``gain_up`` per decision, at most ``max_gain``) multiplies the
+    result; it decays back (x ``gain_decay``) while the target is met. Without a what-if the
+    policy sizes with the capacity model alone (the reactive ``kvroute_reactive``'s model)."""
+
+    profile: Any
+    slo: Slo
+    cold_start_s: float = 45.0
+    period_s: float = 0.0
+    periods: int = 2
+    horizon_s: float = 60.0
+    sim_goal: float = 0.99
+    points: int = 4
+    max_sims: int = 4
+    headroom: float = 1.2
+    gain_up: float = 1.1
+    gain_decay: float = 0.95
+    max_gain: float = 2.0
+    name: str = "kvroute"
+    _forecast: SeasonalForecaster = field(default_factory=SeasonalForecaster, repr=False)
+    _mix: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    _cap: float = 0.0  # requests/s per replica the last search found
+    _gain: float = 1.0
+
+    def __post_init__(self) -> None:
+        self._forecast = SeasonalForecaster(self.period_s, self.points, self.periods)
+
+    def desired(self, obs: Observation, lo: int, hi: int) -> tuple[float, str]:
+        self._forecast.add(obs.now, obs.window_s, obs.rate)
+        if obs.arrivals:
+            a = obs.arrivals
+            self._mix = (obs.prompt_tokens / a, obs.cached_tokens / a, obs.output_tokens / a)
+        p, c, o = self._mix
+        if not p and not o:
+            return obs.replicas, "no traffic seen yet"
+        met = self.slo.met(obs.ttfts, obs.tpots)
+        if met is not None and met < self.slo.attainment:
+            self._gain = min(self.max_gain, self._gain * self.gain_up)
+        else:
+            self._gain = max(1.0, self._gain * self.gain_decay)
+        ahead = self.cold_start_s + obs.window_s
+        rate, source = self._forecast.peak(obs.now, ahead)
+        fb = f", gain {self._gain:.2f}" + (f", attainment {met:.3f}" if met is not None else "")
+        if rate <= 0:
+            return lo, f"no arrivals forecast within {ahead:g} s{fb}"
+        model = replica_capacity(self.profile, p, max(p - c, 1.0), o, self.slo.tpot_s)
+        what_if = obs.what_if
+        if what_if is None:
+            if model <= 0:
+                return hi, "TPOT SLO below the profile's step time"
+            n = rate * self.headroom * self._gain / model
+            return n, f"{source} forecast {rate:.2f}/s within {ahead:g} s, model {model:.2f}/s"
+        cap = self._cap or model or 1.0
+        need, sims = self._search(what_if, rate, cap, lo, hi)
+        self._cap = rate / need
+        n = need * self.headroom * self._gain
+        why = (
+            f"{source} forecast {rate:.2f}/s within {ahead:g} s: {need} replicas meet "
+            f"{self.sim_goal:.3f} in simulation ({sims} runs){fb}"
+        )
+        return n, why
+
+    def _search(
+        self, what_if: WhatIf, rate: float, cap: float, lo: int, hi: int
+    ) -> tuple[int, int]:
+        """The smallest count in [lo, hi] whose simulation reaches the goal, and the runs it
+        took: from the guess, down by doubling steps or up by doubling the count until the
+        goal is bracketed, then bisection; the best count known to pass when ``max_sims``
+        runs are spent (hi when none passed)."""
+        goal = min(1.0, self.sim_goal)
+        seen: dict[int, bool] = {}
+
+        def ok(n: int) -> bool:
+            if n not in seen:
+                seen[n] = what_if(n, rate, self.horizon_s, self.slo) >= goal
+            return seen[n]
+
+        guess = min(hi, max(lo, math.ceil(rate / cap - 1e-9)))
+        # bracket: ``good`` meets the target, ``bad`` does not (lo - 1: nothing below lo)
+        if ok(guess):
+            good, bad, step = guess, lo - 1, 1
+            while good > lo and len(seen) < self.max_sims:
+                probe = max(lo, good - step)
+                if ok(probe):
+                    good, step = probe, step * 2
+                else:
+                    bad = probe
+                    break
+        else:
+            bad, good = guess, hi
+            while bad < hi and len(seen) < self.max_sims:
+                probe = min(hi, 2 * bad)
+                if ok(probe):
+                    good = probe
+                    break
+                bad = probe
+            else:  # out of runs (or at the ceiling) without a pass: the ceiling
+                return hi, len(seen)
+        while good - bad > 1 and len(seen) < self.max_sims:
+            mid = (good + bad) // 2
+            if ok(mid):
+                good = mid
+            else:
+                bad = mid
+        return good, len(seen)
+
+
+@dataclass
+class SchedulePolicy:
+    """A replica schedule fixed in advance (``schedule``: ``(from_s, n)`` steps, sorted): the
+    hindsight oracle's. At ``now`` the target is the largest count the schedule asks for
+    until ``lead_s`` later (an engine must be decided a cold start before it serves), so a
+    scheduled rise is paid from its decision, as any policy's is."""
+
+    schedule: Sequence[tuple[float, int]] = ()
+    lead_s: float = 0.0
+    name: str = "schedule"
+
+    def at(self, t: float) -> int:
+        n = self.schedule[0][1] if self.schedule else 1
+        for at, k in self.schedule:
+            if at > t:
+                break
+            n = k
+        return n
+
+    def desired(self, obs: Observation, lo: int, hi: int) -> tuple[float, str]:
+        end = obs.now + self.lead_s
+        n = max([self.at(obs.now)] + [k for at, k in self.schedule if obs.now < at <= end])
+        return n, f"scheduled {n} (until +{self.lead_s:g} s)"
+
+
+POLICIES = ("static", "ray_default", "throughput", "kvroute", "kvroute_reactive")
 
 
 def create_policy(spec: str, *, profile: Any, slo: Slo, cold_start_s: float) -> Policy:
@@ -384,6 +592,9 @@ def create_policy(spec: str, *, profile: Any, slo: Slo, cold_start_s: float) -> 
     elif name == "throughput":
         cls, kwargs = ThroughputPolicy, {"profile": profile, "slo": slo}
     elif name == "kvroute":
+        cls = PredictivePolicy
+        kwargs = {"profile": profile, "slo": slo, "cold_start_s": cold_start_s}
+    elif name == "kvroute_reactive":
         cls, kwargs = KvroutePolicy, {"profile": profile, "slo": slo, "cold_start_s": cold_start_s}
     else:
         raise ValueError(f"--autoscale: unknown policy {name!r}; valid: {', '.join(POLICIES)}")

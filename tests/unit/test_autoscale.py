@@ -16,7 +16,10 @@ from router.autoscale import (
     Forecaster,
     KvroutePolicy,
     Observation,
+    PredictivePolicy,
     RayDefaultPolicy,
+    SchedulePolicy,
+    SeasonalForecaster,
     Slo,
     create_policy,
     replica_capacity,
@@ -160,9 +163,103 @@ def test_cli_autoscale_reports_attainment_gpu_hours_and_decisions(capsys):
          "--cold-start-s must be"),
         (["--autoscale", "kvroute", "--slo-ttft-ms", "100", "--max-instances", "0"],
          "--max-instances must be"),
+        (["--autoscale", "kvroute", "--slo-ttft-ms", "100", "--warm-prefixes", "-1"],
+         "--warm-prefixes must be >= 0"),
     ],
 )  # fmt: skip
 def test_cli_autoscale_bad_input_names_the_flag(argv, message, capsys):
     rc = kvroute(["simulate", "--workload", "to-b", "--duration", "5", "--no-progress", *argv])
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+class Threshold:
+    """A what-if whose pool meets the SLO exactly when it has ``rate / per`` replicas: the
+    policy's search on a known answer."""
+
+    def __init__(self, per: float) -> None:
+        self.per, self.calls, self.asked = per, 0, []
+
+    def __call__(self, replicas, rate, horizon_s, slo):
+        self.calls += 1
+        self.asked.append((replicas, rate))
+        return 1.0 if replicas * self.per >= rate else 0.5
+
+
+def test_seasonal_forecaster_recalls_the_same_time_of_the_last_cycle():
+    f = SeasonalForecaster(period_s=600.0, points=4)
+    plain = SeasonalForecaster(period_s=0.0, points=4)
+    for k in range(1, 100):  # one cycle and a bit: a lull, a burst from 400 s to 600 s
+        now = 10.0 * k
+        rate = 2.0 if (now - 10.0) % 600 < 400 else 8.0
+        f.add(now, 10.0, rate)
+        plain.add(now, 10.0, rate)
+    # at 990 s the burst of 400-600 s is 600 s back from 1000-1045 s: within the window
+    rate, source = f.peak(990.0, 55.0)
+    assert (rate, source) == (8.0, "cycle")
+    assert plain.peak(990.0, 55.0) == (2.0, "trend")  # no cycle: only the lull's trend
+    # a lull far from the next burst: the cycle says lull too
+    assert f.peak(700.0, 55.0)[0] == 2.0
+
+
+def test_predictive_policy_finds_the_smallest_pool_its_simulation_passes(profile):
+    slo = Slo(2.0, 0.05, 0.99)
+    p = create_policy("kvroute@headroom=1+max_sims=8", profile=profile, slo=slo, cold_start_s=45)
+    assert isinstance(p, PredictivePolicy)
+    mix = {"arrivals": 200, "prompt_tokens": 200 * 2000, "output_tokens": 200 * 200}
+    w = Threshold(per=1.0)
+    n, why = p.desired(obs(0.0, 4, what_if=w, **mix), 1, 64)
+    assert n == 20 and "20 replicas meet" in why and f"({w.calls} runs)" in why
+    assert w.calls <= p.max_sims
+    assert all(r == 20.0 for _, r in w.asked)  # the forecast rate, the window's
+    # the next decision starts from the capacity it found: one run above, one below at most
+    w2 = Threshold(per=1.0)
+    n2, _ = p.desired(obs(10.0, 20, what_if=w2, **mix), 1, 64)
+    assert n2 == 20 and w2.calls == 2
+    # the default budget of runs: a pass bracketed, not bisected to the end
+    d = create_policy("kvroute@headroom=1", profile=profile, slo=slo, cold_start_s=45)
+    wd = Threshold(per=1.0)
+    nd, _ = d.desired(obs(0.0, 4, what_if=wd, **mix), 1, 64)
+    assert 20 <= nd <= 40 and wd.calls <= d.max_sims == 4
+    # nothing passes up to the ceiling: the ceiling
+    stuck = create_policy("kvroute", profile=profile, slo=slo, cold_start_s=45)
+    n3, _ = stuck.desired(obs(0.0, 4, what_if=Threshold(per=0.0001), **mix), 1, 16)
+    assert n3 >= 16
+    # no what-if (a caller without a simulator): the capacity model sizes the pool
+    q = create_policy("kvroute", profile=profile, slo=slo, cold_start_s=45)
+    m, why = q.desired(obs(0.0, 4, **mix), 1, 64)
+    assert m > 0 and "model" in why
+
+
+def test_predictive_policy_holds_through_a_short_lull_from_its_forecast(profile):
+    """A burst one cycle back that falls within cold start + an interval of now keeps the pool
+    up through the lull before it; a lull longer than that lets it go: no special rule."""
+    slo = Slo(2.0, 0.05, 0.99)
+    p = create_policy("kvroute@period_s=300+headroom=1", profile=profile, slo=slo, cold_start_s=45)
+    w = Threshold(per=1.0)
+    targets = {}
+    for k in range(1, 60):
+        now = 10.0 * k
+        busy = (now - 10.0) % 300 >= 200  # 100 s bursts every 300 s
+        a = 300 if busy else 50
+        o = obs(now, 10, what_if=w, arrivals=a, prompt_tokens=a * 2000, output_tokens=a * 200)
+        targets[now], _ = p.desired(o, 1, 64)
+    assert targets[560.0] == 30  # 2nd cycle's burst 510-610 s: up
+    assert targets[420.0] < 15  # 2nd cycle's lull, the burst 90 s+ away: down
+    assert targets[460.0] == 30  # the burst 50 s away (cold start 45 s + 10 s): held ahead
+
+
+def test_schedule_policy_asks_a_cold_start_ahead():
+    s = SchedulePolicy([(0.0, 2), (60.0, 10), (120.0, 3)], lead_s=45.0)
+    assert s.desired(obs(0.0, 2), 1, 64)[0] == 2
+    assert s.desired(obs(20.0, 2), 1, 64)[0] == 10  # 60 s is within 45 s of 20 s
+    assert s.desired(obs(100.0, 10), 1, 64)[0] == 10
+    assert s.desired(obs(130.0, 10), 1, 64)[0] == 3
+
+
+def test_create_policy_keeps_the_reactive_policy_and_checks_options(profile):
+    slo = Slo(2.0, 0.05)
+    r = create_policy("kvroute_reactive", profile=profile, slo=slo, cold_start_s=45)
+    assert isinstance(r, KvroutePolicy)
+    with pytest.raises(ValueError, match=r"unknown option 'period'.*period_s"):
+        create_policy("kvroute@period=5", profile=profile, slo=slo, cold_start_s=45)

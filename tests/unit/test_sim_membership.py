@@ -44,8 +44,10 @@ def work(duration: float = 60.0, rate: float = 20.0, seed: int = 0):
     return build_schedule(generate("to-b", SynthParams(rate=rate, duration_s=duration, seed=seed)))
 
 
-def replay(profile, instances, steps, *, cold=20.0, interval=5.0, seed=0, plan=None):
-    settings = SimSettings(instances=instances, perturbation=EXACT, cold_start_s=cold)
+def replay(profile, instances, steps, *, cold=20.0, interval=5.0, seed=0, plan=None, warm=0):
+    settings = SimSettings(
+        instances=instances, perturbation=EXACT, cold_start_s=cold, warm_prefixes=warm
+    )
     settings.perturbation = Perturbation(speed_sigma=0.1, jitter=0.05, seed=seed)
     sim = ClusterSimulator(profile, "kv_ttft", settings, SYNTH_BLOCK_SIZE)
     script = Script(steps)
@@ -139,3 +141,80 @@ def test_cold_start_and_pd_autoscaling_are_checked(profile):
     with pytest.raises(ValueError, match="prefill/decode"):
         sim.run(work(5.0), autoscaler=Autoscaler(Script([]), 1, 4))
     assert math.isfinite(SimSettings().cold_start_s)
+
+
+def test_the_policy_is_handed_a_what_if_of_the_recent_requests(profile):
+    """Every decision carries a ``WhatIfSimulator`` built from the requests the router placed
+    in the last ``what_if_history_s``; more engines attain at least as much under a burst, a
+    pool of 64 is simulated as a slice of ``max_engines``, and re-used requests get fresh
+    blocks. The run reports its billing and each decision's CPU cost."""
+    from loadgen.simulator import WhatIfSimulator
+    from router.autoscale import Slo
+
+    _, run, script = replay(profile, 2, [], plan=work(30.0))
+    late = [o for o in script.seen if o.now >= 25.0]
+    assert late and all(isinstance(o.what_if, WhatIfSimulator) for o in late)
+    w = late[0].what_if
+    assert all(late[0].now - 120.0 <= p.offset_s < late[0].now for p in w.recent)
+    slo = Slo(0.5, 0.05, 0.99)
+    rate = 3 * len(w.recent) / 25.0  # three times what the window saw
+    one, four = w(1, rate, 10.0, slo), w(4, rate, 10.0, slo)
+    assert one < four and four > 0.9 and w.calls == 2
+    m, plan = w.plan(64, 100.0, 20.0)
+    assert m == w.max_engines == 8 and len(plan) >= 8 / 64 * 100 * 20
+    m, plan = w.plan(64, 400.0, 20.0)  # 8 engines' share would be 1000 arrivals: thinner
+    assert m == 3 and len(plan) <= w.max_requests + w.waiting
+    laps = [p.req.hash_ids for p in plan]
+    assert len(set(laps)) == len(laps) or len(plan) <= len(w.recent)
+    assert len(run.decision_cpu_s) == len(script.seen)
+    assert sum(b - a for a, b in run.billed) == pytest.approx(run.gpu_seconds)
+    assert run.gpu_seconds_in(10.0, 20.0) == pytest.approx(2 * 10.0)
+
+
+def test_a_fixed_run_without_what_if_matches_one_with(profile):
+    """The what-if is built from the replay's state but never changes it: a policy that
+    ignores it sees the same run with it switched off."""
+    a = replay(profile, 1, [(5.0, 3)], plan=work(20.0))[1]
+    settings = SimSettings(instances=1, cold_start_s=20.0, what_if=False)
+    settings.perturbation = Perturbation(speed_sigma=0.1, jitter=0.05, seed=0)
+    sim = ClusterSimulator(profile, "kv_ttft", settings, SYNTH_BLOCK_SIZE)
+    b = sim.run(work(20.0), autoscaler=Autoscaler(Script([(5.0, 3)]), 1, 8, 5.0))
+    key = lambda run: [(r.instance, r.first_token_s, r.done_s) for r in run.records]  # noqa: E731
+    assert key(a) == key(b) and a.gpu_seconds == b.gpu_seconds
+
+
+def test_hot_prefixes_rank_the_shared_prefixes_by_the_prefill_they_save():
+    from loadgen.simulator import hot_prefixes
+    from loadgen.traces import TraceRequest
+    from loadgen.workloads import Planned
+
+    def req(k, ids):
+        return Planned(k, float(k), TraceRequest(float(k), 16 * len(ids), 8, tuple(ids)))
+
+    recent = [
+        req(0, [1, 2, 3, 4, 50]), req(1, [1, 2, 3, 4, 51]), req(2, [1, 2, 3, 4, 52]),
+        req(3, [7, 8, 60]), req(4, [7, 8, 61]), req(5, [9, 70]),
+    ]  # fmt: skip
+    got = [prefix for _, prefix in hot_prefixes(recent, 5)]
+    assert got == [(1, 2, 3, 4), (7, 8)]  # 3 x 4 blocks, then 2 x 2; a lone prompt: none
+    assert [p for _, p in hot_prefixes(recent, 1)] == [(1, 2, 3, 4)]
+
+
+def test_a_warmed_engine_holds_the_hot_prefixes_before_it_serves(profile):
+    """With warming a joiner prefills the recent requests' hot prefixes at the end of its
+    cold start, becomes routable only when that is done, and its first request already
+    hits; the warming prefills are no client's requests."""
+    plan = work(32.0)
+    _, cold_run, _ = replay(profile, 1, [(5.0, 2)], plan=plan)
+    _, run, _ = replay(profile, 1, [(5.0, 2)], plan=plan, warm=4)
+    ((t_cold, iid, w_cold),) = cold_run.joins
+    ((t_warm, iid2, w_warm),) = run.joins
+    assert iid == iid2 == "sim-1" and not w_cold and w_warm
+    assert t_cold == pytest.approx(25.0) and t_warm > t_cold  # prefill time, after the start
+    assert len(run.records) == len(plan) and all(r.ok for r in run.records)
+    first = min((r for r in run.records if r.instance == "sim-1"), key=lambda r: r.index)
+    cold_first = min((r for r in cold_run.records if r.instance == "sim-1"), key=lambda r: r.index)
+    assert first.cached_tokens > 0 and cold_first.cached_tokens == 0
+    assert first.intended_s >= t_warm
+    with pytest.raises(ValueError, match="--warm-prefixes"):
+        SimSettings(warm_prefixes=-1).validate()
