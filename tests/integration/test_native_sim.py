@@ -92,8 +92,8 @@ def test_compiled_modules_import_as_an_installed_kvroute_does(tmp_path: Path) ->
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     probe = (
         "import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.', sys.argv[1])]; "
-        "import router.state, engines.sim.virtual; "
-        "print(router.state.__file__); print(engines.sim.virtual.__file__)"
+        "import router.core, engines.sim.virtual; "
+        "print(router.core.__file__); print(engines.sim.virtual.__file__)"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe, str(native.ROOT)],
