@@ -52,7 +52,15 @@ from engines.deployment import (
     TTFT_BUCKETS_S,
     bucket_key,
 )
-from router.autoscale import Autoscaler, Decision, EngineLoad, Observation, Slo, create_policy
+from router.autoscale import (
+    DEFAULT_COLD_START_S,
+    Autoscaler,
+    Decision,
+    EngineLoad,
+    Observation,
+    Slo,
+    create_policy,
+)
 
 log = logging.getLogger(__name__)
 # the decisions go to Serve's logger: in the controller, its log file (controller_*.log)
@@ -226,7 +234,7 @@ class PoolPolicy:
         slo_ttft_s: float,
         slo_tpot_s: float | None = None,
         attainment: float = 0.99,
-        cold_start_s: float = 45.0,
+        cold_start_s: float = DEFAULT_COLD_START_S,
         profile: str | None = None,
         limits: Mapping[str, Any] | None = None,
         record: bool = True,

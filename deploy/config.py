@@ -17,7 +17,13 @@ from pydantic import (
 )
 
 from engines.config import BusConfig, EngineConfig, EngineDeploymentConfig, StrictModel
-from router.autoscale import DEFAULT_INTERVAL_S, POLICIES, Slo, create_policy
+from router.autoscale import (
+    DEFAULT_COLD_START_S,
+    DEFAULT_INTERVAL_S,
+    POLICIES,
+    Slo,
+    create_policy,
+)
 from router.pd import (
     DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     DEFAULT_OVERLOAD_FACTOR,
@@ -209,7 +215,7 @@ class PoolAutoscaling(StrictModel):
     slo_tpot_ms: float | None = Field(None, gt=0, description="the TPOT SLO (None: none)")
     attainment: float = Field(0.99, gt=0, le=1, description="fraction of requests within both")
     cold_start_s: float = Field(
-        45.0,
+        DEFAULT_COLD_START_S,
         ge=0,
         description="seconds from a scale-up decision to the new engine serving (node start, "
         "model load), which the policy forecasts across",

@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="seconds from a scale-up decision to the new engine's first step "
-        "[45: vLLM, 8B model, one H100, weights local; loadgen.simulator.DEFAULT_COLD_START_S]",
+        "[45: vLLM, 8B model, one H100, weights local; router.autoscale.DEFAULT_COLD_START_S]",
     )
     a.add_argument(
         "--warm-prefixes",

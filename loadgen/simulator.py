@@ -63,7 +63,7 @@ from loadgen.records import RequestRecord
 from loadgen.workloads import Planned, ideal_hits
 from router import lifecycle
 from router.admission import Admission, Rejected
-from router.autoscale import Autoscaler, EngineLoad, Observation, Slo
+from router.autoscale import DEFAULT_COLD_START_S, Autoscaler, EngineLoad, Observation, Slo
 from router.core import RouterCore
 from router.pd import (
     DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
@@ -87,16 +87,6 @@ ENGINE_OPTIONS: tuple[str, ...] = (
     "transfer_gbps",
     "transfer_latency_ms",
 )
-
-# Seconds from a scale-up decision to a new engine's first step: vLLM serving Llama-3.1-8B on
-# one H100 from weights on local NVMe or in the page cache. The parts: a Serve replica's
-# process and CUDA context (~5-10 s), 16 GB of weights at a few GB/s (~5-10 s), torch.compile
-# with its cache warm (~5-15 s) and CUDA graph capture for the default batch sizes
-# (~5-15 s), then the KV cache's allocation and profiling run (~2-5 s): ~30-60 s in all, as
-# vLLM's startup logs show for 8B models. We take 45 s, the middle: the cost of a scale-up
-# that a policy must see coming. (A node that must boot first, or weights from the network,
-# take minutes more: set ``cold_start_s``.)
-DEFAULT_COLD_START_S = 45.0
 
 # the request ids of warming prefills (``SimSettings.warm_prefixes``)
 WARM_PREFIX = "warm-"

@@ -51,6 +51,16 @@ from router.placement import parse_spec
 # seconds between two decisions (the simulator's default; Ray's own loop runs every 0.1 s)
 DEFAULT_INTERVAL_S = 10.0
 
+# Seconds from a scale-up decision to a new engine's first step: vLLM serving Llama-3.1-8B on
+# one H100 from weights on local NVMe or in the page cache. The parts: a Serve replica's
+# process and CUDA context (~5-10 s), 16 GB of weights at a few GB/s (~5-10 s), torch.compile
+# with its cache warm (~5-15 s) and CUDA graph capture for the default batch sizes
+# (~5-15 s), then the KV cache's allocation and profiling run (~2-5 s): ~30-60 s in all, as
+# vLLM's startup logs show for 8B models. We take 45 s, the middle: the cost of a scale-up
+# that a policy must see coming. (A node that must boot first, or weights from the network,
+# take minutes more: set ``cold_start_s``.)
+DEFAULT_COLD_START_S = 45.0
+
 
 class WhatIf(Protocol):
     """A simulator of the pool the caller hands the policy (``Observation.what_if``): the
@@ -325,6 +335,33 @@ class ThroughputPolicy:
         return n, f"rate {rate:.2f}/s over {cap:.2f}/s per replica (ISL {p:.0f}, OSL {o:.0f})"
 
 
+class _Feedback(Protocol):
+    """What kvroute's policies learn from each observation (``_feedback``)."""
+
+    slo: Slo
+    gain_up: float
+    gain_decay: float
+    max_gain: float
+    _mix: tuple[float, float, float]
+    _gain: float
+
+
+def _feedback(policy: _Feedback, obs: Observation) -> float | None:
+    """Learn from ``obs``: the token mix per request (prompt, cached, output) of its arrivals,
+    kept from the last window that had any, and the SLO gain (x ``gain_up`` while measured
+    attainment is under the target, at most ``max_gain``; decaying back by ``gain_decay`` to 1
+    otherwise). Returns the measured attainment (None: nothing measured)."""
+    if obs.arrivals:
+        a = obs.arrivals
+        policy._mix = (obs.prompt_tokens / a, obs.cached_tokens / a, obs.output_tokens / a)
+    met = policy.slo.met(obs.ttfts, obs.tpots)
+    if met is not None and met < policy.slo.attainment:
+        policy._gain = min(policy.max_gain, policy._gain * policy.gain_up)
+    else:
+        policy._gain = max(1.0, policy._gain * policy.gain_decay)
+    return met
+
+
 @dataclass
 class KvroutePolicy:
     """kvroute's policy: profile capacity with KV hits, cold-start-ahead forecast, backlog and
@@ -332,7 +369,7 @@ class KvroutePolicy:
 
     profile: Any
     slo: Slo
-    cold_start_s: float = 45.0
+    cold_start_s: float = DEFAULT_COLD_START_S
     headroom: float = 1.05
     points: int = 4
     down_delay_s: float = 60.0
@@ -351,17 +388,10 @@ class KvroutePolicy:
 
     def desired(self, obs: Observation, lo: int, hi: int) -> tuple[float, str]:
         self._forecast.add(obs.now, obs.rate)
-        if obs.arrivals:
-            a = obs.arrivals
-            self._mix = (obs.prompt_tokens / a, obs.cached_tokens / a, obs.output_tokens / a)
+        met = _feedback(self, obs)
         p, c, o = self._mix
         if not p and not o:
             return obs.replicas, "no traffic seen yet"
-        met = self.slo.met(obs.ttfts, obs.tpots)
-        if met is not None and met < self.slo.attainment:
-            self._gain = min(self.max_gain, self._gain * self.gain_up)
-        else:
-            self._gain = max(1.0, self._gain * self.gain_decay)
         rate = self._forecast.predict(self.cold_start_s + obs.window_s)
         cap = replica_capacity(self.profile, p, max(p - c, 1.0), o, self.slo.tpot_s)
         if cap <= 0:
@@ -452,7 +482,7 @@ class PredictivePolicy:
 
     profile: Any
     slo: Slo
-    cold_start_s: float = 45.0
+    cold_start_s: float = DEFAULT_COLD_START_S
     period_s: float = 0.0
     periods: int = 2
     horizon_s: float = 60.0
@@ -474,17 +504,10 @@ class PredictivePolicy:
 
     def desired(self, obs: Observation, lo: int, hi: int) -> tuple[float, str]:
         self._forecast.add(obs.now, obs.window_s, obs.rate)
-        if obs.arrivals:
-            a = obs.arrivals
-            self._mix = (obs.prompt_tokens / a, obs.cached_tokens / a, obs.output_tokens / a)
+        met = _feedback(self, obs)
         p, c, o = self._mix
         if not p and not o:
             return obs.replicas, "no traffic seen yet"
-        met = self.slo.met(obs.ttfts, obs.tpots)
-        if met is not None and met < self.slo.attainment:
-            self._gain = min(self.max_gain, self._gain * self.gain_up)
-        else:
-            self._gain = max(1.0, self._gain * self.gain_decay)
         ahead = self.cold_start_s + obs.window_s
         rate, source = self._forecast.peak(obs.now, ahead)
         fb = f", gain {self._gain:.2f}" + (f", attainment {met:.3f}" if met is not None else "")
