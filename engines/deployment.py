@@ -316,27 +316,39 @@ class EngineDeployment:
             resync_poll=(lambda: take(self.instance_id)) if take is not None else None,
         )
 
+    async def _counted(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """The engine's outputs for ``req``, counted into ``stats`` (arrival, first token,
+        finish: what the autoscaler is told). Closed early (its call cancelled), it closes the
+        engine's stream, which aborts the request."""
+        stats, arrived = self.stats, time.monotonic()
+        stats.arrived(len(req.prompt_token_ids))
+        first_at: float | None = None
+        outputs = self.engine.generate(req)
+        try:
+            async for out in outputs:
+                if first_at is None and out.token_ids:
+                    first_at = time.monotonic()
+                    stats.first_token(first_at - arrived)
+                if out.finished:
+                    stats.finished(out, first_at, time.monotonic())
+                yield out
+        finally:
+            close = getattr(outputs, "aclose", None)
+            if close is not None:
+                await close()
+
     async def generate(
         self, request: EngineRequest | RoutedRequest | dict[str, Any]
     ) -> AsyncIterator[EngineOutput]:
         """Stream one request; a ``RoutedRequest`` (what the ingress sends through the request
         router) runs its ``request``."""
-        req = _engine_request(request)
-        stats, arrived = self.stats, time.monotonic()
-        stats.arrived(len(req.prompt_token_ids))
-        first_at: float | None = None
         first = True
         # NOTE: each output is an object of its own through Serve's stream (ingress_bench: 9 per
         # request): what queued up goes as one.
-        async for out in coalesce(self.engine.generate(req)):
+        async for out in coalesce(self._counted(_engine_request(request))):
             if first:
                 # NOTE: tells the ingress where Serve delivered it (overrides are counted there).
                 out.instance_id, first = self.instance_id, False
-            if first_at is None and out.token_ids:
-                first_at = time.monotonic()
-                stats.first_token(first_at - arrived)
-            if out.finished:
-                stats.finished(out, first_at, time.monotonic())
             yield out
 
     async def generate_whole(
@@ -344,28 +356,8 @@ class EngineDeployment:
     ) -> EngineOutput:
         """``generate`` for a request nobody streams: its outputs as one, in a unary call
         (cheaper through Serve than a stream of one). Cancelling the call aborts the request."""
-        req = _engine_request(request)
-        stats, arrived = self.stats, time.monotonic()
-        stats.arrived(len(req.prompt_token_ids))
-        first_at: float | None = None
-
-        async def timed() -> AsyncIterator[EngineOutput]:
-            nonlocal first_at
-            outputs = self.engine.generate(req)
-            try:
-                async for o in outputs:
-                    if first_at is None and o.token_ids:
-                        first_at = time.monotonic()
-                        stats.first_token(first_at - arrived)
-                    yield o
-            finally:  # closed early (the call cancelled): abort the engine request, as before
-                close = getattr(outputs, "aclose", None)
-                if close is not None:
-                    await close()
-
-        out = await whole(timed())
+        out = await whole(self._counted(_engine_request(request)))
         out.instance_id = self.instance_id
-        stats.finished(out, first_at, time.monotonic())
         return out
 
     async def abort(self, request_id: str) -> None:
