@@ -381,11 +381,11 @@ class _CandidateIndex:
         # the others: per group (sorted by running sequences, then position) the first not
         # cached, or with ``fill`` the least filled of those with its fewest running sequences
         for members in self._groups.values():
+            # NOTE: of any len(cached) + 1 members one is not cached, so the first uncached
+            # member is among those
             free = [m for m in members[: len(cached) + 1] if m[1] not in cached]
-            if not free:  # every one of the first is cached: look further
-                free = [m for m in members if m[1] not in cached]
-                if not free:
-                    continue
+            if not free:
+                continue
             if fill is None:
                 out.append((free[0][1], None))
                 continue
