@@ -469,6 +469,15 @@ def _row(s: dict[str, Any], sim: Any, excess: dict[str, float | None]) -> dict[s
         "good_requests": s["good_requests"],
         "load_spread": {k: v for k, v in (s["per_instance"] or {}).items() if k != "requests"},
         "calibration": sim.calibration,
+        # what the engines' KV events put on the bus (after --event-stride), per engine-second:
+        # the measured side of kvroute plan's event-volume model
+        "kv_events": {
+            "messages": sim.kv_messages,
+            "blocks": sim.kv_blocks,
+            "blocks_per_engine_s": round(sim.kv_blocks / sim.gpu_seconds, 1)
+            if sim.gpu_seconds > 0
+            else None,
+        },
         "wall_s": round(sim.wall_s, 3),
         "sim_req_per_wall_s": round(sim.requests_per_wall_s, 1),
     }

@@ -122,6 +122,22 @@ def test_cli_prints_json_and_writes_a_report(tmp_path, capsys):
     assert {"summary.json", "routers.csv", "ttft_cdf.png", "queue-kv_ttft.png"} <= names
 
 
+def test_the_engines_kv_event_volume_is_counted_after_the_stride(capsys) -> None:
+    """``kv_events``: what the engines put on the bus, measured; a stride of 4 carries about a
+    quarter of the blocks (every fourth of each stored run) in as many messages."""
+    got = {}
+    for k in ("1", "4"):
+        rc = kvroute([
+            "simulate", "--workload", "to-b", "--rate", "20", "--duration", "10", "--instances",
+            "2", "--router", "kv_ttft", "--event-stride", k, "--json", "--no-progress",
+        ])  # fmt: skip
+        assert rc == 0
+        got[k] = json.loads(capsys.readouterr().out)["routers"]["kv_ttft"]["kv_events"]
+    full, coarse = got["1"], got["4"]
+    assert full["messages"] > 0 and full["blocks_per_engine_s"] > 0
+    assert full["blocks"] / 5 < coarse["blocks"] < full["blocks"] / 3
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
