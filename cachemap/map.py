@@ -26,7 +26,7 @@ instance's leading run at once.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import ItemsView, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple, TypeVar, overload
 
@@ -115,6 +115,31 @@ class MatchResult(Mapping[str, Match]):
     def __repr__(self) -> str:
         return f"MatchResult({dict(self.items())!r})"
 
+    def items(self) -> ItemsView[str, Match]:
+        return _MatchItems(self)
+
+    def _pairs(self) -> Iterator[tuple[str, Match]]:
+        inst, runs = self._instance_at, self._runs
+        if isinstance(runs, dict):
+            held = [b for b, v in runs.items() if v]
+        else:
+            held = np.flatnonzero(np.frombuffer(runs, np.int64)).tolist()
+        for b in held:
+            iid = inst.get(b)
+            if iid is not None:
+                v = runs[b]
+                yield iid, _new_tuple(Match, (v >> 32, v & _LOW))
+
+
+class _MatchItems(ItemsView[str, Match]):
+    """``MatchResult.items()``: the pairs straight from the runs (a scorer walks them on every
+    placement), not a ``get`` per key."""
+
+    _mapping: MatchResult
+
+    def __iter__(self) -> Iterator[tuple[str, Match]]:
+        return self._mapping._pairs()
+
 
 class CacheMapStats(NamedTuple):
     blocks: int  # distinct blocks resident anywhere
@@ -166,6 +191,8 @@ class CacheMap:
         self._instance_at: dict[int, InstanceId] = {}
         self._free_bits: list[int] = []
         self._count = {t: dict[str, int]() for t in _TIERS}
+        # the same counts by instance bit, for a caller that weighs many instances in numpy
+        self._count_at = {t: np.zeros(64, np.int64) for t in _TIERS}
 
     # -- instances -------------------------------------------------------------------------------
 
@@ -189,6 +216,11 @@ class CacheMap:
         self._instance_at = {**self._instance_at, bit: InstanceId(instance)}
         for t in _TIERS:
             self._count[t][instance] = 0
+            if bit >= len(self._count_at[t]):
+                grown = np.zeros(2 * bit, np.int64)
+                grown[: len(self._count_at[t])] = self._count_at[t]
+                self._count_at[t] = grown
+            self._count_at[t][bit] = 0
         return bit
 
     def _resize(self, slots: int) -> None:
@@ -284,6 +316,7 @@ class CacheMap:
                 bit << 2 | flag,
             )
         self._count[tier][instance] += added
+        self._count_at[tier][bit] += added
         return int(added)
 
     def _alloc(self, n: int) -> npt.NDArray[np.int64]:
@@ -315,6 +348,7 @@ class CacheMap:
         # none out of the index (the rest of ``_recycle`` follows)
         held, n_dead = _remove(*self._index.table(), hs, *self._holders(), bit, _FLAG[tier], dead)
         self._count[tier][instance] -= held
+        self._count_at[tier][bit] -= held
         if n_dead:
             self._index.deleted(n_dead)
             self._recycle(np.sort(dead[:n_dead]))
@@ -342,6 +376,7 @@ class CacheMap:
             removed += int(held.sum())
             touched.append(wide[held])
             self._count[t][instance] = 0
+            self._count_at[t][bit] = 0
         left = np.where(mine, hold & ~np.uint16(flags), hold)
         hold[:] = np.where(left & 3 == 0, 0, left)
         self._release(np.unique(np.concatenate(touched)))
@@ -450,6 +485,13 @@ class CacheMap:
         blocks), for a caller that asks about many instances at once."""
         return MappingProxyType(self._count[as_tier(tier)])
 
+    def counts_by_bit(self, tier: Tier) -> tuple[Mapping[str, int], npt.NDArray[np.int64]]:
+        """``counts(tier)`` for numpy: (each instance's bit, the entries per bit), both live
+        and read-only by contract. The bit mapping is replaced, never changed in place, when an
+        instance joins or leaves: a caller that keeps something per bit can tell by identity
+        when to redo it. The array may be replaced as the map grows: ask again per use."""
+        return self._bit_of, self._count_at[as_tier(tier)]
+
     def count(self, instance: str, tier: Tier) -> int:
         """Engine blocks ``instance`` holds on ``tier`` (entries times ``stride``)."""
         return self._count[as_tier(tier)].get(instance, 0) * self.stride
@@ -515,9 +557,12 @@ class CacheMap:
             if len(inline) > n_bits or stray:
                 raise RuntimeError("a bit of a dropped or unknown instance is set")
             for inst, bit in self._bit_of.items():
-                if int(counts[bit]) != self._count[t][inst]:
+                if int(counts[bit]) != self._count[t][inst] or int(self._count_at[t][bit]) != int(
+                    counts[bit]
+                ):
                     raise RuntimeError(
-                        f"count of {inst}/{t} is {self._count[t][inst]}, not {int(counts[bit])}"
+                        f"count of {inst}/{t} is {self._count[t][inst]} "
+                        f"({int(self._count_at[t][bit])} by bit), not {int(counts[bit])}"
                     )
 
 

@@ -65,10 +65,10 @@ fit rather than preempting for it, and the estimate prices the queue.
 from __future__ import annotations
 
 import bisect
-import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from itertools import compress
 from operator import is_not
+from typing import Any
 
 import numpy as np
 
@@ -164,23 +164,12 @@ class KvTtftScorer(Scorer):
     def attach(self, cache_map: CacheMap) -> None:
         self._cache_map = cache_map
 
-    def _filler(self) -> Callable[[InstanceView], float] | None:
-        """How full an instance's GPU cache is, by the map (None: no map, or not spreading):
-        the share of its blocks holding some prefix (the blocks a new prompt there would evict
-        first once it is full); its resident block count when its capacity is unknown. One
-        per placement: it reads the map's counts directly (it is asked about every idle
-        instance of a large cluster)."""
+    def _filler(self) -> _Fill | None:
+        """How full an instance's GPU cache is, by the map (None: no map, or not spreading)."""
         cm = self._cache_map
         if cm is None or not self.spread_cold:
             return None
-        get, k = cm.counts(Tier.GPU).get, cm.stride
-
-        def fill(inst: InstanceView) -> float:
-            resident = get(inst.instance_id, 0) * k
-            cap = inst.kv_capacity_blocks
-            return resident / cap if cap else float(resident)
-
-        return fill
+        return _Fill(cm)
 
     def profile_estimate(
         self, request: PlacementRequest, inst: InstanceView, m: Match | None
@@ -208,7 +197,7 @@ class KvTtftScorer(Scorer):
         match: Mapping[str, Match],
     ) -> Placement:
         pool: list[tuple[InstanceView, Match | None]]
-        filler: Callable[[InstanceView], float] | None = None
+        filler: _Fill | None = None
         if self.kv_veto is None and len(instances) >= _INDEXED_FROM:
             filler = self._filler()
             pool = self._index.candidates(instances, match, filler)
@@ -246,6 +235,14 @@ class KvTtftScorer(Scorer):
             top = max(x[1] for x in close)
             if top > 0:
                 near = [min((x for x in close if x[1] == top), key=_estimate)]
+        if filler is not None:
+            # each uncached candidate stands for its group's members in its state: the least
+            # filled of those is the one that can win, in view order
+            index = self._index
+            near = sorted(
+                ((e, k, p, index.least_filled(v, filler)) for e, k, p, v in near),
+                key=lambda x: index.position(x[3]),
+            )
         if len(near) == 1:
             s, cached, base, inst = near[0]
         else:
@@ -278,6 +275,35 @@ class KvTtftScorer(Scorer):
 _INDEXED_FROM = 32
 
 
+class _Fill:
+    """How full an instance's GPU cache is, by the map: the share of its blocks holding some
+    prefix (the blocks a new prompt there would evict first once it is full); its resident
+    block count when its capacity is unknown. One per placement: it reads the map's counts
+    directly (it is asked about every idle instance of a large cluster), and ``shares`` weighs
+    a whole cluster in numpy."""
+
+    def __init__(self, cache_map: CacheMap) -> None:
+        self.get = cache_map.counts(Tier.GPU).get
+        self.stride = cache_map.stride
+        self.bit_of, self.by_bit = cache_map.counts_by_bit(Tier.GPU)
+
+    def __call__(self, inst: InstanceView) -> float:
+        resident = self.get(inst.instance_id, 0) * self.stride
+        cap = inst.kv_capacity_blocks
+        return resident / cap if cap else float(resident)
+
+    def shares(self, bits: Any, caps: Any) -> Any:
+        """The fill of the instances with map bits ``bits`` (-1: none yet) and capacities
+        ``caps``: ``__call__``'s figures (an int64 over an int64 is the same float in numpy as
+        in Python below 2**53), without a call each: a large group at once."""
+        resident = np.where(bits >= 0, self.by_bit[np.maximum(bits, 0)], 0) * self.stride
+        return np.where(caps > 0, resident / np.maximum(caps, 1), resident.astype(np.float64))
+
+
+# ``_CandidateIndex.least_filled`` weighs this many instances or more in numpy, not one by one
+_VECTOR_FROM = 32
+
+
 class _CandidateIndex:
     """The instances that can win a ``KvTtftScorer`` placement, without visiting them all.
 
@@ -293,7 +319,10 @@ class _CandidateIndex:
     included.
 
     The groups are kept across placements: views arrive as the same objects while unchanged
-    (``LoadTracker.views``), so only the positions whose view is a new object are regrouped."""
+    (``LoadTracker.views``), so only the positions whose view is a new object are regrouped.
+    Beside them, per position in numpy: its group's number, running sequences and capacity,
+    and its bit in the cache map, so that the least filled of a large group is found without
+    a call per member."""
 
     def __init__(self) -> None:
         self._views: list[InstanceView] = []
@@ -301,6 +330,36 @@ class _CandidateIndex:
         self._keys: list[tuple[int, int, int, int] | None] = []  # None: unhealthy
         # profile key -> [(running, position)], sorted
         self._groups: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
+        # profile key -> its number in ``_group_at`` (numbers of emptied groups are reused)
+        self._number: dict[tuple[int, int, int, int], int] = {}
+        self._spare: list[int] = []
+        self._group_at: Any = np.empty(0, np.int64)  # -1: unhealthy
+        self._running_at: Any = np.empty(0, np.int64)
+        self._cap_at: Any = np.empty(0, np.int64)
+        self._bits: Any = None  # the map bit per position, for ``_bits_for``
+        self._bits_for: object = None
+        # the last ``candidates``: the positions with a cached prefix, and the uncached
+        # candidates' groups
+        self._cached: dict[int, Match] = {}
+        self._firsts: dict[int, tuple[int, int, int, int]] = {}
+
+    def _join(self, key: tuple[int, int, int, int], i: int, v: InstanceView) -> None:
+        members = self._groups.get(key)
+        if members is None:
+            members = self._groups[key] = []
+            self._number[key] = self._spare.pop() if self._spare else len(self._number)
+        bisect.insort(members, (v.running, i))
+        self._group_at[i] = self._number[key]
+        self._running_at[i] = v.running
+        self._cap_at[i] = v.kv_capacity_blocks
+
+    def _leave(self, key: tuple[int, int, int, int], i: int, running: int) -> None:
+        members = self._groups[key]
+        del members[bisect.bisect_left(members, (running, i))]
+        if not members:
+            del self._groups[key]
+            self._spare.append(self._number.pop(key))
+        self._group_at[i] = -1
 
     @staticmethod
     def _key(v: InstanceView) -> tuple[int, int, int, int] | None:
@@ -312,13 +371,15 @@ class _CandidateIndex:
         self._views = list(views)
         self._pos = {v.instance_id: i for i, v in enumerate(views)}
         self._keys = [self._key(v) for v in views]
-        groups: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
+        self._groups, self._number, self._spare = {}, {}, []
+        n = len(views)
+        self._group_at = np.full(n, -1, np.int64)
+        self._running_at = np.zeros(n, np.int64)
+        self._cap_at = np.zeros(n, np.int64)
+        self._bits_for = None
         for i, (v, key) in enumerate(zip(views, self._keys, strict=True)):
             if key is not None:
-                groups.setdefault(key, []).append((v.running, i))
-        for members in groups.values():
-            members.sort()
-        self._groups = groups
+                self._join(key, i, v)
 
     def _update(self, views: Sequence[InstanceView]) -> None:
         old = self._views
@@ -329,7 +390,7 @@ class _CandidateIndex:
         if len(changed) * 4 > len(views):
             self._rebuild(views)
             return
-        keys, groups = self._keys, self._groups
+        keys = self._keys
         for i in changed:
             was, v = old[i], views[i]
             if v.instance_id != was.instance_id:  # another roster: start over
@@ -337,38 +398,45 @@ class _CandidateIndex:
                 return
             key = keys[i]
             if key is not None:
-                members = groups[key]
-                del members[bisect.bisect_left(members, (was.running, i))]
-                if not members:
-                    del groups[key]
+                self._leave(key, i, was.running)
             keys[i] = key = self._key(v)
             if key is not None:
-                bisect.insort(groups.setdefault(key, []), (v.running, i))
+                self._join(key, i, v)
             old[i] = v
+
+    def _bits_in(self, fill: _Fill) -> Any:
+        """The map bit of every position (-1: none yet), redone when the map's roster moved."""
+        if self._bits_for is not fill.bit_of:
+            get = fill.bit_of.get
+            self._bits = np.array([get(v.instance_id, -1) for v in self._views], np.int64)
+            self._bits_for = fill.bit_of
+        return self._bits
 
     def candidates(
         self,
         views: Sequence[InstanceView],
         match: Mapping[str, Match],
-        fill: Callable[[InstanceView], float] | None = None,
+        fill: _Fill | None = None,
     ) -> list[tuple[InstanceView, Match | None]]:
         """The healthy instances of ``views`` that can win, with their cached prefix, in view
-        order (empty: none is healthy). ``fill``: the scorer breaks near-ties by it after the
-        running sequences (``KvTtftScorer.spread_cold``), so within a group the winner is the
-        first of the fewest running sequences with the least fill."""
+        order (empty: none is healthy), one per group. ``fill``: the scorer breaks near-ties by
+        it after the running sequences (``KvTtftScorer.spread_cold``), so within a group the
+        winner is the first of the fewest running sequences with the least fill. For a group
+        without a cached prefix that is the group's first of its fewest running sequences
+        here: all of those have the same estimate, so only where that estimate is a near-tie
+        does ``least_filled`` (asked with the same ``fill``) need to weigh them all."""
         self._update(views)
         pos, keys = self._pos, self._keys
         # instances with a cached prefix: per profile key, the prefix included, the least
         # (running sequences, fill, position)
         best: dict[tuple[int, ...], tuple[int, float, int]] = {}
         cached: dict[int, Match] = {}
-        for iid in match:
+        for iid, m in match.items():
             i = pos.get(iid)
             if i is None:
                 continue
             key = keys[i]
-            m = match.get(iid)
-            if key is None or m is None:
+            if key is None:
                 continue
             cached[i] = m
             k = (*key, m.gpu_blocks, m.total_blocks)
@@ -377,27 +445,46 @@ class _CandidateIndex:
             got = best.get(k)
             if got is None or r < got:
                 best[k] = r
+        self._cached = cached
         out: list[tuple[int, Match | None]] = [(i, cached[i]) for _, _, i in best.values()]
         # the others: per group (sorted by running sequences, then position) the first not
-        # cached, or with ``fill`` the least filled of those with its fewest running sequences
-        for members in self._groups.values():
-            # NOTE: of any len(cached) + 1 members one is not cached, so the first uncached
-            # member is among those
-            free = [m for m in members[: len(cached) + 1] if m[1] not in cached]
-            if not free:
-                continue
-            if fill is None:
-                out.append((free[0][1], None))
-                continue
-            # the fewest running sequences among the uncached ones, then the least fill
-            low = free[0][0]
-            end = bisect.bisect_left(members, (low + 1, -1))
-            fills = [
-                (fill(views[i]), i) for _, i in itertools.islice(members, end) if i not in cached
-            ]
-            out.append((min(fills)[1], None))
+        # cached
+        firsts = self._firsts
+        firsts.clear()
+        for key, members in self._groups.items():
+            for _, i in members:
+                if i not in cached:
+                    out.append((i, None))
+                    firsts[i] = key
+                    break
         out.sort(key=_first)
         return [(views[i], m) for i, m in out]
+
+    def least_filled(self, view: InstanceView, fill: _Fill) -> InstanceView:
+        """Of ``view``'s group, if ``candidates`` just gave ``view`` for it without a cached
+        prefix, the least filled (then first) member outside the cached ones with as few
+        running sequences as ``view``: the one that wins the tie-break among them. Any other
+        ``view`` as it is."""
+        i = self._pos.get(view.instance_id)
+        key = self._firsts.get(i) if i is not None else None
+        if key is None:
+            return view
+        low, cached, views = view.running, self._cached, self._views
+        members = self._groups[key]
+        lo = bisect.bisect_left(members, (low, -1))
+        hi = bisect.bisect_left(members, (low + 1, -1))
+        if hi - lo < _VECTOR_FROM:
+            fills = [(fill(views[j]), j) for _, j in members[lo:hi] if j not in cached]
+            return views[min(fills)[1]]
+        mask = (self._group_at == self._number[key]) & (self._running_at == low)
+        if cached:
+            mask[np.fromiter(cached, np.int64, len(cached))] = False
+        at = np.flatnonzero(mask)
+        shares = fill.shares(self._bits_in(fill)[at], self._cap_at[at])
+        return views[int(at[int(np.argmin(shares))])]
+
+    def position(self, view: InstanceView) -> int:
+        return self._pos[view.instance_id]
 
 
 def _estimate(x: tuple[float, int, float, InstanceView]) -> float:

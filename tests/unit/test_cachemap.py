@@ -167,6 +167,9 @@ def test_only_widely_shared_blocks_pay_for_a_row_at_a_thousand_instances() -> No
     assert len(got) == 1024
     assert got["e5"] == Match(4, 4) and got["e4"] == Match(0, 3) and got["e7"] == Match(3, 3)
     assert list(got)[:3] == ["e0", "e1", "e2"]
+    assert list(got.items()) == [(k, got[k]) for k in got]  # the pairs straight from the runs
+    bit_of, by_bit = m.counts_by_bit(Tier.GPU)
+    assert {k: int(by_bit[b]) for k, b in bit_of.items()} == m.counts(Tier.GPU)
     for i in range(4):  # a tail shared by a few: still inline, followed one by one
         m.store(f"e{i}", Tier.GPU, [*shared, 1000 + i, 7, 8])
     assert m.stats().wide_blocks == 3

@@ -536,17 +536,21 @@ def test_router_core_apply_registers_and_refreshes_from_the_load_bus() -> None:
     assert core.load.views(1.2)[0].waiting == 2
 
 
-@pytest.mark.parametrize("with_map", [False, True])
-def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one(with_map: bool) -> None:
+@pytest.mark.parametrize(("with_map", "vector_from"), [(False, None), (True, None), (True, 1)])
+def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one(
+    with_map: bool, vector_from: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """From ``_INDEXED_FROM`` instances on, kv_ttft prices only those that can win; through
     views that change a few at a time (others kept, as LoadTracker keeps them), rosters that
     change, unhealthy instances and calibrations, it chooses what pricing all of them chooses,
     with the same estimate, tie-breaks included (with a cache map attached: the emptiest cache
-    among near-ties too)."""
+    among near-ties too, weighed in numpy for every group with ``vector_from`` 1)."""
     import random
 
     from router.scorers import kv_ttft
 
+    if vector_from is not None:
+        monkeypatch.setattr(kv_ttft, "_VECTOR_FROM", vector_from)
     rng = random.Random(3)
     fast, full = create_scorer("kv_ttft"), create_scorer("kv_ttft")
     cache = CacheMap()
@@ -565,6 +569,7 @@ def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one(with_map: boo
             running=rng.choice([0, 1, 1, 2, 5]),
             pending_prefill_tokens=rng.choice([0, 0, 0, 64, 640]),
             healthy=rng.random() > 0.05,
+            kv_capacity_blocks=rng.choice([0, 7, 64, 64]),
         )
 
     views = [fresh(f"i{k}") for k in range(n)]
@@ -588,6 +593,8 @@ def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one(with_map: boo
         if with_map and step % 7 == 0:  # some instances store a few blocks
             for v in rng.sample(views, 5):
                 cache.store(v.instance_id, Tier.GPU, [rng.getrandbits(62) for _ in range(3)])
+        if with_map and step % 40 == 39:  # one leaves the map, its bit freed for another
+            cache.drop_instance(rng.choice(views).instance_id)
         got = fast.place(r, list(views), match)
         kv_ttft._INDEXED_FROM, saved = 10**9, kv_ttft._INDEXED_FROM
         try:
