@@ -174,14 +174,16 @@ class RouterCore:
         loads, load = self.watcher.loads, self.load
         # NOTE: every instance with a sample is known and holds its latest sample afterwards (a
         # newer sample clears its failures). Only the ones sampled, or registered, since the
-        # last call can lack it: the others are not visited (hundreds of engines, each pump).
-        if not load.knows_all(loads):
-            known = set(load.instance_ids())
-            pools = self.pools
-            for iid, sample in loads.items():  # in sample order: the order of registration
-                if iid not in known:
-                    self.add_instance(iid, sample.pool if sample.pool in pools else None)
-        for iid in (*self.watcher.take_sampled(), *load.take_registered()):
+        # last call can lack it (an instance leaves the load table only with its sample:
+        # ``remove_instance``, or dropped as silent): the others are not visited (hundreds of
+        # engines, each pump).
+        sampled = self.watcher.take_sampled()
+        pools = self.pools
+        for iid in sampled:  # in sample order: the order of registration
+            sample = loads.get(iid)
+            if sample is not None and not load.knows(iid):
+                self.add_instance(iid, sample.pool if sample.pool in pools else None)
+        for iid in (*sampled, *load.take_registered()):
             latest = loads.get(iid)
             if latest is not None:
                 load.on_snapshot(latest)

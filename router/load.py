@@ -9,7 +9,6 @@ used. Time is an argument (``now``, seconds on the same clock as ``LoadSnapshot.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engines.base import LoadSnapshot
@@ -112,9 +111,9 @@ class LoadTracker:
     def instance_ids(self) -> list[str]:
         return list(self._instances)
 
-    def knows_all(self, instance_ids: Mapping[str, object]) -> bool:
-        """Whether every key of ``instance_ids`` is a registered instance."""
-        return self._instances.keys() >= instance_ids.keys()
+    def knows(self, instance_id: str) -> bool:
+        """Whether ``instance_id`` is a registered instance."""
+        return instance_id in self._instances
 
     def take_registered(self) -> list[str]:
         """The instances registered since the last call (which have no snapshot yet, unless
