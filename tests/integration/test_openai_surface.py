@@ -304,8 +304,11 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(
     ``positive_data_acceptance`` is left out on the completion endpoints only: a schema-valid
     body can still be refused there, and must be (an unknown model is a 404, a prompt over the
     context a 400, a field the sim engine cannot honour a 400). Positive bodies name the served
-    model, so that they reach an engine, and the KV bodies' token ids are taken into the
-    vocabulary (the served model's, which the document cannot state)."""
+    model, so that they reach an engine, the KV bodies' token ids are taken into the
+    vocabulary (the served model's, which the document cannot state), and a completion body
+    that sets no length gets ``max_tokens`` 16: the default, the rest of the context, costs
+    seconds of generation per case and has a test of its own
+    (``test_without_a_length_a_completion_fills_the_context``)."""
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis.checks import CHECKS, load_all_checks
@@ -335,6 +338,13 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(
         body = case.body if isinstance(case.body, dict) else {}
         if mode == "positive" and "model" in body:
             body["model"] = MODEL
+        if (
+            mode == "positive"
+            and label in COMPLETIONS
+            and body.get("max_tokens") is None
+            and body.get("max_completion_tokens") is None
+        ):
+            body["max_tokens"] = 16
         if mode == "positive" and isinstance(body.get("token_ids"), list):
             body["token_ids"] = [t % vocab for t in body["token_ids"]]
         checks = [
@@ -409,6 +419,17 @@ def test_schemathesis_coverage_phase_finds_nothing(
     # failures)
     counts = re.search(r"(\d+) generated, (\d+) passed", run.stdout)
     assert counts and counts[1] == counts[2] and int(counts[1]) >= 100, run.stdout[-6000:]
+
+
+def test_without_a_length_a_completion_fills_the_context(server: Server) -> None:
+    """No ``max_tokens`` (nor ``max_completion_tokens``): the reply may run to the end of the
+    context, as vLLM's does; the sim engine, which never samples an end of text, does."""
+    r = _chat(server)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    usage = body["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 2048  # sim_stack's context
+    assert body["choices"][0]["finish_reason"] == "length"
 
 
 def test_truncate_prompt_tokens_and_continuous_usage(server: Server) -> None:
