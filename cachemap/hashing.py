@@ -17,6 +17,7 @@ from enum import StrEnum
 from typing import NewType
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 BlockHash = NewType("BlockHash", int)
@@ -26,7 +27,9 @@ HASH_SEED = 0x6B76726F75746521  # b"kvroute!"
 MAX_TOKEN_ID = 2**32 - 1
 
 _MASK64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
+# splitmix64's constants: the golden-ratio increment and the finaliser's two multipliers
+GOLDEN = 0x9E3779B97F4A7C15
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _xxh3 = xxhash.xxh3_64_intdigest
 _U32_FAST = array("I").itemsize == 4 and sys.byteorder == "little"
 _pack_u64 = struct.Struct("<Q").pack_into
@@ -143,7 +146,15 @@ class BlockHasher:
 def mix64(x: int) -> int:
     """splitmix64: a cheap, well-spread 64-bit hash of an int, and a bijection on 64 bits (the
     sim's synthetic hashes and output tokens; the text ``ray_prefix`` builds from hashes)."""
-    x = (x + _GOLDEN) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x + GOLDEN) & _MASK64
+    x = ((x ^ (x >> 30)) * _M1) & _MASK64
+    x = ((x ^ (x >> 27)) * _M2) & _MASK64
     return x ^ (x >> 31)
+
+
+def mix64_finish(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """splitmix64's finaliser (``mix64`` without adding ``GOLDEN`` first) over a uint64 array,
+    wrapping: the synthetic prompts' token ids (``loadgen.prompts``)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(_M1)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(_M2)
+    return x ^ (x >> np.uint64(31))

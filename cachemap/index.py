@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from cachemap.hashing import GOLDEN
 from cachemap.jit import jit
 
 U64 = npt.NDArray[np.uint64]
@@ -20,7 +21,7 @@ I64 = npt.NDArray[np.int64]
 
 EMPTY = -1
 TOMBSTONE = -2
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_GOLDEN = np.uint64(GOLDEN)  # Fibonacci hashing's multiplier
 
 
 @jit

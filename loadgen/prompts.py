@@ -16,15 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import numpy.typing as npt
+
+from cachemap.hashing import GOLDEN, mix64_finish
 
 DEFAULT_VOCAB_SIZE = 30_000
 # NOTE: low ids hold special and byte tokens in most vocabularies; stay clear of them.
 DEFAULT_TOKEN_OFFSET = 1_000
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_GOLDEN = np.uint64(GOLDEN)
 
 # Common English words that are single tokens in GPT-2/Llama/Qwen-style BPE vocabularies.
 _WORD_TEXT = """the of and to in is was for on that with as by at from his her are be this
@@ -47,13 +46,6 @@ _WORD_TEXT = """the of and to in is was for on that with as by at from his her a
     sugar salt oil meat egg rice corn salad soup dinner lunch breakfast cook kitchen bed window
     floor roof gate fence path track trail hill valley island lake ocean coast beach desert"""
 WORDS: tuple[str, ...] = tuple(dict.fromkeys(_WORD_TEXT.split()))
-
-
-def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-    """splitmix64 finaliser over a uint64 array (wrapping arithmetic)."""
-    x = (x ^ (x >> np.uint64(30))) * _M1
-    x = (x ^ (x >> np.uint64(27))) * _M2
-    return x ^ (x >> np.uint64(31))
 
 
 class PromptSynth:
@@ -82,14 +74,14 @@ class PromptSynth:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.token_offset = token_offset
-        self._seed = _mix(np.array([seed & (2**64 - 1)], dtype=np.uint64))[0]
+        self._seed = mix64_finish(np.array([seed & (2**64 - 1)], dtype=np.uint64))[0]
         self._pos = np.arange(block_size, dtype=np.uint64) * _GOLDEN
 
     def blocks(self, hash_ids: Sequence[int]) -> np.ndarray:
         """Token ids of whole blocks, shape ``(len(hash_ids), block_size)``, dtype int64."""
         ids = np.asarray(hash_ids, dtype=np.uint64).reshape(-1)
-        base = _mix(ids ^ self._seed)
-        z = _mix(base[:, None] + self._pos[None, :])
+        base = mix64_finish(ids ^ self._seed)
+        z = mix64_finish(base[:, None] + self._pos[None, :])
         return (z % np.uint64(self.vocab_size)).astype(np.int64) + self.token_offset
 
     def token_ids(self, hash_ids: Sequence[int], input_length: int) -> np.ndarray:
