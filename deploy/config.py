@@ -16,6 +16,7 @@ from pydantic import (
     model_validator,
 )
 
+from engines.base import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS
 from engines.config import BusConfig, EngineConfig, EngineDeploymentConfig, StrictModel
 from router.autoscale import (
     DEFAULT_COLD_START_S,
@@ -24,12 +25,7 @@ from router.autoscale import (
     Slo,
     create_policy,
 )
-from router.pd import (
-    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
-    DEFAULT_OVERLOAD_FACTOR,
-    DEFAULT_TRANSFER_GBPS,
-    DEFAULT_TRANSFER_LATENCY_S,
-)
+from router.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_OVERLOAD_FACTOR
 from router.placement import create_scorer, scorer_names
 from router.pools import Pool, check_pools
 from router.recorder import JsonlRecorder
@@ -114,7 +110,7 @@ class RouterConfig(StrictModel):
         description="prefill/decode pools: KV hand-over bandwidth the router prices, GB/s",
     )
     pd_transfer_latency_ms: float = Field(
-        DEFAULT_TRANSFER_LATENCY_S * 1e3,
+        DEFAULT_TRANSFER_LATENCY_MS,
         ge=0,
         description="prefill/decode pools: fixed cost of one KV hand-over, ms",
     )

@@ -247,6 +247,14 @@ LOAD_INTERVAL_S = 0.1
 # slips by 0.05-0.45 points). At 100 ms a busy engine's load sample goes in every call: one bus
 # call per engine per 100 ms.
 PUBLISH_INTERVAL_S = 0.1
+# KV hand-over between a prefill and a decode engine (assumed, not measured here): a 200 Gb/s
+# RDMA NIC (ConnectX-6/7 class, what NIXL's UCX backend reads over) moves 25 GB/s at line rate;
+# 1 ms stands for the per-request fixed cost (the READ's setup, the completion notification and
+# the scheduler noticing it a step later). NVLink inside a node is faster, TCP across a CPU
+# cluster slower: configured per deployment. The sim engine's transfers and the router's
+# pricing of a split both default to it.
+DEFAULT_TRANSFER_GBPS = 25.0
+DEFAULT_TRANSFER_LATENCY_MS = 1.0
 
 
 class LoadSnapshot(msgspec.Struct, array_like=True, tag="load"):

@@ -52,11 +52,10 @@ from cachemap.bus import MAX_READ_ITEMS, InProcessBus
 from cachemap.events import Cleared, InstanceGone, encode_message
 from cachemap.hashing import Tier
 from cachemap.ingest import EngineEventTranslator
-from engines.base import LOAD_INTERVAL_S
+from engines.base import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, LOAD_INTERVAL_S
 from engines.forwarder import encode_load
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest
-from engines.sim.scheduler import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS
 from engines.sim.virtual import VirtualInstance, trace_arrival
 from loadgen.cachesim import request_info
 from loadgen.records import RequestRecord

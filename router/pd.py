@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cachemap import Match
+from engines.base import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS
 from router.placement import (
     InstanceView,
     NoInstanceError,
@@ -46,10 +47,6 @@ from router.placement import (
 )
 from router.pools import DECODE_ROLES, PREFILL_ROLES, Role
 
-# RDMA between GPU nodes (a 200 Gb/s NIC: 25 GB/s) with ~1 ms of set-up per request; NVLink
-# inside a node is faster, TCP across a CPU cluster slower: configure it per deployment.
-DEFAULT_TRANSFER_GBPS = 25.0
-DEFAULT_TRANSFER_LATENCY_S = 0.001
 # Dynamo's conditional disaggregation default (max_local_prefill_length)
 DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 1000
 # a split priced at more than this many times the colocated estimate runs colocated
@@ -62,7 +59,7 @@ class TransferModel:
 
     kv_bytes_per_token: int
     gbps: float = DEFAULT_TRANSFER_GBPS
-    latency_s: float = DEFAULT_TRANSFER_LATENCY_S
+    latency_s: float = DEFAULT_TRANSFER_LATENCY_MS / 1e3
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token < 1:

@@ -25,6 +25,8 @@ import zmq
 
 from cachemap.events import KVEventBatch, encode_vllm_batch
 from engines.base import (
+    DEFAULT_TRANSFER_GBPS,
+    DEFAULT_TRANSFER_LATENCY_MS,
     Engine,
     EngineError,
     EngineOutput,
@@ -35,7 +37,7 @@ from engines.base import (
 )
 from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.sim.request import TOKEN_OFFSET, VOCAB_SIZE, SimRequest, Status, make_request
-from engines.sim.scheduler import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, Scheduler
+from engines.sim.scheduler import Scheduler
 from policies.base import EvictionPolicy, RequestInfo
 
 log = logging.getLogger(__name__)

@@ -42,18 +42,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.base import LoadSnapshot
+from engines.base import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, LoadSnapshot
 from engines.sim.blocks import Block, KVBlockManager, cdiv
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import TOKEN_OFFSET, VOCAB_SIZE, SimRequest, Status
 from policies.base import EvictionPolicy
 
-# KV transfer between a prefill and a decode engine (assumed, not measured here): a 200 Gb/s
-# RDMA NIC (ConnectX-6/7 class, what NIXL's UCX backend reads over) moves 25 GB/s at line rate;
-# 1 ms stands for the per-request fixed cost (the READ's setup, the completion notification and
-# the scheduler noticing it a step later).
-DEFAULT_TRANSFER_GBPS = 25.0
-DEFAULT_TRANSFER_LATENCY_MS = 1.0
 # what a prefill engine writes for the side channel the decode engine would connect to; vLLM's
 # defaults (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT). Placeholders: the sim never reads them back.
 SIDE_CHANNEL_HOST = "localhost"

@@ -30,10 +30,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from cachemap.events import KVEventBatch, encode_vllm_batch
-from engines.base import LoadSnapshot
+from engines.base import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, LoadSnapshot
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest, Status, make_request
-from engines.sim.scheduler import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, Scheduler
+from engines.sim.scheduler import Scheduler
 from policies.base import EvictionPolicy, RequestInfo
 
 EventCallback = Callable[[str, int, bytes], None]

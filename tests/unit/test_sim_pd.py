@@ -11,15 +11,17 @@ import random
 import pytest
 
 from cachemap.events import BlockStored, decode_vllm_batch
-from engines.base import EngineOutput, EngineRequest, SamplingParams
+from engines.base import (
+    DEFAULT_TRANSFER_GBPS,
+    DEFAULT_TRANSFER_LATENCY_MS,
+    EngineOutput,
+    EngineRequest,
+    SamplingParams,
+)
 from engines.sim.engine import SimEngine
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import Status, make_request
-from engines.sim.scheduler import (
-    DEFAULT_TRANSFER_GBPS,
-    DEFAULT_TRANSFER_LATENCY_MS,
-    Scheduler,
-)
+from engines.sim.scheduler import Scheduler
 from engines.sim.virtual import VirtualInstance
 
 BS = 16
