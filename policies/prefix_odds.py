@@ -7,6 +7,7 @@ from collections import OrderedDict
 from collections.abc import Sequence, Set
 
 from policies.base import NO_PROTECTION, EvictionPolicy, Key, RequestInfo
+from policies.class_odds import ClassOdds
 from policies.ghost import GhostList
 
 # Per key: [class, last access s, access count, prefix offset].
@@ -82,9 +83,7 @@ class PrefixOddsPolicy(EvictionPolicy):
         self._ghost: GhostList[tuple[int, float, int]] = GhostList(
             int(self.ghost_factor * self.capacity_blocks)
         )
-        self._accesses = [0.0] * n
-        self._reuses = [0.0] * n
-        self._gap_sum = [0.0] * n
+        self._odds = ClassOdds(n, self.prior_weight, self.memory_accesses)
         self._offset = [0.0] * n  # scale * tau * logit(p), seconds
         self._tie_order = [n - 1, *range(d - 1, -1, -1), *range(d, n - 1)]
         self._since_fit = 0
@@ -94,10 +93,6 @@ class PrefixOddsPolicy(EvictionPolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._state
-
-    def _reused(self, cls: int, gap_s: float) -> None:
-        self._reuses[cls] += 1.0
-        self._gap_sum[cls] += max(gap_s, 0.0)
 
     def _class(self, count: int, offset: int) -> int:
         if count > 1:
@@ -110,7 +105,7 @@ class PrefixOddsPolicy(EvictionPolicy):
 
     def _access(self, key: Key, count: int, now_s: float, offset: int) -> None:
         cls = self._class(count, offset)
-        self._accesses[cls] += 1.0
+        self._odds.accesses[cls] += 1.0
         self._state[key] = [cls, now_s, count, offset]
         self._lists[cls][key] = None
         self._since_fit += 1
@@ -119,31 +114,24 @@ class PrefixOddsPolicy(EvictionPolicy):
 
     def _refit(self) -> None:
         self._since_fit = 0
-        acc, reu, gaps = self._accesses, self._reuses, self._gap_sum
-        total_a, total_r = sum(acc), sum(reu)
-        prior_p = total_r / total_a if total_a else 0.5
-        prior_tau = sum(gaps) / total_r if total_r else 60.0
-        w = self.prior_weight
-        for c in range(len(acc)):
-            p = min(max((reu[c] + w * prior_p) / (acc[c] + w), 1e-4), 1.0 - 1e-4)
-            tau = (gaps[c] + w * prior_tau) / (reu[c] + w)
-            self._offset[c] = self.scale * tau * math.log(p / (1.0 - p))
-        if total_a > self.memory_accesses:
-            # NOTE: halving keeps the estimates tracking a drifting workload.
-            for arr in (acc, reu, gaps):
-                arr[:] = [x / 2.0 for x in arr]
+        odds = self._odds
+        self._offset = [
+            self.scale * tau * logit
+            for tau, logit in zip(odds.mean_gaps(), odds.logits(), strict=True)
+        ]
+        odds.age()
 
     def insert(self, key: Key, now_s: float, parent: Key | None = None, offset: int = 0) -> None:
         count = 1
         ghost = self._ghost.pop(key, None)
         if ghost is not None:
-            self._reused(ghost[0], now_s - ghost[1])
+            self._odds.reused(ghost[0], now_s - ghost[1])
             count = ghost[2] + 1
         self._access(key, count, now_s, offset)
 
     def touch(self, key: Key, now_s: float) -> None:
         cls, last, count, offset = self._state[key]
-        self._reused(int(cls), now_s - last)
+        self._odds.reused(int(cls), now_s - last)
         del self._lists[int(cls)][key]
         self._access(key, int(count) + 1, now_s, int(offset))
 
@@ -160,8 +148,9 @@ class PrefixOddsPolicy(EvictionPolicy):
         cls, tail = int(st[0]), self._tail
         if cls == tail or (request.num_blocks and st[3] != request.num_blocks - 1):
             return
-        self._accesses[cls] = max(0.0, self._accesses[cls] - 1.0)
-        self._accesses[tail] += 1.0
+        acc = self._odds.accesses
+        acc[cls] = max(0.0, acc[cls] - 1.0)
+        acc[tail] += 1.0
         del lists[cls][keys[-1]]
         lists[tail][keys[-1]] = None
         st[0] = tail

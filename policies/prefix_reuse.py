@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence, Set
 
 from policies.base import NO_PROTECTION, Key, RequestInfo
+from policies.class_odds import ClassOdds
 from policies.ghost import GhostList
 from policies.scored import ScoredPolicy
 
@@ -51,8 +51,7 @@ class PrefixReusePolicy(ScoredPolicy):
     def _reset(self) -> None:
         super()._reset()
         n_classes = 2 * (self.max_count + 1)
-        self._accesses = [0.0] * n_classes
-        self._reuses = [0.0] * n_classes
+        self._odds = ClassOdds(n_classes, self.prior_weight, self.memory_accesses)
         self._logit = [0.0] * n_classes
         self._state: dict[Key, tuple[int, int, float, int]] = {}  # count, class, last, offset
         self._ghost: GhostList[tuple[int, int, float]] = GhostList(  # count, class, last
@@ -64,7 +63,7 @@ class PrefixReusePolicy(ScoredPolicy):
 
     def _access(self, key: Key, count: int, now_s: float, offset: int) -> None:
         cls = min(count, self.max_count)
-        self._accesses[cls] += 1.0
+        self._odds.accesses[cls] += 1.0
         self._state[key] = (count, cls, now_s, offset)
         self._heap.push(key, self._key(cls, now_s), -offset)
         self._since_fit += 1
@@ -75,22 +74,14 @@ class PrefixReusePolicy(ScoredPolicy):
         return last_s + self._scale_s * self._logit[cls]
 
     def _reused(self, cls: int, interval_s: float) -> None:
-        self._reuses[cls] += 1.0
+        self._odds.reused(cls, interval_s)
         self._n_intervals += 1
         self._scale_s += (interval_s - self._scale_s) / min(self._n_intervals, 1000)
 
     def _refit(self) -> None:
         self._since_fit = 0
-        total_a, total_r = sum(self._accesses), sum(self._reuses)
-        prior = total_r / total_a if total_a else 0.5
-        w = self.prior_weight
-        for c, (a, r) in enumerate(zip(self._accesses, self._reuses, strict=True)):
-            p = min(max((r + w * prior) / (a + w), 1e-4), 1.0 - 1e-4)
-            self._logit[c] = math.log(p / (1.0 - p))
-        if total_a > self.memory_accesses:
-            # NOTE: halving keeps the estimates tracking a drifting workload.
-            self._accesses = [a / 2.0 for a in self._accesses]
-            self._reuses = [r / 2.0 for r in self._reuses]
+        self._logit = self._odds.logits()
+        self._odds.age()
 
     def end_request(
         self, request: RequestInfo, keys: Sequence[Key], reused: Sequence[Key], now_s: float
@@ -103,8 +94,9 @@ class PrefixReusePolicy(ScoredPolicy):
         if cls > self.max_count or (request.num_blocks and offset != request.num_blocks - 1):
             return
         tail = cls + self.max_count + 1
-        self._accesses[cls] = max(0.0, self._accesses[cls] - 1.0)
-        self._accesses[tail] += 1.0
+        acc = self._odds.accesses
+        acc[cls] = max(0.0, acc[cls] - 1.0)
+        acc[tail] += 1.0
         self._state[key] = (count, tail, last_s, offset)
         self._heap.push(key, self._key(tail, last_s), -offset)
 

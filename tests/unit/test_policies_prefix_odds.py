@@ -65,9 +65,9 @@ def test_learns_that_reused_blocks_are_reused_again() -> None:
 def test_a_class_with_short_reuse_times_decays_faster() -> None:
     """Same reuse odds, ten times shorter reuse interval: ten times smaller offset."""
     policy = PrefixOddsPolicy(10, depth_buckets=1, prior_weight=0.0)
-    policy._accesses[:] = [100.0, 100.0, 100.0]
-    policy._reuses[:] = [75.0, 75.0, 1.0]
-    policy._gap_sum[:] = [75.0 * 100.0, 75.0 * 10.0, 1.0]
+    policy._odds.accesses[:] = [100.0, 100.0, 100.0]
+    policy._odds.reuses[:] = [75.0, 75.0, 1.0]
+    policy._odds.gaps[:] = [75.0 * 100.0, 75.0 * 10.0, 1.0]
     policy._refit()
     slow, fast, _ = policy._offset
     assert slow > 0 and fast == pytest.approx(slow / 10.0)
@@ -85,7 +85,7 @@ def test_ghost_reuse_restores_the_count() -> None:
     assert policy.evict(1) == ["k"]
     policy.insert("k", 5.0)
     assert policy._state["k"][2] == 3  # two accesses before eviction, then this one
-    assert policy._reuses[1] == 1.0  # the re-store counted as a reuse of its old class
+    assert policy._odds.reuses[1] == 1.0  # the re-store counted as a reuse of its old class
 
 
 def test_new_blocks_are_classed_by_depth_and_reused_ones_by_count() -> None:
