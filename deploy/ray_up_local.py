@@ -241,21 +241,33 @@ def redis_streams(home: Home) -> dict[str, Any]:
 
 
 def ray_without_token(home: Home) -> dict[str, Any]:
-    """A Ray client that connects to the head without the token, and one with a wrong one."""
+    """A Ray client that connects to the head without the token, and one with a wrong one, at
+    once (a refused client retries for ~20 s before it gives up)."""
     code = f"import ray; ray.init(address='127.0.0.1:{GCS_PORT}'); print('CONNECTED')"
+    probes = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for name, env in (
+            ("no_token", home.env(HOME=str(home.root / "nobody"))),
+            ("wrong_token", home.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)),
+        )
+    }
     out = {}
-    for name, env in (
-        ("no_token", home.env(HOME=str(home.root / "nobody"))),
-        ("wrong_token", home.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)),
-    ):
+    for name, probe in probes.items():
         try:
-            r = sh(sys.executable, "-c", code, env=env, check=False, timeout=120)
-            text = r.stdout + r.stderr
+            text, _ = probe.communicate(timeout=120)
             out[name] = {
-                "refused": r.returncode != 0 and "CONNECTED" not in text,
+                "refused": probe.returncode != 0 and "CONNECTED" not in text,
                 "says_auth": "auth" in text.lower() or "token" in text.lower(),
             }
         except subprocess.TimeoutExpired:
+            probe.kill()
+            probe.communicate()
             out[name] = {"refused": True, "says_auth": False, "timed_out": True}
     return out
 
@@ -342,7 +354,9 @@ def main() -> int:
                 f"ray up failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
             )
         out["ray_up_s"] = round(time.monotonic() - t, 1)
+        t = time.monotonic()
         out["ray_auth"] = ray_without_token(home)
+        out["ray_auth_s"] = round(time.monotonic() - t, 1)
         port = free_port()
         config = serve_config(home, port)
         t = time.monotonic()
@@ -366,11 +380,15 @@ def main() -> int:
         if not lines or not lines[-1].startswith("kvroute serving"):
             raise RuntimeError("kvroute serve did not start:\n" + "".join(lines[-40:]))
         out["serve_ready_s"] = round(time.monotonic() - t, 1)
+        t = time.monotonic()
         out["requests"] = requests_through(f"http://127.0.0.1:{port}")
         out["redis"] = redis_streams(home)
+        out["checks_s"] = round(time.monotonic() - t, 1)
+        t = time.monotonic()
         serve.send_signal(signal.SIGTERM)
         serve.wait(timeout=120)
         serve = None
+        out["serve_stop_s"] = round(time.monotonic() - t, 1)
         t = time.monotonic()
         res = sh(ray, "down", "-y", cluster, timeout=args.timeout_s, check=False, env=home.env())
         state["up"] = False
@@ -380,7 +398,9 @@ def main() -> int:
         # NOTE: ray down's own `ray stop` runs in an SSH login shell, where this venv's `ray`
         # is not on PATH: it stops nothing. The head is this machine: stop it here.
         out["left_running_after_ray_down"] = listening(GCS_PORT)
+        t = time.monotonic()
         stop_ray(ray, home)
+        out["ray_stop_s"] = round(time.monotonic() - t, 1)
         req, red, auth = out["requests"], out["redis"], out["ray_auth"]
         out["ok"] = (
             req["completion_tokens"] == 8
@@ -394,7 +414,9 @@ def main() -> int:
     except Exception as e:  # report what failed, as JSON, and exit non-zero
         out["error"] = f"{type(e).__name__}: {e}"
     finally:
+        t = time.monotonic()
         cleanup()
+        out["cleanup_s"] = round(time.monotonic() - t, 1)
         out["home_removed"] = not home.root.exists()
         out["total_s"] = round(time.monotonic() - t0, 1)
     print(json.dumps(out, indent=2))
