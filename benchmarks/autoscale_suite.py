@@ -45,8 +45,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines.sim.profile import LatencyProfile
-from loadgen.simulate_cmd import DEFAULT_JOBS, slo_attainment
-from loadgen.simulator import Perturbation, SimSettings, ideal_ttfts, run_each, simulate
+from loadgen.jobs import DEFAULT_JOBS, run_each
+from loadgen.simulate_cmd import slo_attainment
+from loadgen.simulator import Perturbation, SimSettings, ideal_ttfts, simulate
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.traces import PrefixModel, load_trace
 from loadgen.workloads import Planned, build_schedule

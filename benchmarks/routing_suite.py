@@ -51,9 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 
 from engines.sim.profile import LatencyProfile
+from loadgen.jobs import DEFAULT_JOBS, run_each
 from loadgen.metrics import summarize
-from loadgen.simulate_cmd import DEFAULT_JOBS, excess_ttfts, parse_router, parse_routers
-from loadgen.simulator import Perturbation, SimSettings, ideal_ttfts, run_each, simulate
+from loadgen.simulate_cmd import excess_ttfts, parse_router, parse_routers
+from loadgen.simulator import Perturbation, SimSettings, ideal_ttfts, simulate
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.traces import PrefixModel, TraceRequest, load_trace
 from loadgen.workloads import Planned, build_schedule, ideal_hit_rate

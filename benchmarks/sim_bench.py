@@ -34,9 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines.sim.profile import LatencyProfile
+from loadgen.jobs import DEFAULT_JOBS, run_each
 from loadgen.metrics import summarize
-from loadgen.simulate_cmd import DEFAULT_JOBS
-from loadgen.simulator import SimSettings, run_each, simulate
+from loadgen.simulator import SimSettings, simulate
 from loadgen.traces import TraceRequest, load_trace
 from loadgen.workloads import Planned, build_schedule
 

@@ -29,17 +29,10 @@ import numpy as np
 
 from engines.sim.profile import LatencyProfile
 from loadgen.cli import parse_floats
+from loadgen.jobs import check_jobs, fork_pool
 from loadgen.metrics import server_hit_rate
 from loadgen.records import RequestRecord
-from loadgen.simulator import (
-    SimSettings,
-    SloBudget,
-    check_jobs,
-    engine_profile,
-    fork_pool,
-    ideal_ttfts,
-    simulate,
-)
+from loadgen.simulator import SimSettings, SloBudget, engine_profile, ideal_ttfts, simulate
 from loadgen.workloads import Planned
 
 NO_TIER = "-"  # the policy of a candidate without a CPU tier

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.cli import _positive, add_workload_arguments, check_output_dir, plan_workload
+from loadgen.jobs import DEFAULT_JOBS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,10 +103,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--report", help="directory for summary.json, CSV files and PNG plots")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_jobs_argument(o, "routers")
-
-
-# ``--jobs``'s default wherever simulations run in forked workers (``loadgen.simulator.fork_pool``)
-DEFAULT_JOBS = min(2, os.cpu_count() or 1)
 
 
 def add_jobs_argument(g: argparse._ArgumentGroup, what: str = "simulations") -> None:
@@ -307,8 +304,9 @@ def autoscale_row(sim: Any, slo_ttft_s: float, slo_tpot_s: float | None) -> dict
 def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
+    from loadgen.jobs import check_jobs, run_each
     from loadgen.metrics import summarize
-    from loadgen.simulator import check_jobs, ideal_ttfts, run_each, simulate
+    from loadgen.simulator import ideal_ttfts, simulate
     from loadgen.workloads import ideal_hit_rate
 
     for value, flag in (

@@ -183,7 +183,7 @@ def test_cli_jobs_run_routers_in_forked_processes_with_the_serial_output(tmp_pat
 
 
 def test_run_each_raises_a_workers_error_as_the_call_would():
-    from loadgen.simulator import run_each
+    from loadgen.jobs import run_each
 
     def fail() -> int:
         raise ValueError("--router x: no such thing")
