@@ -21,6 +21,7 @@ import statistics
 import time
 
 from engines.base import Engine, EngineRequest, SamplingParams
+from engines.sim.scheduler import SimEngineOptions
 
 BLOCK = 32
 LENGTHS = (256, 512, 1024, 2048, 3500)
@@ -52,7 +53,12 @@ async def run(repeats: int, profile_name: str) -> dict[str, object]:
 
     profile = LatencyProfile.load(profile_name)
     real = VllmEngine(build_tiny_model(), "real", block_size=BLOCK, max_model_len=4096)
-    sim = SimEngine("sim", profile, block_size=BLOCK, max_model_len=4096, kv_events_endpoint=None)
+    sim = SimEngine(
+        "sim",
+        profile,
+        kv_events_endpoint=None,
+        options=SimEngineOptions(block_size=BLOCK, max_model_len=4096),
+    )
     await real.start()
     await sim.start()
     points = []

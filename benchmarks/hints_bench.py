@@ -73,6 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deploy.local import LocalStack
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
+from engines.sim.scheduler import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from loadgen.metrics import server_hit_rate
 from loadgen.prompts import PromptSynth
@@ -182,14 +183,16 @@ def run_once(
         f"sim-{i}": SimEngine(
             f"sim-{i}",
             profile,
-            block_size=BS,
-            num_gpu_blocks=args.gpu_blocks,
-            cpu_capacity_blocks=args.cpu_blocks,
-            cpu_policy=make_policy(policy, args.cpu_blocks, compression),
             time_scale=time_scale,
-            vocab_size=tok.vocab_size,
-            token_offset=10,
-            max_model_len=MAX_MODEL_LEN,
+            options=SimEngineOptions(
+                block_size=BS,
+                num_gpu_blocks=args.gpu_blocks,
+                cpu_capacity_blocks=args.cpu_blocks,
+                cpu_policy=make_policy(policy, args.cpu_blocks, compression),
+                vocab_size=tok.vocab_size,
+                token_offset=10,
+                max_model_len=MAX_MODEL_LEN,
+            ),
         )
         for i in range(INSTANCES)
     }

@@ -35,6 +35,7 @@ from deploy.local import LocalStack
 from engines.base import EngineRequest, SamplingParams
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
+from engines.sim.scheduler import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from router.placement import PlacementRequest
 from router.state import RouterState
@@ -48,10 +49,8 @@ async def overhead(n: int, tok: PromptTokenizer, profile: LatencyProfile) -> dic
         f"e{i}": SimEngine(
             f"e{i}",
             profile,
-            block_size=BS,
             time_scale=0.0,
-            vocab_size=tok.vocab_size,
-            token_offset=10,
+            options=SimEngineOptions(block_size=BS, vocab_size=tok.vocab_size, token_offset=10),
         )
         for i in range(2)
     }

@@ -7,6 +7,7 @@ it can cross into Ray Serve replicas as a plain dict.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -147,7 +148,10 @@ class EngineConfig(StrictModel):
         None, description="sim: latency profile name (engines/profiles) or JSON path"
     )
     sim_options: dict[str, Any] = Field(
-        default_factory=dict, description="sim: extra keyword arguments for the sim engine"
+        default_factory=dict,
+        description="sim: time_scale, and the sim engine's options this config does not set "
+        "itself (engines.sim.SimEngineOptions: cpu_capacity_blocks, cpu_policy, vocab_size, "
+        "token_offset, transfer_gbps, transfer_latency_ms)",
     )
     on_gpu: bool = Field(False, description="vllm: the GPU build (block size any multiple of 16)")
     cpu_tier: CpuTierConfig | None = Field(
@@ -181,6 +185,12 @@ class EngineConfig(StrictModel):
             )
         if self.kind == "vllm" and self.sim_options:
             raise ValueError("sim_options: only for kind 'sim'")
+        unknown = sorted(set(self.sim_options) - set(sim_option_names()))
+        if unknown:
+            raise ValueError(
+                f"sim_options: unknown option {unknown[0]!r}; "
+                f"valid: {', '.join(sim_option_names())}"
+            )
         if self.kind == "sim" and self.pd is not None:
             raise ValueError("pd: only for kind 'vllm' (sim engines hand KV over by themselves)")
         for i, cores in enumerate(self.cpu_bind or ()):
@@ -337,3 +347,25 @@ class EngineDeploymentConfig(StrictModel):
                 f"got {self.resources.num_gpus}"
             )
         return self
+
+
+# what a config's own fields set on a sim engine (``engines.deployment``): not sim_options
+_SIM_SET_BY_CONFIG = frozenset(
+    {
+        "block_size",
+        "num_gpu_blocks",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "long_prefill_token_threshold",
+    }
+)
+
+
+def sim_option_names() -> list[str]:
+    """The keys ``sim_options`` may hold: ``time_scale`` and the fields of the sim engine's
+    options record that the config does not set itself."""
+    from engines.sim.scheduler import SimEngineOptions
+
+    fields = (f.name for f in dataclasses.fields(SimEngineOptions))
+    return ["time_scale", *(f for f in fields if f not in _SIM_SET_BY_CONFIG)]

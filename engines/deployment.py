@@ -183,6 +183,7 @@ def _node_ip() -> str:
 def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:
     from engines.sim.engine import SimEngine
     from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
+    from engines.sim.scheduler import SimEngineOptions
     from policies.registry import create_policy
 
     opts: dict[str, Any] = {}
@@ -200,10 +201,8 @@ def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:
             cpu_policy=create_policy(tier.policy, blocks, **tier.policy_options),
         )
     opts.update(cfg.sim_options)
-    engine = SimEngine(
-        instance_id,
-        profile,
-        model=cfg.model_name,
+    time_scale = float(opts.pop("time_scale", 1.0))
+    options = SimEngineOptions(
         block_size=cfg.block_size,
         num_gpu_blocks=cfg.kv_blocks,
         max_model_len=cfg.max_model_len,
@@ -211,6 +210,9 @@ def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         **opts,
+    )
+    engine = SimEngine(
+        instance_id, profile, model=cfg.model_name, options=options, time_scale=time_scale
     )
     if engine.blocks.cpu is not None and cfg.cpu_tier is not None:
         engine.blocks.cpu.prompt_only = cfg.cpu_tier.prompt_only

@@ -40,7 +40,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import msgspec
@@ -49,10 +49,11 @@ from cachemap.bus import MAX_READ_ITEMS, InProcessBus
 from cachemap.events import Cleared, InstanceGone, encode_message
 from cachemap.hashing import Tier
 from cachemap.ingest import EngineEventTranslator
-from engines.base import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, LOAD_INTERVAL_S
+from engines.base import LOAD_INTERVAL_S
 from engines.forwarder import encode_load
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest
+from engines.sim.scheduler import SimEngineOptions
 from engines.sim.virtual import VirtualInstance, trace_arrival
 from loadgen.cachesim import request_info
 from loadgen.records import RequestRecord
@@ -71,17 +72,12 @@ from router.placement import Placement, PlacementRequest, Scorer, create_scorer
 from router.pools import Pool
 from router.recorder import PlacementRecorder
 
-# VirtualInstance options an ``--engine key=value`` may set
-ENGINE_OPTIONS: tuple[str, ...] = (
-    "num_gpu_blocks",
-    "cpu_capacity_blocks",
-    "cpu_policy",
-    "max_num_batched_tokens",
-    "long_prefill_token_threshold",
-    "max_num_seqs",
-    "max_model_len",
-    "transfer_gbps",
-    "transfer_latency_ms",
+# the engines' options (``SimEngineOptions``) an ``--engine key=value`` may set: all but the
+# block size (``--block-size``) and the token ids of generated text (virtual engines make none)
+ENGINE_OPTIONS: tuple[str, ...] = tuple(
+    f.name
+    for f in fields(SimEngineOptions)
+    if f.name not in ("block_size", "vocab_size", "token_offset")
 )
 
 # the request ids of warming prefills (``SimSettings.warm_prefixes``)
@@ -180,7 +176,7 @@ class SimSettings:
 
     instances: int = 16
     block_size: int | None = None  # default: the workload's (Mooncake 512, synthetic 16)
-    engine: dict[str, Any] = field(default_factory=dict)  # VirtualInstance options
+    engine: dict[str, Any] = field(default_factory=dict)  # ENGINE_OPTIONS, by name
     perturbation: Perturbation = field(default_factory=Perturbation)
     event_lag_s: float = 0.01
     load_lag_s: float = 0.01
@@ -332,7 +328,7 @@ class ClusterSimulator:
         self.settings = s = settings
         self.block_size = bs = s.block_size or trace_block_size
         self.trace_block_size = trace_block_size
-        eng = dict(s.engine)
+        options = SimEngineOptions(block_size=bs, **s.engine)
         # the engines' limits bind the router's cost model too (as ``deploy.app`` does)
         truth, _ = engine_profile(truth, s)
         belief = router_profile if router_profile is not None else LatencyProfile.load(truth.name)
@@ -350,8 +346,8 @@ class ClusterSimulator:
             ]
             transfer = TransferModel(
                 belief.kv_bytes_per_token,
-                float(eng.get("transfer_gbps", DEFAULT_TRANSFER_GBPS)),
-                float(eng.get("transfer_latency_ms", DEFAULT_TRANSFER_LATENCY_MS)) / 1e3,
+                float(options.transfer_gbps),
+                float(options.transfer_latency_ms) / 1e3,
             )
             planner = PdPlanner(transfer, s.pd_max_local_prefill_tokens, s.pd_overload_factor)
         self.core = RouterCore(
@@ -405,7 +401,7 @@ class ClusterSimulator:
         self.instances: list[VirtualInstance] = []
         self.by_id: dict[str, VirtualInstance] = {}
         self._index: dict[str, int] = {}
-        self._truth, self._eng = truth, eng
+        self._truth, self._options = truth, options
         # membership: whether each engine publishes load samples (routable: ready and not
         # leaving), and its billing (from, to: NaN while held)
         self._publishing: list[bool] = []
@@ -432,13 +428,12 @@ class ClusterSimulator:
         inst = VirtualInstance(
             iid,
             self._truth,
-            block_size=self.block_size,
+            options=self._options,
             on_events=self._on_events,
             on_progress=self._progress_fn(iid),
             slowdown=slowdown,
             jitter=p.jitter,
             seed=p.seed * 100_003 + i,
-            **self._eng,
         )
         self.instances.append(inst)
         self.by_id[iid] = inst

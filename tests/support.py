@@ -14,6 +14,7 @@ import uvicorn
 
 from deploy.local import LocalStack
 from engines.base import PUBLISH_INTERVAL_S, Engine
+from engines.sim.scheduler import SimEngineOptions
 from engines.vllm_engine import free_port
 from router.state import BUS_POLL_S
 
@@ -162,12 +163,14 @@ def sim_stack(
         f"sim-{i}": SimEngine(
             f"sim-{i}",
             profile,
-            block_size=block_size,
             time_scale=time_scale,
-            vocab_size=tok.vocab_size,
-            token_offset=10,
-            max_model_len=max_model_len,
-            **(engine or {}),
+            **engine or {},
+            options=SimEngineOptions(
+                block_size=block_size,
+                vocab_size=tok.vocab_size,
+                token_offset=10,
+                max_model_len=max_model_len,
+            ),
         )
         for i in range(n)
     }

@@ -5,7 +5,7 @@ model, timed by a latency profile. Real time (``SimEngine``, asyncio) or virtual
 from engines.sim.blocks import KVBlockManager
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest, make_request
-from engines.sim.scheduler import Scheduler, SchedulerConfig
+from engines.sim.scheduler import Scheduler, SchedulerConfig, SimEngineOptions
 from engines.sim.virtual import VirtualInstance, expand_trace_hashes, trace_arrival
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SimEngine",
+    "SimEngineOptions",
     "SimRequest",
     "VirtualInstance",
     "expand_trace_hashes",

@@ -25,8 +25,6 @@ import zmq
 
 from cachemap.events import KVEventBatch, encode_vllm_batch
 from engines.base import (
-    DEFAULT_TRANSFER_GBPS,
-    DEFAULT_TRANSFER_LATENCY_MS,
     Engine,
     EngineError,
     EngineOutput,
@@ -36,9 +34,9 @@ from engines.base import (
     refusal,
 )
 from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
-from engines.sim.request import TOKEN_OFFSET, VOCAB_SIZE, SimRequest, Status, make_request
-from engines.sim.scheduler import Scheduler
-from policies.base import EvictionPolicy, RequestInfo
+from engines.sim.request import SimRequest, Status, make_request
+from engines.sim.scheduler import DEFAULT_OPTIONS, Scheduler, SimEngineOptions
+from policies.base import RequestInfo
 
 log = logging.getLogger(__name__)
 
@@ -58,21 +56,10 @@ class SimEngine(Engine):
         profile: LatencyProfile | str = DEFAULT_PROFILE,
         *,
         model: str = "sim",
-        block_size: int | None = None,
-        num_gpu_blocks: int | None = None,
-        cpu_capacity_blocks: int = 0,
-        cpu_policy: str | EvictionPolicy = "lru",
+        options: SimEngineOptions = DEFAULT_OPTIONS,
         kv_events_endpoint: str | None = "tcp://127.0.0.1:*",
         kv_events_topic: str = "",
         time_scale: float = 1.0,
-        max_num_batched_tokens: int | None = None,
-        long_prefill_token_threshold: int | None = None,
-        max_num_seqs: int | None = None,
-        max_model_len: int | None = None,
-        vocab_size: int = VOCAB_SIZE,
-        token_offset: int = TOKEN_OFFSET,
-        transfer_gbps: float = DEFAULT_TRANSFER_GBPS,
-        transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS,
     ) -> None:
         if time_scale < 0:
             raise ValueError(f"time_scale must be >= 0, got {time_scale}")
@@ -83,21 +70,10 @@ class SimEngine(Engine):
         self.model = model
         self.scheduler = Scheduler.for_profile(
             self.profile,
-            block_size=block_size,
-            num_gpu_blocks=num_gpu_blocks,
-            cpu_capacity_blocks=cpu_capacity_blocks,
-            cpu_policy=cpu_policy,
+            options,
             enable_events=kv_events_endpoint is not None,
-            max_model_len=max_model_len,
             engine_id=instance_id,
             time_scale=time_scale,
-            transfer_gbps=transfer_gbps,
-            transfer_latency_ms=transfer_latency_ms,
-            max_num_batched_tokens=max_num_batched_tokens,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            max_num_seqs=max_num_seqs,
-            vocab_size=vocab_size,
-            token_offset=token_offset,
         )
         self.blocks, self.config = self.scheduler.blocks, self.scheduler.config
         self.block_size = self.blocks.block_size

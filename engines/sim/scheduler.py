@@ -95,6 +95,34 @@ class SchedulerConfig:
         return cls(**values)
 
 
+@dataclass(frozen=True, slots=True)
+class SimEngineOptions:
+    """What shapes one sim engine besides its latency profile: the options that an engine
+    config's ``sim_options`` (``engines.config``), ``kvroute simulate --engine key=value`` and
+    the tests set, in one record from the deployment or simulator down to ``Scheduler``.
+
+    None takes the profile's figure: ``block_size`` the profile's, ``num_gpu_blocks`` its KV
+    capacity in those blocks (plus the null block), ``max_model_len`` at most what that holds,
+    the limits its own. ``cpu_policy``: a policy name, or a policy object, which then serves
+    one engine only (it holds that engine's CPU tier)."""
+
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    cpu_capacity_blocks: int = 0
+    cpu_policy: str | EvictionPolicy = "lru"
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int | None = None
+    max_num_seqs: int | None = None
+    vocab_size: int = VOCAB_SIZE
+    token_offset: int = TOKEN_OFFSET
+    transfer_gbps: float = DEFAULT_TRANSFER_GBPS
+    transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS
+
+
+DEFAULT_OPTIONS = SimEngineOptions()
+
+
 @dataclass(slots=True)
 class Step:
     """One scheduled step: ``(request, new tokens, tokens computed before)`` per request."""
@@ -150,38 +178,34 @@ class Scheduler:
     def for_profile(
         cls,
         profile: LatencyProfile,
+        options: SimEngineOptions = DEFAULT_OPTIONS,
         *,
-        block_size: int | None = None,
-        num_gpu_blocks: int | None = None,
-        cpu_capacity_blocks: int = 0,
-        cpu_policy: str | EvictionPolicy = "lru",
         enable_events: bool = False,
-        max_model_len: int | None = None,
         engine_id: str = "sim",
         time_scale: float = 1.0,
-        transfer_gbps: float = DEFAULT_TRANSFER_GBPS,
-        transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS,
-        **limits: int | None,
     ) -> Scheduler:
-        """One instance sized by ``profile``: its KV capacity in ``block_size`` blocks (plus the
-        null block) unless ``num_gpu_blocks`` is given, ``max_model_len`` at most what the pool
-        holds, and the profile's other limits unless ``limits`` override them."""
-        bs = block_size or profile.block_size
-        n_blocks = num_gpu_blocks or profile.kv_capacity_tokens // bs + 1
+        """One instance of ``profile`` shaped by ``options`` (see ``SimEngineOptions``)."""
+        o = options
+        bs = o.block_size or profile.block_size
+        n_blocks = o.num_gpu_blocks or profile.kv_capacity_tokens // bs + 1
         blocks = KVBlockManager(
             n_blocks,
             bs,
-            cpu_capacity_blocks=cpu_capacity_blocks,
-            cpu_policy=cpu_policy,
+            cpu_capacity_blocks=o.cpu_capacity_blocks,
+            cpu_policy=o.cpu_policy,
             enable_events=enable_events,
         )
-        mml = max_model_len or min(profile.max_model_len, (n_blocks - 1) * bs)
+        mml = o.max_model_len or min(profile.max_model_len, (n_blocks - 1) * bs)
         config = SchedulerConfig.from_profile(
             profile,
             max_model_len=mml,
-            transfer_gbps=transfer_gbps,
-            transfer_latency_ms=transfer_latency_ms,
-            **limits,
+            transfer_gbps=o.transfer_gbps,
+            transfer_latency_ms=o.transfer_latency_ms,
+            max_num_batched_tokens=o.max_num_batched_tokens,
+            long_prefill_token_threshold=o.long_prefill_token_threshold,
+            max_num_seqs=o.max_num_seqs,
+            vocab_size=o.vocab_size,
+            token_offset=o.token_offset,
         )
         return cls(blocks, profile, config, engine_id=engine_id, time_scale=time_scale)
 

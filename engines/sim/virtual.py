@@ -30,11 +30,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from cachemap.events import KVEventBatch, encode_vllm_batch
-from engines.base import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, LoadSnapshot
+from engines.base import LoadSnapshot
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest, Status, make_request
-from engines.sim.scheduler import Scheduler
-from policies.base import EvictionPolicy, RequestInfo
+from engines.sim.scheduler import DEFAULT_OPTIONS, Scheduler, SimEngineOptions
+from policies.base import RequestInfo
 
 EventCallback = Callable[[str, int, bytes], None]
 # (time, request, finished): the request's first token (finished False) or its end (True)
@@ -52,21 +52,12 @@ class VirtualInstance:
         instance_id: str,
         profile: LatencyProfile,
         *,
-        block_size: int | None = None,
-        num_gpu_blocks: int | None = None,
-        cpu_capacity_blocks: int = 0,
-        cpu_policy: str | EvictionPolicy = "lru",
+        options: SimEngineOptions = DEFAULT_OPTIONS,
         on_events: EventCallback | None = None,
-        max_num_batched_tokens: int | None = None,
-        long_prefill_token_threshold: int | None = None,
-        max_num_seqs: int | None = None,
-        max_model_len: int | None = None,
         on_progress: ProgressCallback | None = None,
         slowdown: float = 1.0,
         jitter: float = 0.0,
         seed: int = 0,
-        transfer_gbps: float = DEFAULT_TRANSFER_GBPS,
-        transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS,
     ) -> None:
         if not (slowdown > 0 and math.isfinite(slowdown)):
             raise ValueError(f"slowdown must be a positive number, got {slowdown}")
@@ -75,19 +66,7 @@ class VirtualInstance:
         self.instance_id = instance_id
         self.profile = profile
         self.scheduler = Scheduler.for_profile(
-            profile,
-            block_size=block_size,
-            num_gpu_blocks=num_gpu_blocks,
-            cpu_capacity_blocks=cpu_capacity_blocks,
-            cpu_policy=cpu_policy,
-            enable_events=on_events is not None,
-            max_model_len=max_model_len,
-            engine_id=instance_id,
-            transfer_gbps=transfer_gbps,
-            transfer_latency_ms=transfer_latency_ms,
-            max_num_batched_tokens=max_num_batched_tokens,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            max_num_seqs=max_num_seqs,
+            profile, options, enable_events=on_events is not None, engine_id=instance_id
         )
         self.blocks = self.scheduler.blocks
         self.on_events = on_events

@@ -17,6 +17,7 @@ pytest.importorskip("vllm")
 
 from engines.base import EngineRequest, SamplingParams
 from engines.sim.engine import SimEngine
+from engines.sim.scheduler import SimEngineOptions
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 BLOCK, KV_BLOCKS, MML = 32, 48, 1024
@@ -69,13 +70,15 @@ def test_cached_tokens_match_a_real_vllm_engine():
         sim = SimEngine(
             "sim",
             "cpu-tiny-llama",
-            block_size=BLOCK,
-            num_gpu_blocks=info["num_gpu_blocks"],
-            max_model_len=MML,
-            max_num_seqs=info["max_num_seqs"],
-            max_num_batched_tokens=info["max_num_batched_tokens"],
             time_scale=0.0,
             kv_events_endpoint=None,
+            options=SimEngineOptions(
+                block_size=BLOCK,
+                num_gpu_blocks=info["num_gpu_blocks"],
+                max_model_len=MML,
+                max_num_seqs=info["max_num_seqs"],
+                max_num_batched_tokens=info["max_num_batched_tokens"],
+            ),
         )
         await sim.start()
         try:

@@ -26,6 +26,7 @@ from deploy.local import LocalStack
 from engines.bus_redis import RedisStreamBus
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
+from engines.sim.scheduler import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from router.placement import PlacementRequest
 from router.tokenizer import PromptTokenizer
@@ -51,11 +52,13 @@ class Cluster:
             f"sim-{i}": SimEngine(
                 f"sim-{i}",
                 PROFILE,
-                block_size=BS,
                 time_scale=0.02,
-                vocab_size=self.tok.vocab_size,
-                token_offset=10,
-                max_model_len=4096,
+                options=SimEngineOptions(
+                    block_size=BS,
+                    vocab_size=self.tok.vocab_size,
+                    token_offset=10,
+                    max_model_len=4096,
+                ),
             )
             for i in range(2)
         }

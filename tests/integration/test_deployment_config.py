@@ -26,6 +26,8 @@ def test_defaults_round_trip_through_a_dict() -> None:
         ({"engine": {"block_size": 0}}, "block_size"),
         ({"engine": {"kv_space_gib": 0}}, "kv_space_gib"),
         ({"engine": {"kind": "vllm", "sim_options": {"x": 1}}}, "sim_options"),
+        ({"engine": {"sim_options": {"kv_events_endpoint": None}}}, "kv_events_endpoint"),
+        ({"engine": {"sim_options": {"block_size": 16}}}, "block_size"),  # the config's own
         ({"engine": {"max_num_batched_tokens": 16}}, "max_num_batched_tokens"),
         ({"instances": 0}, "instances"),
         ({"resources": {"num_cpus": -1}}, "num_cpus"),

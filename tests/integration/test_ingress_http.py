@@ -15,6 +15,7 @@ import pytest
 from deploy.local import LocalStack
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
+from engines.sim.scheduler import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from router.admission import Admission
 from router.tokenizer import PromptTokenizer
@@ -243,7 +244,11 @@ def test_spans_join_the_callers_trace(server: Server) -> None:
 def test_all_engines_down_is_a_clean_503() -> None:
     tok = PromptTokenizer(build_tiny_model())
     profile = LatencyProfile.load("cpu-tiny-llama")
-    engine = SimEngine("only", profile, block_size=32, vocab_size=tok.vocab_size, token_offset=10)
+    engine = SimEngine(
+        "only",
+        profile,
+        options=SimEngineOptions(block_size=32, vocab_size=tok.vocab_size, token_offset=10),
+    )
     stack = LocalStack(
         {"only": engine},
         model=MODEL,

@@ -17,6 +17,7 @@ from cachemap import BlockHasher
 from deploy.local import LocalStack
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
+from engines.sim.scheduler import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from router.admission import Admission
 from router.api import APIError
@@ -42,14 +43,16 @@ def server(tok: PromptTokenizer) -> Iterator[Server]:
         f"sim-{i}": SimEngine(
             f"sim-{i}",
             profile,
-            block_size=BS,
-            num_gpu_blocks=GPU_BLOCKS,
-            cpu_capacity_blocks=CPU_BLOCKS,
-            cpu_policy="wa",
             time_scale=0.02,
-            vocab_size=tok.vocab_size,
-            token_offset=10,
-            max_model_len=4096,
+            options=SimEngineOptions(
+                block_size=BS,
+                num_gpu_blocks=GPU_BLOCKS,
+                cpu_capacity_blocks=CPU_BLOCKS,
+                cpu_policy="wa",
+                vocab_size=tok.vocab_size,
+                token_offset=10,
+                max_model_len=4096,
+            ),
         )
         for i in range(2)
     }

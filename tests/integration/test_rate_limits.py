@@ -11,6 +11,7 @@ import pytest
 from deploy.local import LocalStack
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
+from engines.sim.scheduler import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from router.tokenizer import PromptTokenizer
 from tests.support import Server, free_port
@@ -24,7 +25,10 @@ def server() -> Iterator[Server]:
     tok = PromptTokenizer(build_tiny_model())
     profile = LatencyProfile.load("cpu-tiny-llama")
     engine = SimEngine(
-        "sim-0", profile, block_size=32, time_scale=0.0, vocab_size=tok.vocab_size, token_offset=10
+        "sim-0",
+        profile,
+        time_scale=0.0,
+        options=SimEngineOptions(block_size=32, vocab_size=tok.vocab_size, token_offset=10),
     )
     stack = LocalStack(
         {"sim-0": engine},

@@ -13,6 +13,7 @@ from cachemap import block_hashes, salt_hash
 from engines.base import EngineRequest, RoutedRequest, SamplingParams
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
+from engines.sim.scheduler import SimEngineOptions
 from loadgen.simulator import ClusterSimulator, SimSettings
 from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned
@@ -48,7 +49,13 @@ Leg = tuple[str, int, bool, bool]  # id, max_tokens, do_remote_decode, do_remote
 def dispatcher_legs() -> list[Leg]:
     """The legs the dispatcher sends engines for each of PROMPTS, in order."""
     engines = {
-        iid: SimEngine(iid, PROFILE, block_size=BS, time_scale=0.001, kv_events_endpoint=None)
+        iid: SimEngine(
+            iid,
+            PROFILE,
+            time_scale=0.001,
+            kv_events_endpoint=None,
+            options=SimEngineOptions(block_size=BS),
+        )
         for iid in ("sim-0", "sim-1")
     }
     seen: list[Leg] = []

@@ -14,6 +14,7 @@ from cachemap.events import BlockStored, decode_vllm_batch
 from engines.base import EngineError, EngineOutput, EngineRequest, SamplingParams
 from engines.sim.engine import SimEngine
 from engines.sim.profile import LatencyProfile
+from engines.sim.scheduler import SimEngineOptions
 from tests.support import wait_for_async
 
 BS = 32
@@ -35,10 +36,14 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=30))
 
 
-def engine(**kw) -> SimEngine:
-    kw.setdefault("time_scale", 0.0)
-    kw.setdefault("kv_events_endpoint", None)
-    return SimEngine("sim-0", "cpu-tiny-llama", **kw)
+def engine(time_scale: float = 0.0, **options) -> SimEngine:
+    return SimEngine(
+        "sim-0",
+        "cpu-tiny-llama",
+        time_scale=time_scale,
+        kv_events_endpoint=None,
+        options=SimEngineOptions(**options),
+    )
 
 
 def test_generate_streams_tokens_and_reports_cached_tokens():

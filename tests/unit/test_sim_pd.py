@@ -21,7 +21,7 @@ from engines.base import (
 from engines.sim.engine import SimEngine
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import Status, make_request
-from engines.sim.scheduler import Scheduler
+from engines.sim.scheduler import Scheduler, SimEngineOptions
 from engines.sim.virtual import VirtualInstance
 
 BS = 16
@@ -64,9 +64,9 @@ def stored_hashes(payloads: list[bytes]) -> list[int]:
     return out
 
 
-def virtual(name: str, profile: LatencyProfile, payloads: list[bytes] | None = None, **kw):
+def virtual(name: str, profile: LatencyProfile, payloads: list[bytes] | None = None, **options):
     on_events = None if payloads is None else (lambda _i, _s, p: payloads.append(p))
-    return VirtualInstance(name, profile, on_events=on_events, **kw)
+    return VirtualInstance(name, profile, on_events=on_events, options=SimEngineOptions(**options))
 
 
 def prefill_params(profile: LatencyProfile, prompt: list[int], at: float = 0.0):
@@ -273,10 +273,14 @@ def test_scheduler_admits_a_pull_with_a_one_token_prefill(profile):
 # -- (b) real-time pair ----------------------------------------------------------------------
 
 
-def engine(name: str, **kw) -> SimEngine:
-    kw.setdefault("time_scale", 0.01)
-    kw.setdefault("kv_events_endpoint", None)
-    return SimEngine(name, "cpu-tiny-llama", **kw)
+def engine(name: str, time_scale: float = 0.01, **options) -> SimEngine:
+    return SimEngine(
+        name,
+        "cpu-tiny-llama",
+        time_scale=time_scale,
+        kv_events_endpoint=None,
+        options=SimEngineOptions(**options),
+    )
 
 
 async def collect(eng: SimEngine, req: EngineRequest) -> list[EngineOutput]:
@@ -492,7 +496,9 @@ def test_pd_matches_vllm_scheduler_with_nixl_connector():
     prompt = list(range(1000, 1300))
 
     def sim_engine(engine_id: str) -> Scheduler:
-        return Scheduler.for_profile(tiny, num_gpu_blocks=n_blocks, engine_id=engine_id)
+        return Scheduler.for_profile(
+            tiny, engine_id=engine_id, options=SimEngineOptions(num_gpu_blocks=n_blocks)
+        )
 
     def sim_request(rid: str, toks: list[int], max_tokens: int, params=None):
         return make_request(

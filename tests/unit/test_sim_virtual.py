@@ -14,6 +14,7 @@ from cachemap.events import decode_vllm_batch
 from cachemap.ingest import CacheMapIngestor, EngineEventTranslator
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import make_request
+from engines.sim.scheduler import SimEngineOptions
 from engines.sim.virtual import VirtualInstance, expand_trace_hashes, trace_arrival
 from policies.base import RequestInfo
 
@@ -152,7 +153,10 @@ def test_events_reach_a_cache_map_as_vllm_bytes(profile):
             ingest.apply(msg)
 
     instances = [
-        VirtualInstance(f"v{i}", profile, num_gpu_blocks=200, on_events=on_events) for i in range(2)
+        VirtualInstance(
+            f"v{i}", profile, on_events=on_events, options=SimEngineOptions(num_gpu_blocks=200)
+        )
+        for i in range(2)
     ]
     work = _workload(60, seed=5)
     for i, (t, r) in enumerate(work):
@@ -187,7 +191,11 @@ def test_trace_arrivals_replay_with_a_cpu_tier(profile):
     """Hash-only trace requests (no tokens): prefix hits come from the trace's ids, and a CPU
     tier with a category-aware policy takes what the small GPU cache evicts."""
     inst = VirtualInstance(
-        "v0", profile, block_size=512, num_gpu_blocks=5, cpu_capacity_blocks=8, cpu_policy="wa"
+        "v0",
+        profile,
+        options=SimEngineOptions(
+            block_size=512, num_gpu_blocks=5, cpu_capacity_blocks=8, cpu_policy="wa"
+        ),
     )
     lines = [  # (t, input_length, hash_ids): the third repeats the first's prefix
         (0.0, 1500, [1, 2, 3]),
@@ -205,7 +213,7 @@ def test_trace_arrivals_replay_with_a_cpu_tier(profile):
 
 
 def test_hash_only_requests_replay(profile):
-    inst = VirtualInstance("v0", profile, block_size=512)
+    inst = VirtualInstance("v0", profile, options=SimEngineOptions(block_size=512))
     for i, at in enumerate((0.0, 100.0)):
         r = make_request(
             f"t{i}", block_size=512, max_tokens=20, prompt_len=1500, prompt_block_hashes=[1, 2]
