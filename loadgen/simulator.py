@@ -610,11 +610,7 @@ class ClusterSimulator:
         self._pump(t)
 
     def _replay(self, plan: Sequence[Planned], progress: ProgressFn | None, wall0: float) -> SimRun:
-        core, bs = self.core, self.block_size
-        by_id = self.by_id
-        mml = self.instances[0].max_model_len
         self._preqs, self._queue = {}, []
-        preqs, queue = self._preqs, self._queue
         records: dict[str, RequestRecord] = {}
         roots: dict[int, int] = {}  # chat id -> its session's first chat id
         self._last_tick = -1
@@ -636,105 +632,21 @@ class ClusterSimulator:
         if scaler is not None:
             self._scale_start(start)
         for n, p in enumerate(plan):
-            t, tr = p.offset_s, p.req
-            rid = str(p.index)
+            t = p.offset_s
             if scaler is not None:
                 self._control(t)
             # 1. load samples
             self._sample_loads(t)
             self._run_due(t)
             # 2. what the ingress saw of the streams up to t
-            self._deliver_progress(t, preqs)
+            self._deliver_progress(t, self._preqs)
             if budget is not None and budget.exhausted:
                 aborted = True
                 break
             # 3. KV events older than the lag, through the bus into the map
             self._publish_events(t)
             # 4. place, admit, send
-            rec = RequestRecord(
-                p.index,
-                tr.category,
-                tr.chat_id,
-                tr.input_length,
-                tr.output_length,
-                t,
-                sent_s=t,
-                prompt_tokens=tr.input_length,
-            )
-            records[rid] = rec
-            session = _session_key(tr.chat_id, tr.parent_chat_id, roots)
-            try:
-                _, req = trace_arrival(
-                    rid,
-                    t,
-                    tr.input_length,
-                    tr.output_length,
-                    tr.hash_ids,
-                    self.trace_block_size,
-                    bs,
-                    mml,
-                    request_info(tr, p.index),
-                )
-            except ValueError as e:
-                rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
-                self._refused()
-                continue
-            preq = PlacementRequest(
-                rid,
-                tr.input_length,
-                req.block_hashes[: tr.input_length // bs],
-                max_tokens=max(tr.output_length, 1),
-                session_key=session,
-                category=tr.category,
-            )
-            try:
-                placement = lifecycle.admit(core, preq, t)
-            except Rejected as e:
-                rec.error, rec.status, rec.error_detail, rec.done_s = "http_429", 429, e.reason, t
-                self._refused()
-                continue
-            leg, leg_place = req, placement
-            if placement.prefill is not None:  # PD: the prefill leg now, the decode on handover
-                leg_place = placement.prefill
-                _, leg = trace_arrival(
-                    lifecycle.prefill_leg_id(rid),
-                    t,
-                    tr.input_length,
-                    1,
-                    tr.hash_ids,
-                    self.trace_block_size,
-                    bs,
-                    mml,
-                    req.info,
-                    kv_transfer_params=lifecycle.prefill_params(None),
-                )
-            inst = by_id[leg_place.instance_id]
-            try:
-                inst.submit(leg, t)
-            except ValueError as e:
-                rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
-                self._refused()
-                continue
-            i = self._index[leg_place.instance_id]
-            w = inst.wake_s()
-            if w != wake[i]:
-                wake[i] = w
-                heapq.heappush(due_heap, (w, i))
-            rec.instance = placement.instance_id
-            if scaler is not None:
-                self._arrivals.append(
-                    (t, tr.input_length, tr.output_length, core.cached_tokens(preq, placement))
-                )
-                self._recent.append(p)
-            preqs[rid] = (preq, p)
-            if leg is req:
-                core.assigned(preq, placement, t)
-            else:
-                leg_preq = replace(preq, request_id=leg.request_id)
-                core.assigned(leg_preq, leg_place, t)
-                preqs[leg.request_id] = (leg_preq, p)
-                self._split[rid] = (placement, preq)
-                self._output[rid] = max(tr.output_length, 1)
+            self._arrive(p, records, roots)
             if progress is not None and n % 1000 == 999:
                 progress(n + 1, total)
         if scaler is not None and not aborted:  # decisions go on while requests run
@@ -745,10 +657,108 @@ class ClusterSimulator:
         if not aborted:
             for i in range(len(self.instances)):  # prefill instances first: their hand-overs
                 self._run(i, math.inf)
-            self._deliver_progress(math.inf, preqs)
+            self._deliver_progress(math.inf, self._preqs)
         wall = time.perf_counter() - wall0
         if progress is not None:
             progress(total, total)
+        return self._result(records, wall, aborted)
+
+    def _arrive(self, p: Planned, records: dict[str, RequestRecord], roots: dict[int, int]) -> None:
+        """Request ``p`` arrives now (its offset): recorded, placed by the router core (both
+        legs of a split), admitted or refused, and sent to its engine."""
+        core, bs, t, tr = self.core, self.block_size, p.offset_s, p.req
+        mml = self.instances[0].max_model_len
+        rid = str(p.index)
+        rec = RequestRecord(
+            p.index,
+            tr.category,
+            tr.chat_id,
+            tr.input_length,
+            tr.output_length,
+            t,
+            sent_s=t,
+            prompt_tokens=tr.input_length,
+        )
+        records[rid] = rec
+        session = _session_key(tr.chat_id, tr.parent_chat_id, roots)
+        try:
+            _, req = trace_arrival(
+                rid,
+                t,
+                tr.input_length,
+                tr.output_length,
+                tr.hash_ids,
+                self.trace_block_size,
+                bs,
+                mml,
+                request_info(tr, p.index),
+            )
+        except ValueError as e:
+            rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
+            self._refused()
+            return
+        preq = PlacementRequest(
+            rid,
+            tr.input_length,
+            req.block_hashes[: tr.input_length // bs],
+            max_tokens=max(tr.output_length, 1),
+            session_key=session,
+            category=tr.category,
+        )
+        try:
+            placement = lifecycle.admit(core, preq, t)
+        except Rejected as e:
+            rec.error, rec.status, rec.error_detail, rec.done_s = "http_429", 429, e.reason, t
+            self._refused()
+            return
+        leg, leg_place = req, placement
+        if placement.prefill is not None:  # PD: the prefill leg now, the decode on handover
+            leg_place = placement.prefill
+            _, leg = trace_arrival(
+                lifecycle.prefill_leg_id(rid),
+                t,
+                tr.input_length,
+                1,
+                tr.hash_ids,
+                self.trace_block_size,
+                bs,
+                mml,
+                req.info,
+                kv_transfer_params=lifecycle.prefill_params(None),
+            )
+        inst = self.by_id[leg_place.instance_id]
+        try:
+            inst.submit(leg, t)
+        except ValueError as e:
+            rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
+            self._refused()
+            return
+        i = self._index[leg_place.instance_id]
+        w = inst.wake_s()
+        if w != self._wake[i]:
+            self._wake[i] = w
+            heapq.heappush(self._due_heap, (w, i))
+        rec.instance = placement.instance_id
+        if self._scaler is not None:
+            self._arrivals.append(
+                (t, tr.input_length, tr.output_length, core.cached_tokens(preq, placement))
+            )
+            self._recent.append(p)
+        preqs = self._preqs
+        preqs[rid] = (preq, p)
+        if leg is req:
+            core.assigned(preq, placement, t)
+        else:
+            leg_preq = replace(preq, request_id=leg.request_id)
+            core.assigned(leg_preq, leg_place, t)
+            preqs[leg.request_id] = (leg_preq, p)
+            self._split[rid] = (placement, preq)
+            self._output[rid] = max(tr.output_length, 1)
+
+    def _result(self, records: dict[str, RequestRecord], wall: float, aborted: bool) -> SimRun:
+        """The replay's outcome: each request's record completed from its engine's finish, the
+        GPU-seconds billed, the router's calibration."""
+        core = self.core
         for inst in self.instances:
             for r in inst.finished:
                 if r.remote_decode or r.request_id.startswith(WARM_PREFIX):
@@ -774,7 +784,7 @@ class ClusterSimulator:
         return SimRun(
             router=core.scorer.name,
             records=out,
-            queue=queue,
+            queue=self._queue,
             span_s=(max(done) - first) if done else 0.0,
             wall_s=wall,
             calibration=(
