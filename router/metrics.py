@@ -127,6 +127,14 @@ class RouterMetrics:
             ["instance"],
             registry=r,
         )
+        self._request_series(r, max_model_len)
+        self._routing_series(r)
+        self._pd_series(r)
+        self._engine_series(r)
+        self._autoscale_series(r)
+
+    def _request_series(self, r: CollectorRegistry, max_model_len: int) -> None:
+        """vLLM's request series at the ingress: tokens, latencies, sizes, outcomes."""
         # -- vLLM's request series, at the ingress ---------------------------------------------
         self.generation_tokens = Counter(
             "kvroute_generation_tokens",
@@ -187,6 +195,9 @@ class RouterMetrics:
             ["finished_reason"],
             registry=r,
         )
+
+    def _routing_series(self, r: CollectorRegistry) -> None:
+        """The router's decisions: placements, admission, the cache map, failovers."""
         self.placements = Counter(
             "kvroute_placements",
             "Placements by reason (router.metrics.placement_reason)",
@@ -230,6 +241,9 @@ class RouterMetrics:
             "Requests Serve delivered to another engine than placement chose",
             registry=r,
         )
+
+    def _pd_series(self, r: CollectorRegistry) -> None:
+        """Prefill/decode splits and the pools' queues."""
         self.pd_requests = Gauge(
             "kvroute_pd_requests",
             "Prefill/decode pools: requests split (prefill engine, then decode engine), run "
@@ -274,6 +288,9 @@ class RouterMetrics:
         self.pool_running = Gauge(
             "kvroute_pool_running", "Requests running, summed over a pool", ["pool"], registry=r
         )
+
+    def _engine_series(self, r: CollectorRegistry) -> None:
+        """The buses, calibration, event lag, and each engine's load."""
         self.bus_errors = Gauge("kvroute_bus_errors", "Event bus read errors", registry=r)
         self.ttft_calibration = Gauge(
             "kvroute_ttft_calibration",
@@ -312,6 +329,9 @@ class RouterMetrics:
         )
         # online autoscaling (deploy/autoscaling.py): the decisions Serve's controller took for
         # each autoscaled pool, as this replica last read them (none: no pool autoscales)
+
+    def _autoscale_series(self, r: CollectorRegistry) -> None:
+        """The autoscaler's decisions per pool."""
         self.autoscale_target = Gauge(
             "kvroute_autoscale_target_replicas",
             "The replica count the pool's latest autoscaling decision set",
