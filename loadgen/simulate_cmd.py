@@ -117,6 +117,8 @@ def add_jobs_argument(g: argparse._ArgumentGroup, what: str = "simulations") -> 
 
 def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
     """The engines' flags ``simulate`` and ``plan`` share (``sim_settings`` reads them)."""
+    from loadgen.simulator import ENGINE_OPTIONS
+
     c.add_argument(
         "--profile", default="h100-llama3.1-8b", help="engines' latency profile (name or JSON)"
     )
@@ -128,9 +130,7 @@ def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="engine option for every instance (num_gpu_blocks, cpu_capacity_blocks, cpu_policy, "
-        "max_num_batched_tokens, long_prefill_token_threshold, max_num_seqs, max_model_len, "
-        "transfer_gbps, transfer_latency_ms)",
+        help=f"engine option for every instance ({', '.join(ENGINE_OPTIONS)})",
     )
     c.add_argument("--block-size", type=int, help="engine block size [the workload's]")
     c.add_argument(
