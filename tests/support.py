@@ -149,7 +149,7 @@ def sim_stack(
     **stack: Any,
 ) -> LocalStack:
     """``n`` sim engines (``sim-0`` ...; profile ``cpu-tiny-llama``, tokens the built-in tiny
-    model's tokenizer decodes; ``engine``: more ``SimEngine`` options) behind a ``LocalStack``
+    model's tokenizer decodes; ``engine``: more ``SimEngineOptions``) behind a ``LocalStack``
     serving model ``SIM_MODEL`` (``latency``: the router's profile, the engines' unless given;
     ``stack``: more ``LocalStack`` options)."""
     from engines.sim import LatencyProfile
@@ -164,12 +164,12 @@ def sim_stack(
             f"sim-{i}",
             profile,
             time_scale=time_scale,
-            **engine or {},
             options=SimEngineOptions(
                 block_size=block_size,
                 vocab_size=tok.vocab_size,
                 token_offset=10,
                 max_model_len=max_model_len,
+                **engine or {},
             ),
         )
         for i in range(n)
