@@ -47,7 +47,8 @@ class SimEngine(Engine):
     ``kv_events_endpoint``: where to bind the PUB socket (``tcp://127.0.0.1:*`` picks a free
     port; the bound address is the ``kv_events_endpoint`` property after ``start``); None turns
     events off. ``time_scale`` multiplies every step's duration and KV transfer (0: as fast as
-    possible). ``transfer_gbps``/``transfer_latency_ms`` time PD KV pulls (``SchedulerConfig``).
+    possible). ``options``: its block size, KV capacity, CPU tier, limits, output token ids
+    and PD transfer speed (``SimEngineOptions``; the profile's where unset).
     """
 
     def __init__(

@@ -42,10 +42,10 @@ ProgressCallback = Callable[[float, SimRequest, bool], None]
 
 
 class VirtualInstance:
-    """One sim engine on a virtual clock. ``block_size`` may differ from the profile's (e.g. a
-    trace's 512-token blocks for speed); the KV capacity in tokens stays the profile's.
-    ``transfer_gbps`` and ``transfer_latency_ms`` time the KV pulls of PD decode requests
-    (``SchedulerConfig``)."""
+    """One sim engine on a virtual clock, shaped by ``options`` (``SimEngineOptions``). Its
+    ``block_size`` may differ from the profile's (e.g. a trace's 512-token blocks for speed);
+    the KV capacity in tokens stays the profile's. ``slowdown``, ``jitter`` and ``seed``: how it
+    runs slower than its profile (above)."""
 
     def __init__(
         self,
