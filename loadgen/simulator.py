@@ -336,35 +336,8 @@ class ClusterSimulator:
         p = s.perturbation
         self.slowdowns = p.slowdowns(s.instances)
         self.kv_bus, self.load_bus = InProcessBus(1 << 16), InProcessBus(1 << 16)
-        gpu_blocks = s.gpu_blocks(truth, bs)
         n_prefill = s.prefill_instances
-        pools, planner = None, None
-        if n_prefill:
-            pools = [
-                Pool("prefill", "prefill", bs, belief, gpu_blocks),
-                Pool("decode", "decode", bs, belief, gpu_blocks),
-            ]
-            transfer = TransferModel(
-                belief.kv_bytes_per_token,
-                float(options.transfer_gbps),
-                float(options.transfer_latency_ms) / 1e3,
-            )
-            planner = PdPlanner(transfer, s.pd_max_local_prefill_tokens, s.pd_overload_factor)
-        self.core = RouterCore(
-            scorer,
-            belief,
-            bs,
-            gpu_blocks,
-            kv_bus=self.kv_bus,
-            load_bus=self.load_bus,
-            admission=Admission(slo_ttft_s=s.slo_ttft_s),
-            recorder=recorder,
-            pools=pools,
-            planner=planner,
-            event_stride=s.event_stride,
-        )
-        if self.core.watcher is not None:  # it reads the buses only when a request arrives
-            self.core.watcher.lag_warn_s = math.inf
+        self.core = self._router_core(scorer, belief, s.gpu_blocks(truth, bs), options, recorder)
         # what the engines' KV events put on the bus (after the stride): the event volume
         self.kv_messages = self.kv_blocks = 0
         # PD: per decode instance (by index), the hand-overs waiting to reach it, as
@@ -416,6 +389,46 @@ class ClusterSimulator:
             self.core.sync_instances(ids[n_prefill:], "decode")
         else:
             self.core.sync_instances(self.by_id)
+
+    def _router_core(
+        self,
+        scorer: Scorer | str,
+        belief: LatencyProfile,
+        gpu_blocks: int,
+        options: SimEngineOptions,
+        recorder: PlacementRecorder | None,
+    ) -> RouterCore:
+        """The production router core on the simulation's buses, pricing with ``belief``:
+        prefill and decode pools, and their planner, where the settings split the cluster."""
+        s, bs = self.settings, self.block_size
+        pools, planner = None, None
+        if s.prefill_instances:
+            pools = [
+                Pool("prefill", "prefill", bs, belief, gpu_blocks),
+                Pool("decode", "decode", bs, belief, gpu_blocks),
+            ]
+            transfer = TransferModel(
+                belief.kv_bytes_per_token,
+                float(options.transfer_gbps),
+                float(options.transfer_latency_ms) / 1e3,
+            )
+            planner = PdPlanner(transfer, s.pd_max_local_prefill_tokens, s.pd_overload_factor)
+        core = RouterCore(
+            scorer,
+            belief,
+            bs,
+            gpu_blocks,
+            kv_bus=self.kv_bus,
+            load_bus=self.load_bus,
+            admission=Admission(slo_ttft_s=s.slo_ttft_s),
+            recorder=recorder,
+            pools=pools,
+            planner=planner,
+            event_stride=s.event_stride,
+        )
+        if core.watcher is not None:  # it reads the buses only when a request arrives
+            core.watcher.lag_warn_s = math.inf
+        return core
 
     def _new_engine(self, slowdown: float) -> int:
         """A new engine at the next index, ``sim-<index>``, with an empty cache: its index."""
