@@ -136,13 +136,10 @@ def _scales(args: argparse.Namespace) -> list[float]:
 
 def run(args: argparse.Namespace) -> int:
     from loadgen.planner import (
-        Candidate,
-        Planner,
         PlanSetup,
         Slo,
         event_volume,
         parse_tiers,
-        prefill_count,
         rescaled,
     )
 
@@ -150,34 +147,7 @@ def run(args: argparse.Namespace) -> int:
     scales = _scales(args)
     tiers = parse_tiers(args.cpu_tier_gib, args.policy)
     splits = _fractions(args.prefill_fractions)
-    for value, flag in (
-        (args.min_instances, "--min-instances"),
-        (args.max_instances, "--max-instances"),
-        (args.instances, "--instances"),
-        (args.jobs, "--jobs"),
-        (args.seeds, "--seeds"),
-    ):
-        _positive(value, flag)
-    if args.curve < 0:
-        raise ValueError(f"--curve must be >= 0, got {args.curve}")
-    if args.find_max_rate:
-        if args.instances is None:
-            raise ValueError("--find-max-rate needs --instances N")
-        if len(tiers) != 1:
-            raise ValueError("--find-max-rate takes one --cpu-tier-gib size and one --policy")
-        if len(scales) != 1:
-            raise ValueError("--find-max-rate takes at most one --rate-scale (its starting rate)")
-        if len(splits) != 1:
-            raise ValueError("--find-max-rate takes one --prefill-fractions value")
-    elif args.instances is not None:
-        raise ValueError("--instances is for --find-max-rate; size with --min/--max-instances")
-    if args.min_instances > args.max_instances:
-        raise ValueError(
-            f"--min-instances ({args.min_instances}) is above --max-instances "
-            f"({args.max_instances})"
-        )
-    if args.report:  # before the run: an unwritable --report fails fast
-        check_output_dir(args.report, "--report")
+    _check(args, len(scales), len(tiers), len(splits))
     (label, router, options), *rest = parse_routers(args.router)
     if rest:
         raise ValueError("--router: plan with one router (compare routers with kvroute simulate)")
@@ -193,8 +163,65 @@ def run(args: argparse.Namespace) -> int:
         scales = [1.0]
     setup = PlanSetup(plan, block_size, truth, router, options, settings, belief, args.seeds)
     ceiling = setup.ceiling(slo)
+    rate, sizes, sims = _search(args, setup, slo, tiers, scales, splits)
+    elapsed = time.perf_counter() - t0
+    meta = {
+        "source": source,
+        "requests": len(plan),
+        "rate_rps": setup.rate,
+        "slo": {
+            "ttft_ms": slo.ttft_ms,
+            "tpot_ms": slo.tpot_ms,
+            "attainment": slo.attainment,
+            "percentile": slo.percentile,
+        },
+        "ceiling": round(ceiling, 5),
+        "assumptions": _assumptions(args, setup, label, belief),
+        "search": {
+            "simulations": sims["full"],
+            "guide_simulations": sims["guide"],
+            "jobs": args.jobs,
+            "early_exit": not args.exhaustive,
+            "wall_s": round(elapsed, 2),
+        },
+    }
+    doc: dict[str, Any]
+    if args.find_max_rate:
+        doc = {"meta": meta, "max_rate": _rate_doc(rate, setup, slo)}
+        ok = rate.max_pass is not None
+    else:
+        doc = {"meta": meta, "sizes": [_size_doc(r, setup, slo) for r in sizes]}
+        for d in doc["sizes"]:
+            b = d["best"]
+            if b is not None:
+                ev = event_volume(plan, d["rate_rps"], b["instances"], b["hit_rate"])
+                d["kv_events"] = ev.to_dict()
+        ok = all(r.best is not None for r in sizes)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        _print(doc, slo)
+    if args.report:
+        written = write_report(Path(args.report), doc)
+        print(f"plan: wrote {len(written)} files to {args.report}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def _search(
+    args: argparse.Namespace,
+    setup: Any,
+    slo: Any,
+    tiers: list[tuple[float, str]],
+    scales: list[float],
+    splits: list[float],
+) -> tuple[Any, list[Any], dict[str, int]]:
+    """The planner's search, with a progress line: (the max-rate answer, or None; the size
+    answers per rate scale; the simulations run, full and guide)."""
+    from loadgen.planner import Candidate, Planner, prefill_count
+
     quiet = args.no_progress or not sys.stderr.isatty()
     sims = {"full": 0, "guide": 0}
+    rate: Any = None
 
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -241,60 +268,58 @@ def run(args: argparse.Namespace) -> int:
                     )
                     for scale in scales
                 ]
-    elapsed = time.perf_counter() - t0
-    eng = settings.engine
-    meta = {
-        "source": source,
-        "requests": len(plan),
-        "rate_rps": setup.rate,
-        "slo": {
-            "ttft_ms": slo.ttft_ms,
-            "tpot_ms": slo.tpot_ms,
-            "attainment": slo.attainment,
-            "percentile": slo.percentile,
-        },
-        "ceiling": round(ceiling, 5),
-        "assumptions": {
-            "profile": truth.name,
-            "router": label,
-            "router_profile": belief.name if belief else truth.name,
-            "block_size": setup.block_size,
-            "gpu_kv_blocks_per_engine": settings.gpu_blocks(truth, setup.block_size),
-            "kv_bytes_per_token": truth.kv_bytes_per_token,
-            "engine": eng,
-            "perturbation": perturbation_meta(args),
-            "lag_ms": args.lag_ms,
-            "seeds": args.seeds,
-            "not_modelled": NOT_MODELLED,
-        },
-        "search": {
-            "simulations": sims["full"],
-            "guide_simulations": sims["guide"],
-            "jobs": args.jobs,
-            "early_exit": not args.exhaustive,
-            "wall_s": round(elapsed, 2),
-        },
-    }
-    doc: dict[str, Any]
+    return rate, sizes, sims
+
+
+def _check(args: argparse.Namespace, scales: int, tiers: int, splits: int) -> None:
+    """The flags ``run`` cannot plan with, refused before anything runs (``scales``, ``tiers``,
+    ``splits``: how many rate scales, CPU tiers and prefill fractions were given)."""
+    for value, flag in (
+        (args.min_instances, "--min-instances"),
+        (args.max_instances, "--max-instances"),
+        (args.instances, "--instances"),
+        (args.jobs, "--jobs"),
+        (args.seeds, "--seeds"),
+    ):
+        _positive(value, flag)
+    if args.curve < 0:
+        raise ValueError(f"--curve must be >= 0, got {args.curve}")
     if args.find_max_rate:
-        doc = {"meta": meta, "max_rate": _rate_doc(rate, setup, slo)}
-        ok = rate.max_pass is not None
-    else:
-        doc = {"meta": meta, "sizes": [_size_doc(r, setup, slo) for r in sizes]}
-        for d in doc["sizes"]:
-            b = d["best"]
-            if b is not None:
-                ev = event_volume(plan, d["rate_rps"], b["instances"], b["hit_rate"])
-                d["kv_events"] = ev.to_dict()
-        ok = all(r.best is not None for r in sizes)
-    if args.json:
-        print(json.dumps(doc, indent=1))
-    else:
-        _print(doc, slo)
-    if args.report:
-        written = write_report(Path(args.report), doc)
-        print(f"plan: wrote {len(written)} files to {args.report}", file=sys.stderr)
-    return 0 if ok else 1
+        if args.instances is None:
+            raise ValueError("--find-max-rate needs --instances N")
+        if tiers != 1:
+            raise ValueError("--find-max-rate takes one --cpu-tier-gib size and one --policy")
+        if scales != 1:
+            raise ValueError("--find-max-rate takes at most one --rate-scale (its starting rate)")
+        if splits != 1:
+            raise ValueError("--find-max-rate takes one --prefill-fractions value")
+    elif args.instances is not None:
+        raise ValueError("--instances is for --find-max-rate; size with --min/--max-instances")
+    if args.min_instances > args.max_instances:
+        raise ValueError(
+            f"--min-instances ({args.min_instances}) is above --max-instances "
+            f"({args.max_instances})"
+        )
+    if args.report:  # before the run: an unwritable --report fails fast
+        check_output_dir(args.report, "--report")
+
+
+def _assumptions(args: argparse.Namespace, setup: Any, label: str, belief: Any) -> dict[str, Any]:
+    """What the plan took for granted: the engines, the router, the perturbation."""
+    truth, settings = setup.truth, setup.settings
+    return {
+        "profile": truth.name,
+        "router": label,
+        "router_profile": belief.name if belief else truth.name,
+        "block_size": setup.block_size,
+        "gpu_kv_blocks_per_engine": settings.gpu_blocks(truth, setup.block_size),
+        "kv_bytes_per_token": truth.kv_bytes_per_token,
+        "engine": settings.engine,
+        "perturbation": perturbation_meta(args),
+        "lag_ms": args.lag_ms,
+        "seeds": args.seeds,
+        "not_modelled": NOT_MODELLED,
+    }
 
 
 def _size_doc(r: Any, setup: Any, slo: Any) -> dict[str, Any]:
