@@ -360,9 +360,6 @@ def _ms(v: float | None, digits: int = 0) -> str:
 
 def _print(doc: dict[str, Any], slo: Any) -> None:
     from rich.console import Console
-    from rich.table import Table
-
-    from loadgen.planner import ROUTER_CORE_BUDGET
 
     meta, a = doc["meta"], doc["meta"]["assumptions"]
     con = Console(width=100, highlight=False)
@@ -375,69 +372,111 @@ def _print(doc: dict[str, Any], slo: Any) -> None:
         f"({slo.percentile}); ceiling {meta['ceiling']:.1%} (every request alone on an idle "
         "engine with every earlier prefix cached)"
     )
-    rows: list[dict[str, Any]] = []
     if "max_rate" in doc:
-        m = doc["max_rate"]
-        c = m["candidate"]
-        what = _label(c)
-        hi, lo = m["max_passing"], m["min_failing"]
-        if hi is None:
-            con.print(f"[bold]{what} fail the SLO at every rate searched[/bold] (down to 1/64 x)")
+        rows, first_col = _print_max_rate(con, doc["max_rate"], slo), "req/s"
+    else:
+        rows, first_col = _print_sizes(con, doc["sizes"], slo, a["seeds"]), "instances"
+    con.print(_table(rows, first_col, slo))
+    con.print(
+        f"assumptions: engines {a['profile']} (router prices with {a['router_profile']}), "
+        f"router {a['router']}, block {a['block_size']}, {a['gpu_kv_blocks_per_engine']:,} GPU "
+        f"KV blocks per engine, per-engine speed sigma {a['perturbation']['speed_sigma']:g}, "
+        f"step jitter {a['perturbation']['jitter']:g}, stragglers "
+        f"{a['perturbation']['stragglers']:g}, KV event and load lag {a['lag_ms']:g} ms, "
+        + (
+            "one perturbation seed per configuration (--seeds K pools K)"
+            if a["seeds"] == 1
+            else f"{a['seeds']} perturbation seeds per configuration, pooled"
+        )
+        + f". Not modelled: {a['not_modelled']}"
+    )
+    sr = meta["search"]
+    con.print(
+        f"searched in {sr['wall_s']:.1f} s: {sr['simulations']} whole-workload simulations"
+        + (
+            f" and {sr['guide_simulations']} on its first quarter"
+            if sr["guide_simulations"]
+            else ""
+        )
+        + f", {sr['jobs']} at a time; times in ms; '<' marks a run stopped once it had missed"
+        " more requests than the target allows"
+    )
+
+
+def _print_max_rate(con: Any, m: dict[str, Any], slo: Any) -> list[dict[str, Any]]:
+    """``--find-max-rate``'s answer in words; its curve's rows for the table."""
+    what = _label(m["candidate"])
+    hi, lo = m["max_passing"], m["min_failing"]
+    if hi is None:
+        con.print(f"[bold]{what} fail the SLO at every rate searched[/bold] (down to 1/64 x)")
+    else:
+        con.print(
+            f"[bold]{what} meet the SLO up to {hi['rate_rps']:.2f} req/s "
+            f"(x{hi['rate_scale']:.3g} this workload's rate)[/bold]: attainment "
+            f"{hi['attainment']:.1%}, TTFT {slo.percentile} {_ms(hi['ttft_ms_at_percentile'])}"
+            f" ms, hit rate {_pct(hi['hit_rate'])}"
+        )
+    if lo is not None:
+        con.print(f"  at {lo['rate_rps']:.2f} req/s they fail: {lo['why']}")
+    else:
+        con.print("  they meet it at the highest rate searched (64 x)")
+    return [o for o in m["curve"] if o is not None]
+
+
+def _print_sizes(
+    con: Any, sizes: list[dict[str, Any]], slo: Any, seeds: int
+) -> list[dict[str, Any]]:
+    """The sizing answers in words, a paragraph per rate scale; their curves' rows."""
+    from loadgen.planner import ROUTER_CORE_BUDGET
+
+    rows: list[dict[str, Any]] = []
+    for s in sizes:
+        head = f"at x{s['rate_scale']:g} ({s['rate_rps']:.2f} req/s): "
+        b = s["best"]
+        if b is None:
+            con.print(f"[bold]{head}no configuration up to the maximum meets the SLO[/bold]")
         else:
             con.print(
-                f"[bold]{what} meet the SLO up to {hi['rate_rps']:.2f} req/s "
-                f"(x{hi['rate_scale']:.3g} this workload's rate)[/bold]: attainment "
-                f"{hi['attainment']:.1%}, TTFT {slo.percentile} {_ms(hi['ttft_ms_at_percentile'])}"
-                f" ms, hit rate {_pct(hi['hit_rate'])}"
+                f"[bold]{head}{_label(b)}[/bold] meet it: attainment {b['attainment']:.1%} "
+                f"(margin {b['margin_points']:+.1f} points; TTFT {slo.percentile} "
+                f"{_ms(b['ttft_ms_at_percentile'])} ms"
+                + (
+                    f", TPOT {slo.percentile} {_ms(b['tpot_ms_at_percentile'], 1)} ms"
+                    if slo.tpot_ms is not None
+                    else ""
+                )
+                + f"), hit rate {_pct(b['hit_rate'])}"
             )
-        if lo is not None:
-            con.print(f"  at {lo['rate_rps']:.2f} req/s they fail: {lo['why']}")
-        else:
-            con.print("  they meet it at the highest rate searched (64 x)")
-        rows = [o for o in m["curve"] if o is not None]
-        first_col = "req/s"
-    else:
-        for s in doc["sizes"]:
-            head = f"at x{s['rate_scale']:g} ({s['rate_rps']:.2f} req/s): "
-            b = s["best"]
-            if b is None:
-                con.print(f"[bold]{head}no configuration up to the maximum meets the SLO[/bold]")
-            else:
-                con.print(
-                    f"[bold]{head}{_label(b)}[/bold] meet it: attainment {b['attainment']:.1%} "
-                    f"(margin {b['margin_points']:+.1f} points; TTFT {slo.percentile} "
-                    f"{_ms(b['ttft_ms_at_percentile'])} ms"
-                    + (
-                        f", TPOT {slo.percentile} {_ms(b['tpot_ms_at_percentile'], 1)} ms"
-                        if slo.tpot_ms is not None
-                        else ""
-                    )
-                    + f"), hit rate {_pct(b['hit_rate'])}"
+        ev = s.get("kv_events")
+        if ev is not None:
+            con.print(
+                f"  KV events at {ev['block_size']}-token blocks: "
+                f"{ev['blocks_per_engine_s']:,} blocks/s per engine, "
+                f"{ev['cluster_blocks_s'] / 1e6:.2f}M/s in all: "
+                f"{ev['router_cores']:.0%} of one router core"
+                + (
+                    f" (over {ROUTER_CORE_BUDGET:.0%}: set engines.event_stride "
+                    f"{ev['event_stride']})"
+                    if ev["event_stride"] > 1
+                    else ""
                 )
-            ev = s.get("kv_events")
-            if ev is not None:
-                con.print(
-                    f"  KV events at {ev['block_size']}-token blocks: "
-                    f"{ev['blocks_per_engine_s']:,} blocks/s per engine, "
-                    f"{ev['cluster_blocks_s'] / 1e6:.2f}M/s in all: "
-                    f"{ev['router_cores']:.0%} of one router core"
-                    + (
-                        f" (over {ROUTER_CORE_BUDGET:.0%}: set engines.event_stride "
-                        f"{ev['event_stride']})"
-                        if ev["event_stride"] > 1
-                        else ""
-                    )
-                )
-            f = s["next_cheaper_failing"]
-            if f is not None:
-                con.print(f"  next cheaper, {_label(f)}, fails: {f['why']}")
-            if b is not None and b["margin_points"] < 1 and a["seeds"] == 1:
-                con.print(
-                    "  [bold]the margin is within one perturbation seed's noise: confirm with "
-                    "--seeds 3[/bold]"
-                )
-            rows += [{**o, "rate_rps": s["rate_rps"]} for o in s["curve"]]
-        first_col = "instances"
+            )
+        f = s["next_cheaper_failing"]
+        if f is not None:
+            con.print(f"  next cheaper, {_label(f)}, fails: {f['why']}")
+        if b is not None and b["margin_points"] < 1 and seeds == 1:
+            con.print(
+                "  [bold]the margin is within one perturbation seed's noise: confirm with "
+                "--seeds 3[/bold]"
+            )
+        rows += [{**o, "rate_rps": s["rate_rps"]} for o in s["curve"]]
+    return rows
+
+
+def _table(rows: list[dict[str, Any]], first_col: str, slo: Any) -> Any:
+    """The priced configurations, a row each."""
+    from rich.table import Table
+
     table = Table(title="priced configurations (whole workload)")
     cols = [first_col, "CPU tier", "attainment", f"TTFT {slo.percentile}"]
     cols += [f"TPOT {slo.percentile}"] if slo.tpot_ms is not None else []
@@ -469,31 +508,7 @@ def _print(doc: dict[str, Any], slo: Any) -> None:
             "verdict": "meets" if o["passes"] else "fails",
         }
         table.add_row(*(cells[c] for c in cols))
-    con.print(table)
-    con.print(
-        f"assumptions: engines {a['profile']} (router prices with {a['router_profile']}), "
-        f"router {a['router']}, block {a['block_size']}, {a['gpu_kv_blocks_per_engine']:,} GPU "
-        f"KV blocks per engine, per-engine speed sigma {a['perturbation']['speed_sigma']:g}, "
-        f"step jitter {a['perturbation']['jitter']:g}, stragglers "
-        f"{a['perturbation']['stragglers']:g}, KV event and load lag {a['lag_ms']:g} ms, "
-        + (
-            "one perturbation seed per configuration (--seeds K pools K)"
-            if a["seeds"] == 1
-            else f"{a['seeds']} perturbation seeds per configuration, pooled"
-        )
-        + f". Not modelled: {a['not_modelled']}"
-    )
-    sr = meta["search"]
-    con.print(
-        f"searched in {sr['wall_s']:.1f} s: {sr['simulations']} whole-workload simulations"
-        + (
-            f" and {sr['guide_simulations']} on its first quarter"
-            if sr["guide_simulations"]
-            else ""
-        )
-        + f", {sr['jobs']} at a time; times in ms; '<' marks a run stopped once it had missed"
-        " more requests than the target allows"
-    )
+    return table
 
 
 def _label(c: dict[str, Any]) -> str:
