@@ -304,22 +304,12 @@ def autoscale_row(sim: Any, slo_ttft_s: float, slo_tpot_s: float | None) -> dict
 def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from loadgen.jobs import check_jobs, run_each
+    from loadgen.jobs import run_each
     from loadgen.metrics import summarize
     from loadgen.simulator import ideal_ttfts, simulate
     from loadgen.workloads import ideal_hit_rate
 
-    for value, flag in (
-        (args.slo_ttft_ms, "--slo-ttft-ms"),
-        (args.slo_tpot_ms, "--slo-tpot-ms"),
-        (args.instances, "--instances"),
-    ):
-        _positive(value, flag)
-    check_jobs(args.jobs)
-    if args.admit and args.slo_ttft_ms is None:
-        raise ValueError("--admit needs --slo-ttft-ms")
-    if args.report:  # before the run: an unwritable --report fails fast
-        check_output_dir(args.report, "--report")
+    _check(args)
     # before the workload is read: a bad flag fails fast
     settings = sim_settings(args, args.instances, args.slo_ttft_ms / 1e3 if args.admit else None)
     routers = parse_routers(args.router)
@@ -390,15 +380,7 @@ def run(args: argparse.Namespace) -> int:
         "requests": len(plan),
         "instances": args.instances,
         "block_size": settings.block_size or block_size,
-        "profile": truth.name,
-        "router_profile": belief.name if belief else truth.name,
-        "perturbation": perturbation_meta(args),
-        "lag_ms": args.lag_ms,
-        "engine": settings.engine,
-        "prefill_instances": settings.prefill_instances,
-        "slo_ttft_ms": args.slo_ttft_ms,
-        "slo_tpot_ms": args.slo_tpot_ms,
-        "admission": bool(args.admit),
+        **_assumptions(args, settings, truth, belief),
         "ideal_hit_rate_tokens": round(ideal[1], 4),
         "ideal_ttft_ms": _stats_ms(ideal_s),
         "not_modelled": "network/ingress time, admission's concurrency gate, engine failures",
@@ -411,17 +393,55 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_table(meta, results)
         if scaling is not None:
-            for label, r in results.items():
-                a = r["autoscale"]
-                print(
-                    f"autoscale {scaling[1]['policy']} ({label}): attainment "
-                    f"{a['attainment']:.2%}, {a['gpu_hours']:.3f} GPU-hours, peak "
-                    f"{a['peak_instances']} instances, {len(a['replicas']) - 1} changes"
-                )
+            _print_autoscale(scaling[1]["policy"], results)
     if args.report:
         written = write_report(Path(args.report), doc, runs)
         print(f"simulate: wrote {len(written)} files to {args.report}", file=sys.stderr)
     return 0
+
+
+def _print_autoscale(policy: str, results: dict[str, Any]) -> None:
+    for label, r in results.items():
+        a = r["autoscale"]
+        print(
+            f"autoscale {policy} ({label}): attainment "
+            f"{a['attainment']:.2%}, {a['gpu_hours']:.3f} GPU-hours, peak "
+            f"{a['peak_instances']} instances, {len(a['replicas']) - 1} changes"
+        )
+
+
+def _check(args: argparse.Namespace) -> None:
+    """The flags ``run`` cannot simulate with, refused before anything runs."""
+    from loadgen.jobs import check_jobs
+
+    for value, flag in (
+        (args.slo_ttft_ms, "--slo-ttft-ms"),
+        (args.slo_tpot_ms, "--slo-tpot-ms"),
+        (args.instances, "--instances"),
+    ):
+        _positive(value, flag)
+    check_jobs(args.jobs)
+    if args.admit and args.slo_ttft_ms is None:
+        raise ValueError("--admit needs --slo-ttft-ms")
+    if args.report:  # before the run: an unwritable --report fails fast
+        check_output_dir(args.report, "--report")
+
+
+def _assumptions(
+    args: argparse.Namespace, settings: Any, truth: Any, belief: Any
+) -> dict[str, Any]:
+    """What the simulation took for granted: the engines, the router's profile, the SLO."""
+    return {
+        "profile": truth.name,
+        "router_profile": belief.name if belief else truth.name,
+        "perturbation": perturbation_meta(args),
+        "lag_ms": args.lag_ms,
+        "engine": settings.engine,
+        "prefill_instances": settings.prefill_instances,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "admission": bool(args.admit),
+    }
 
 
 def _stats_ms(values_s: Any) -> dict[str, float | None]:
