@@ -292,8 +292,7 @@ def oracle_run(
                 continue
             k = min(len(counts) - 1, int(rec.intended_s // ORACLE_INTERVAL_S))
             total[k] += 1
-            if rec.ok and rec.ttft_s <= SLO_TTFT_S and not rec.tpot_s > SLO_TPOT_S:
-                good[k] += 1
+            good[k] += rec.meets(SLO_TTFT_S, SLO_TPOT_S)
         bad = [k for k in range(len(counts)) if total[k] and good[k] < ORACLE_GOAL * total[k]]
         for j in sorted({j for b in bad for j in (b - 1, b) if j >= 0}):
             counts[j] = min(hi, counts[j] + max(1, math.ceil(counts[j] / 10)))

@@ -56,6 +56,13 @@ class RequestRecord:
     def send_lag_s(self) -> float:
         return self.sent_s - self.intended_s
 
+    def meets(self, ttft_s: float, tpot_s: float | None = None) -> bool:
+        """Completed within the SLO: TTFT <= ``ttft_s`` and mean TPOT <= ``tpot_s`` (None: no
+        TPOT goal; one output token has no TPOT, so it cannot miss one)."""
+        if not self.ok or self.ttft_s > ttft_s:
+            return False
+        return tpot_s is None or not self.tpot_s > tpot_s
+
     @property
     def tpot_s(self) -> float:
         """Mean time per output token after the first (NaN with fewer than two tokens)."""

@@ -278,17 +278,8 @@ def autoscaler_factory(
 def slo_attainment(records: Any, slo_ttft_s: float, slo_tpot_s: float | None) -> float:
     """The fraction of all requests completed with TTFT <= ``slo_ttft_s`` and mean TPOT <=
     ``slo_tpot_s`` (refused and unfinished requests miss; one output token has no TPOT)."""
-    good = 0
-    n = 0
-    for r in records:
-        n += 1
-        if not r.ok or r.ttft_s > slo_ttft_s:
-            continue
-        tpot = r.tpot_s
-        if slo_tpot_s is not None and not math.isnan(tpot) and tpot > slo_tpot_s:
-            continue
-        good += 1
-    return good / n if n else math.nan
+    met = [r.meets(slo_ttft_s, slo_tpot_s) for r in records]
+    return sum(met) / len(met) if met else math.nan
 
 
 def autoscale_row(sim: Any, slo_ttft_s: float, slo_tpot_s: float | None) -> dict[str, Any]:

@@ -1138,18 +1138,12 @@ class WhatIfSimulator:
         # attainable ones, and the few in a small sample would swing it
         ideal = ideal_ttfts(plan, self.trace_block_size, self.profile, settings)
         warm = self.warm_fraction * horizon_s
-        good = n = 0
-        for r in run.records:
-            if 0 < r.intended_s < warm or not ideal[r.index] <= slo.ttft_s:
-                continue
-            n += 1
-            if not r.ok or r.ttft_s > slo.ttft_s:
-                continue
-            tpot = r.tpot_s
-            if slo.tpot_s is not None and not math.isnan(tpot) and tpot > slo.tpot_s:
-                continue
-            good += 1
-        return good / n if n else 1.0
+        met = [
+            r.meets(slo.ttft_s, slo.tpot_s)
+            for r in run.records
+            if not 0 < r.intended_s < warm and ideal[r.index] <= slo.ttft_s
+        ]
+        return sum(met) / len(met) if met else 1.0
 
 
 @contextlib.contextmanager

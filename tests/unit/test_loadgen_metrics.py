@@ -140,3 +140,14 @@ def test_error_groups_by_kind_and_message() -> None:
     assert error_groups(records, limit=2) == groups[:2]
     s = summarize(records, duration_s=1.0, requested_span_s=1.0)
     assert s["error_messages"] == groups
+
+
+def test_a_record_meets_the_slo_on_ttft_and_on_tpot_where_it_has_one() -> None:
+    fast = rec(0, 0.5, [0.02, 0.02])
+    assert fast.meets(1.0) and fast.meets(1.0, 0.05)
+    assert not fast.meets(0.4)  # its TTFT
+    assert not fast.meets(1.0, 0.01)  # its TPOT
+    one = rec(1, 0.5, [])  # one output token: no TPOT to miss
+    assert math.isnan(one.tpot_s) and one.meets(1.0, 0.001)
+    failed = RequestRecord(2, "all", None, 32, 4, intended_s=1.0, error="http_500")
+    assert not failed.meets(100.0)
