@@ -85,11 +85,12 @@ class Placement:
 
 
 def profile_ttft(
-    request: PlacementRequest, inst: InstanceView, m: Match | None
+    request: PlacementRequest, inst: InstanceView, m: Match | None, *, idle: bool = False
 ) -> tuple[float, int]:
     """(``inst``'s latency model's TTFT in seconds, leading cached blocks) of ``request`` there:
     its prompt beyond the instance's leading cached run (GPU, then CPU-tier blocks loaded),
-    behind the instance's queued prefill."""
+    behind the instance's queued prefill (``idle``: as if none were queued, which is the engine
+    time the request's own prefill takes)."""
     bs = inst.block_size
     gpu = m.gpu_blocks if m else 0
     total = m.total_blocks if m else 0
@@ -99,8 +100,8 @@ def profile_ttft(
         request.prompt_tokens,
         gpu_tokens,
         cached - gpu_tokens,
-        queued=inst.pending_prefill_tokens,
-        queued_requests=inst.waiting,
+        queued=0 if idle else inst.pending_prefill_tokens,
+        queued_requests=1 if idle else inst.waiting,
     )
     return ttft, total
 

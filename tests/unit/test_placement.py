@@ -653,3 +653,34 @@ def test_kv_ttft_stays_with_its_cache_when_going_cold_saves_little() -> None:
     assert s.place(r, [far, view("b")], {"a": Match(2, 2)}).instance_id == "b"
     off = create_scorer("kv_ttft", calibrate=False)
     assert off.place(r, [busy, view("b")], {"a": Match(2, 2)}).instance_id == "b"
+
+
+def test_kv_ttft_charges_the_work_it_adds_once_requests_cannot_avoid_queues() -> None:
+    """``externality``: each instance's estimate is charged the engine time the request takes
+    there, times the waiting requests per instance, as far as recent requests could not avoid
+    a queue. While they can, a busy cache holder loses to an idle cold engine on the estimate
+    alone; once every engine has had requests waiting, the prefix hit's saved work wins, and
+    when queue-free engines come back the toll fades again."""
+    s = create_scorer("kv_ttft", calibrate=False)
+    r = req(100)  # 1,600 tokens: 160 ms cold; 1.6 ms on a's cache (it recomputes one block)
+    match = {"a": Match(100, 100)}
+    # a holds the prefix behind 200 ms of queue (2 requests); b is cold with 1 request waiting
+    # but nothing queued yet (its prefill starts now)
+    state = [view("a", pending_prefill_tokens=2000, waiting=2), view("b", waiting=1)]
+    assert s.place(r, state, match).instance_id == "b"
+    # a burst: for 64 placements every engine's best option already had requests waiting
+    for k in range(64):
+        busy = [view(f"x{j}", waiting=2, pending_prefill_tokens=100) for j in range(3)]
+        s.place(req(4 + k % 3), busy, {})
+    assert s.queued_share > 0.6
+    got = s.place(r, state, match)
+    assert got.instance_id == "a"
+    assert got.estimated_ttft_s == pytest.approx(0.2016)  # the estimate itself, toll aside
+    assert create_scorer("kv_ttft", externality=0.0).place(r, state, match).instance_id == "b"
+    # queue-free engines again: the share decays, and the request goes cold to b
+    for _ in range(300):
+        s.place(req(4), [view("y0"), view("y1")], {})
+    assert s.queued_share < 0.01
+    assert s.place(r, state, match).instance_id == "b"
+    with pytest.raises(ValueError, match="externality"):
+        create_scorer("kv_ttft", externality=-1.0)
