@@ -156,12 +156,15 @@ class ProfileLike(Protocol):
     """The latency profile fields the capacity model reads (``engines.sim.profile``)."""
 
     base_ms: float
+    prefill_pass_ms: float
+    decode_pass_ms: float
     prefill_token_ms: float
     prefill_attn_ms: float
     decode_seq_ms: float
     decode_ctx_ms: float
     kv_capacity_tokens: int
     max_num_seqs: int
+    max_num_batched_tokens: int
 
 
 def replica_capacity(
@@ -180,24 +183,27 @@ def replica_capacity(
     ``max_num_seqs``.
 
     The steady state of a colocated engine at rate ``lam``: each request spends ``W`` ms of
-    GPU work beyond the steps' fixed ``base_ms`` (its uncached prefill chunk plus ``O`` decode
-    tokens at the mean context), and is in decode for ``O`` steps; with step time ``tau`` the
-    step holds ``lam tau`` requests' work, so ``tau = base / (1 - lam W)``, and the decoding
-    batch is ``lam O tau`` (Little). Closed form, microseconds per call."""
+    GPU work beyond the steps' fixed cost ``base`` (``base_ms`` and ``decode_pass_ms``: a busy
+    engine's steps decode; ``W``: its uncached prefill chunks, each with ``prefill_pass_ms``,
+    plus ``O`` decode tokens at the mean context), and is in decode for ``O`` steps; with step
+    time ``tau`` the step holds ``lam tau`` requests' work, so ``tau = base / (1 - lam W)``, and
+    the decoding batch is ``lam O tau`` (Little). Closed form, microseconds per call."""
     o = max(output_tokens, 1.0)
     u = max(uncached_tokens, 0.0)
     ctx = prompt_tokens + o / 2
     prefill_ms = u * (profile.prefill_token_ms + profile.prefill_attn_ms * (prompt_tokens - u / 2))
+    prefill_ms += profile.prefill_pass_ms * math.ceil(u / profile.max_num_batched_tokens)
     w_ms = prefill_ms + o * (profile.decode_seq_ms + profile.decode_ctx_ms * ctx)
+    base_ms = profile.base_ms + profile.decode_pass_ms
     lam_util = max_utilization / w_ms  # per ms
     lam = lam_util
     tau_max = math.inf
     if tpot_s is not None:
         tau_max = tpot_margin * tpot_s * 1e3
-        if tau_max <= profile.base_ms:
+        if tau_max <= base_ms:
             return 0.0
-        lam = min(lam, (1 - profile.base_ms / tau_max) / w_ms)
-    tau = profile.base_ms / max(1e-9, 1 - lam * w_ms)
+        lam = min(lam, (1 - base_ms / tau_max) / w_ms)
+    tau = base_ms / max(1e-9, 1 - lam * w_ms)
     batch = lam * o * tau
     limit = min(profile.max_num_seqs, profile.kv_capacity_tokens / max(ctx, 1.0))
     if batch > limit:

@@ -4,17 +4,23 @@ A step runs one forward pass over every token the scheduler picked (vLLM v1 mixe
 chunks and decodes in one batch). The model, in milliseconds:
 
     step_ms = base_ms
+            + prefill_pass_ms                                        (if the step prefills)
             + sum over prefill chunks of  prefill_token_ms * n + prefill_attn_ms * n * (c + n / 2)
-            + decode_seq_ms * batch + decode_ctx_ms * context      (if any request decodes)
+            + decode_pass_ms + decode_seq_ms * batch + decode_ctx_ms * context
+                                                                 (if any request decodes)
             + KV bytes loaded from the CPU tier / cpu_load_gbps
 
 where a chunk computes ``n`` new tokens after ``c`` already in the KV cache (the attention term
 is the quadratic cost of attending to the prefix), ``batch`` is the number of decoding requests
-and ``context`` the tokens they attend to in total. Hence
+and ``context`` the tokens they attend to in total. The two pass constants are 0 in a profile
+measured by ``kvroute profile`` (``base_ms`` holds a step's fixed cost); an engine whose
+prefilling and decoding passes each add a fixed cost (NVIDIA Dynamo's mocker: a mixed pass
+costs both) sets them. Hence
 
-    prefill_ms(uncached, context) = base_ms + prefill_token_ms * uncached
+    prefill_ms(uncached, context) = base_ms + prefill_pass_ms + prefill_token_ms * uncached
                                     + prefill_attn_ms * uncached * (context + uncached / 2)
-    decode_step_ms(batch, context) = base_ms + decode_seq_ms * batch + decode_ctx_ms * context
+    decode_step_ms(batch, context) = base_ms + decode_pass_ms + decode_seq_ms * batch
+                                     + decode_ctx_ms * context
 
 A request also waits ``request_overhead_ms`` (input processing, IPC to the engine core) between
 its arrival and the scheduler, so an unloaded TTFT is that plus its prefill steps. Behind
@@ -53,6 +59,8 @@ _NON_NEGATIVE = (
     "long_prefill_token_threshold",
     "request_overhead_ms",
     "base_ms",
+    "prefill_pass_ms",
+    "decode_pass_ms",
     "prefill_token_ms",
     "prefill_attn_ms",
     "decode_seq_ms",
@@ -91,6 +99,8 @@ class LatencyProfile:
     cpu_load_gbps: float
     request_overhead_ms: float = 0.0
     long_prefill_token_threshold: int = 0
+    prefill_pass_ms: float = 0.0
+    decode_pass_ms: float = 0.0
     notes: str = ""
     sources: tuple[str, ...] = field(default_factory=tuple)
 
@@ -112,14 +122,17 @@ class LatencyProfile:
 
     def prefill_s(self, uncached_tokens: int, context: int = 0) -> float:
         """A step that only prefills ``uncached_tokens`` after ``context`` cached ones."""
-        return (self.base_ms + self.chunk_ms(uncached_tokens, context)) / 1e3
+        return (self.base_ms + self.prefill_pass_ms + self.chunk_ms(uncached_tokens, context)) / 1e3
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """A step that only decodes: ``batch`` requests attending ``context_tokens`` in total."""
         if batch <= 0:
             return 0.0
         return (
-            self.base_ms + self.decode_seq_ms * batch + self.decode_ctx_ms * context_tokens
+            self.base_ms
+            + self.decode_pass_ms
+            + self.decode_seq_ms * batch
+            + self.decode_ctx_ms * context_tokens
         ) / 1e3
 
     def queue_s(self, tokens: int) -> float:
@@ -160,7 +173,8 @@ class LatencyProfile:
                 n = min(left, cap)
                 other = min(queued, budget - n, lanes)
                 queued -= other
-                total += (self.base_ms + self.chunk_ms(n, done) + self.chunk_ms(other, 0)) / 1e3
+                fixed = self.base_ms + self.prefill_pass_ms
+                total += (fixed + self.chunk_ms(n, done) + self.chunk_ms(other, 0)) / 1e3
             else:
                 n = min(left, budget)
                 total += self.prefill_s(n, done)
@@ -192,6 +206,8 @@ class LatencyProfile:
         return replace(
             self,
             base_ms=self.base_ms * factor,
+            prefill_pass_ms=self.prefill_pass_ms * factor,
+            decode_pass_ms=self.decode_pass_ms * factor,
             prefill_token_ms=self.prefill_token_ms * factor,
             prefill_attn_ms=self.prefill_attn_ms * factor,
             decode_seq_ms=self.decode_seq_ms * factor,
@@ -225,6 +241,8 @@ class LatencyProfile:
                 cpu_load_gbps=float(data["cpu_load_gbps"]),
                 request_overhead_ms=float(data.get("request_overhead_ms", 0.0)),
                 long_prefill_token_threshold=int(data.get("long_prefill_token_threshold", 0)),
+                prefill_pass_ms=float(pre.get("pass_ms", 0.0)),
+                decode_pass_ms=float(dec.get("pass_ms", 0.0)),
                 notes=str(data.get("notes", "")),
                 sources=tuple(str(s) for s in data.get("sources", ())),
             )
@@ -239,6 +257,10 @@ class LatencyProfile:
         }
         out["prefill"] = {"token_ms": self.prefill_token_ms, "attn_ms": self.prefill_attn_ms}
         out["decode"] = {"seq_ms": self.decode_seq_ms, "ctx_ms": self.decode_ctx_ms}
+        if self.prefill_pass_ms:
+            out["prefill"]["pass_ms"] = self.prefill_pass_ms
+        if self.decode_pass_ms:
+            out["decode"]["pass_ms"] = self.decode_pass_ms
         out["sources"] = list(self.sources)
         return out
 

@@ -459,15 +459,18 @@ class Scheduler:
         p = self.profile
         if not step.scheduled:
             return 0.0
-        ms, batch, ctx = p.base_ms, 0, 0
+        ms, batch, ctx, prefills = p.base_ms, 0, 0, False
         for r, n, before in step.scheduled:
             if n == 1 and r.num_output > 0 and before == r.num_tokens - 1:
                 batch += 1
                 ctx += before + 1
             else:
                 ms += p.chunk_ms(n, before)
+                prefills = True
+        if prefills:
+            ms += p.prefill_pass_ms
         if batch:
-            ms += p.decode_seq_ms * batch + p.decode_ctx_ms * ctx
+            ms += p.decode_pass_ms + p.decode_seq_ms * batch + p.decode_ctx_ms * ctx
         return ms / 1e3 + p.load_s(step.load_tokens)
 
     def complete(self, step: Step, end_s: float) -> list[tuple[SimRequest, list[int]]]:
@@ -526,7 +529,7 @@ class Scheduler:
             ctx0 += r.num_tokens
         if k <= 0:
             return 0, 0.0
-        a = p.base_ms + p.decode_seq_ms * batch + p.decode_ctx_ms * ctx0  # first step, ms
+        a = p.base_ms + p.decode_pass_ms + p.decode_seq_ms * batch + p.decode_ctx_ms * ctx0  # ms
         d = p.decode_ctx_ms * batch  # growth per step, ms
         k = min(k, _steps_starting_before(a, d, (limit_s - now_s) * 1e3))
         bs, free = blocks.block_size, blocks.num_free

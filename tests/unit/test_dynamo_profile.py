@@ -33,15 +33,19 @@ def test_limits_are_the_replayed_mockers(profile: LatencyProfile) -> None:
     assert profile.long_prefill_token_threshold == 0
 
 
-def test_idle_prefill_constant_is_exact(profile: LatencyProfile) -> None:
-    # the mocker's per-pass prefill constant, split between the step and the request overhead
-    assert profile.request_overhead_ms + profile.base_ms == pytest.approx(16.50142, abs=1e-9)
+def test_pass_constants_are_the_mockers(profile: LatencyProfile) -> None:
+    # a pass costs the prefill constant if it prefills and the decode constant if it decodes
+    # (a mixed pass: both), nothing per step or per request besides
+    assert (profile.base_ms, profile.request_overhead_ms) == (0.0, 0.0)
+    assert profile.prefill_pass_ms == pytest.approx(16.50142, abs=1e-9)
+    assert profile.decode_pass_ms == pytest.approx(5.74, abs=1e-9)
     assert profile.ttft_s(1) == pytest.approx(mocker_prefill_ms(1) / 1e3, rel=0.01)
 
 
 @pytest.mark.parametrize("tokens", [256, 512, 1024, 2048, 4096, 6144, 8192])
 def test_idle_single_chunk_ttft_within_8_percent(profile: LatencyProfile, tokens: int) -> None:
-    # linear in the chunk's tokens (least squares of the mocker's quadratic over [0, 8192])
+    # linear in the chunk's tokens (token-weighted least squares of the mocker's quadratic over
+    # [0, 8192])
     assert profile.ttft_s(tokens) == pytest.approx(mocker_prefill_ms(tokens) / 1e3, rel=0.08)
 
 

@@ -177,8 +177,14 @@ def run_steps(s: Scheduler, t: float, n: int) -> float:
     return t
 
 
-def test_step_duration_follows_the_profile():
-    s = make(budget=64)
+PASSES = [{}, {"base_ms": 0.0, "prefill_pass_ms": 3.0, "decode_pass_ms": 2.0}]
+
+
+@pytest.mark.parametrize("passes", PASSES)
+def test_step_duration_follows_the_profile(passes):
+    """A step costs ``base_ms``, plus ``prefill_pass_ms`` if it prefills and ``decode_pass_ms``
+    if it decodes (a mixed step: both)."""
+    s = make(budget=64, **passes)
     p = s.profile
     a = req("a", 40, out=5)
     s.add(a)
@@ -188,8 +194,12 @@ def test_step_duration_follows_the_profile():
     b = req("b", 10, start=900)
     s.add(b)
     step = s.schedule(1.0)  # a decodes (context 41), b prefills 10 tokens
-    want_ms = p.base_ms + p.chunk_ms(10, 0) + p.decode_seq_ms + p.decode_ctx_ms * 41
+    want_ms = p.base_ms + p.prefill_pass_ms + p.chunk_ms(10, 0)
+    want_ms += p.decode_pass_ms + p.decode_seq_ms + p.decode_ctx_ms * 41
     assert step.duration_s == pytest.approx(want_ms / 1e3)
+    s.complete(step, 1.0 + step.duration_s)
+    step = s.schedule(2.0)  # both decode
+    assert step.duration_s == pytest.approx(p.decode_step_s(2, 42 + 11))
 
 
 def test_cpu_hits_charge_the_load_time():
@@ -269,10 +279,10 @@ def test_rejects_requests_that_cannot_fit():
         s.add(req("a", 30))
 
 
-def _simulate(seed: int, fast: bool, cpu: int) -> tuple[list[tuple], int]:
+def _simulate(seed: int, fast: bool, cpu: int, **kw: float) -> tuple[list[tuple], int]:
     """Every request's outcome, and how many steps ``decode_run`` skipped."""
     rng = random.Random(seed)
-    s = make(n_blocks=60, budget=48, seqs=6, cpu=cpu)
+    s = make(n_blocks=60, budget=48, seqs=6, cpu=cpu, **kw)
     arrivals = sorted(
         (rng.uniform(0, 2.0), f"r{i}", rng.randrange(5, 60), rng.randrange(1, 40), rng.randrange(3))
         for i in range(25)
@@ -314,10 +324,12 @@ def _simulate(seed: int, fast: bool, cpu: int) -> tuple[list[tuple], int]:
     return outcomes, skipped
 
 
+@pytest.mark.parametrize("passes", PASSES)
 @pytest.mark.parametrize("cpu", [0, 30])
 @pytest.mark.parametrize("seed", range(5))
-def test_decode_run_is_equivalent_to_stepping(seed, cpu):
-    (fast, skipped), (slow, _) = _simulate(seed, True, cpu), _simulate(seed, False, cpu)
+def test_decode_run_is_equivalent_to_stepping(seed, cpu, passes):
+    fast, skipped = _simulate(seed, True, cpu, **passes)
+    slow, _ = _simulate(seed, False, cpu, **passes)
     assert skipped > 0  # decode_run did skip steps, or the comparison proves nothing
     assert fast == slow
     if cpu:
