@@ -49,11 +49,15 @@ prometheus:
 		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
 # The whole suite: lint, types, then every test tier.
+# The unit tier runs on two workers (pytest-xdist): its tests are CPU-bound and independent.
+# The engine and integration tiers start Ray clusters, Redis servers and vLLM engines that each
+# use both cores, so they run one test at a time.
 test: native redis ssh prometheus lint typecheck
-	$(PY) -m pytest --durations=30 tests
+	$(PY) -m pytest --durations=10 -n 2 tests/unit
+	$(PY) -m pytest --durations=30 tests/engine tests/integration
 
 test-unit: native
-	$(PY) -m pytest tests/unit
+	$(PY) -m pytest -n 2 tests/unit
 
 test-integration: native redis ssh prometheus
 	$(PY) -m pytest tests/integration
