@@ -261,6 +261,7 @@ def inner(spec_path: str, out_path: str) -> None:
             config = KvRouterConfig(
                 router_temperature=spec["router_temperature"],
                 prefill_load_scale=spec["prefill_load_scale"],
+                overlap_score_credit=spec["overlap_score_credit"],
             )
         t0 = time.perf_counter()
         rep = run_trace_replay(
@@ -433,6 +434,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prefill-load-scale", type=float, default=1.0, help="KvRouterConfig (overlap weight)"
     )
     ap.add_argument(
+        "--overlap-score-credit",
+        type=float,
+        default=1.0,
+        help="KvRouterConfig (how much a cached block counts against the load)",
+    )
+    ap.add_argument(
         "--kv-event-lag-ms", type=float, default=None, help="delay KV events to the router"
     )
     ap.add_argument(
@@ -483,6 +490,7 @@ def main(argv: list[str] | None = None) -> None:
         "slo_tpot_ms": args.slo_tpot_ms,
         "router_temperature": args.router_temperature,
         "prefill_load_scale": args.prefill_load_scale,
+        "overlap_score_credit": args.overlap_score_credit,
         "kv_event_lag_ms": args.kv_event_lag_ms,
     }
     t0 = time.perf_counter()
@@ -513,6 +521,7 @@ def main(argv: list[str] | None = None) -> None:
             "router_config": {
                 "router_temperature": args.router_temperature,
                 "prefill_load_scale": args.prefill_load_scale,
+                "overlap_score_credit": args.overlap_score_credit,
                 "kv_event_lag_ms": args.kv_event_lag_ms,
             },
             "engine": checked["engine_config"],
