@@ -119,8 +119,12 @@ def make_plan(
     return build_schedule(generate(source, p)), SYNTH_BLOCK_SIZE
 
 
-def settings_for(seed: int, instances: int) -> SimSettings:
-    return SimSettings(instances=instances, perturbation=Perturbation(seed=seed))
+def settings_for(seed: int, instances: int, inflight_prompts: bool = False) -> SimSettings:
+    return SimSettings(
+        instances=instances,
+        perturbation=Perturbation(seed=seed),
+        inflight_prompts=inflight_prompts,
+    )
 
 
 def measure(
@@ -243,6 +247,7 @@ def run_suite(
     instances: int = 16,
     profile: str = "h100-llama3.1-8b",
     log: Callable[[str], None] = lambda _m: None,
+    inflight_prompts: bool = False,
 ) -> dict[str, Any]:
     """The suite's JSON document (see the module)."""
     q = int(quick)
@@ -269,7 +274,9 @@ def run_suite(
                 ideal = ideal_ttfts(plan, block, truth, settings_for(seed, instances))
                 cells.append((w, load, seed, plan, block, ideal))
     calls = [
-        partial(measure, plan, block, truth, r, settings_for(seed, instances), ideal)
+        partial(
+            measure, plan, block, truth, r, settings_for(seed, instances, inflight_prompts), ideal
+        )
         for (_w, _l, seed, plan, block, ideal) in cells
         for r in routers
     ]
@@ -290,6 +297,7 @@ def run_suite(
     return {
         "meta": {
             "instances": instances,
+            "inflight_prompts": inflight_prompts,
             "profile": profile,
             "routers": routers,
             "seeds": seeds,
@@ -401,6 +409,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--instances", type=int, default=16, help="engines [16]")
     ap.add_argument("--profile", default="h100-llama3.1-8b", help="latency profile")
+    ap.add_argument(
+        "--inflight-prompts",
+        action="store_true",
+        help="routers count the prompts they sent that no KV event shows yet (router.inflight)",
+    )
     args = ap.parse_args(argv)
     try:
         workloads = _names(args.workloads, list(WORKLOADS), "--workloads")
@@ -441,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         instances=args.instances,
         profile=args.profile,
         log=lambda m: print(m, file=sys.stderr, flush=True),
+        inflight_prompts=args.inflight_prompts,
     )
     text = json.dumps(doc, indent=1)
     if args.out:

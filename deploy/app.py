@@ -117,6 +117,7 @@ class IngressDeployment:
             ),
             recorder=placement_recorder(cfg.router),
             event_stride=cfg.engine.event_stride,
+            inflight_prompts=cfg.router.inflight_prompts,
         )
         register_state(cfg.app_name, self.state)
         self.state.start(cfg.router.bus_poll_s)

@@ -67,6 +67,12 @@ class RouterConfig(StrictModel):
     max_in_flight: int = Field(1024, ge=1)
     max_queue: int = Field(1024, ge=0)
     max_wait_s: float = Field(30.0, gt=0)
+    inflight_prompts: bool = Field(
+        False,
+        description="count the prompts this router sent that no KV event shows yet as cached "
+        "where they went (router.inflight): on the routing suite it helps RAG-like and bursty "
+        "loads and costs agentic bursts at light load, so it is off by default",
+    )
     api_keys: list[str] = Field(
         default_factory=list,
         description="client API keys; prefer api_key_file or $KVROUTE_API_KEYS (comma-"

@@ -139,6 +139,12 @@ def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
         default=1,
         help="the engines' KV events (and the router's map) keep every K-th block only [1]",
     )
+    c.add_argument(
+        "--inflight-prompts",
+        action="store_true",
+        help="the router counts the prompts it sent that no KV event shows yet as cached where "
+        "it sent them (router.inflight; off by default)",
+    )
 
 
 def add_truth_arguments(p: argparse.ArgumentParser) -> None:
@@ -170,6 +176,7 @@ def sim_settings(args: argparse.Namespace, instances: int, slo_ttft_s: float | N
         slo_ttft_s=slo_ttft_s,
         prefill_instances=getattr(args, "prefill_instances", 0),
         event_stride=args.event_stride,
+        inflight_prompts=args.inflight_prompts,
     )
     if settings.prefill_instances:
         local = args.pd_max_local_prefill_tokens

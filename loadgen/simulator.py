@@ -192,6 +192,8 @@ class SimSettings:
     cold_start_s: float = DEFAULT_COLD_START_S
     # the engines' KV events keep every event_stride-th block (EngineConfig.event_stride)
     event_stride: int = 1
+    # the router counts the prompts it sent that no KV event shows yet (RouterCore's option)
+    inflight_prompts: bool = False
     # the autoscaler's simulator (``Observation.what_if``: a ``WhatIfSimulator`` every
     # decision), sampling the requests of the last ``what_if_history_s`` seconds
     what_if: bool = True
@@ -425,6 +427,7 @@ class ClusterSimulator:
             pools=pools,
             planner=planner,
             event_stride=s.event_stride,
+            inflight_prompts=s.inflight_prompts,
         )
         if core.watcher is not None:  # it reads the buses only when a request arrives
             core.watcher.lag_warn_s = math.inf

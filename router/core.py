@@ -19,6 +19,7 @@ from cachemap.bus import BusRead, EventBus
 from cachemap.ingest import CacheMapIngestor
 from engines.liveness import STALE_AFTER_S, EngineWatcher
 from router.admission import Admission
+from router.inflight import InFlightPrompts
 from router.load import LoadTracker
 from router.pd import PdPlanner
 from router.placement import (
@@ -48,6 +49,7 @@ class RouterCore:
         pools: Sequence[Pool] | None = None,
         planner: PdPlanner | None = None,
         event_stride: int = 1,
+        inflight_prompts: bool = False,
     ) -> None:
         """``kv_bus`` and ``load_bus`` come together (or neither: the caller then drives the
         core by hand); an instance silent on the load bus for ``stale_after_s`` is dropped.
@@ -60,7 +62,8 @@ class RouterCore:
         ``planner``: places the two legs of a request when there are prefill or decode pools
         (``router.pd``; ``place`` then plans both). ``event_stride``: the engines' KV events
         keep every ``event_stride``-th block (``EngineConfig.event_stride``; the map's
-        ``stride``)."""
+        ``stride``). ``inflight_prompts``: a request's match also counts the prompts this core
+        sent that no KV event shows yet (``router.inflight.InFlightPrompts``)."""
         self.cache_map = CacheMap(stride=event_stride)
         self._scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
         self._scorer.attach(self.cache_map)
@@ -76,6 +79,8 @@ class RouterCore:
         self.disaggregated = any(p.role != "both" for p in pools)
         self.ingestor = CacheMapIngestor(self.cache_map)
         self.load = LoadTracker(stale_after_s)
+        # prompts sent whose KV the map does not show yet (``router.inflight``): off by default
+        self.inflight = InFlightPrompts() if inflight_prompts else None
         self.admission = admission or Admission()
         self.recorder = recorder
         if (kv_bus is None) != (load_bus is None):
@@ -154,6 +159,8 @@ class RouterCore:
         self._pool_of.pop(iid, None)
         self.load.remove(iid)
         self.cache_map.drop_instance(iid)
+        if self.inflight is not None:
+            self.inflight.drop_instance(iid)
         if self.watcher is not None:
             self.watcher.forget(iid)
 
@@ -171,6 +178,8 @@ class RouterCore:
         for iid in dropped:
             self.load.remove(iid)
             self._pool_of.pop(iid, None)
+            if self.inflight is not None:
+                self.inflight.drop_instance(iid)
         loads, load = self.watcher.loads, self.load
         # NOTE: every instance with a sample is known and holds its latest sample afterwards (a
         # newer sample clears its failures). Only the ones sampled, or registered, since the
@@ -232,6 +241,8 @@ class RouterCore:
                 if v.instance_id not in excluded and (allowed is None or v.instance_id in allowed)
             ]
         match = self.cache_map.match(request.block_hashes)
+        if self.inflight is not None:
+            match = self.inflight.extend(request.block_hashes, match)
         plan = None
         if self.disaggregated and candidates is None:
             if self.planner is None:
@@ -263,16 +274,23 @@ class RouterCore:
         else:
             uncached = request.prompt_tokens - self.cached_tokens(request, placement)
         self.load.assigned(request.request_id, placement.instance_id, uncached, now, placement)
+        if self.inflight is not None:
+            first = placement.prefill or placement
+            self.inflight.sent(request.request_id, first.instance_id, request.block_hashes)
 
     def first_token(self, request_id: str, now: float, observed: bool = True) -> None:
         """The request's first output arrived; ``observed``: at its first token (a stream), so
         its TTFT teaches the scorer (an output delivered whole arrives at the end)."""
         a = self.load.prefill_done(request_id)
+        if self.inflight is not None:
+            self.inflight.done(request_id)
         if observed and a is not None and a.placement is not None:
             self.scorer.on_first_token(a.placement, now - a.assigned_at)
 
     def finished(self, request: PlacementRequest, instance_id: str) -> None:
         self.load.finished(request.request_id)
+        if self.inflight is not None:
+            self.inflight.done(request.request_id)
         self.scorer.on_finished(request, instance_id)
 
     def failed(self, instance_id: str) -> None:
