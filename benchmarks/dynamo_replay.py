@@ -1,9 +1,16 @@
-"""NVIDIA Dynamo's own KV router + mocker engines replaying the Mooncake trace offline: an
-external peer for kvroute's cluster simulator. Prints JSON.
+"""NVIDIA Dynamo's own KV router + mocker engines replaying the Mooncake trace (or a synthetic
+workload) offline: an external peer for kvroute's cluster simulator. Prints JSON.
 
     .venv/bin/python benchmarks/dynamo_replay.py [--instances 16] [--routers kv_router,round_robin]
         [--seeds 3] [--rate-scale 1] [--num-gpu-blocks 859] [--slo-ttft-ms 1000]
-        [--slo-tpot-ms 50] [--trace PATH] [--setup] [--kvroute kv_ttft,round_robin]
+        [--slo-tpot-ms 50] [--trace PATH | --workload mix [--workload-requests 4000]
+        [--workload-rate 100] [--workload-seed 0]] [--setup] [--kvroute kv_ttft,round_robin]
+        [--prefill-load-scale 1] [--overlap-score-credit 1] [--router-temperature 0]
+
+``--workload KIND`` replays one of loadgen's synthetic workloads instead of a trace: generated
+once, written for Dynamo as a Mooncake-layout trace of 16-token blocks (its replay's
+``trace_block_size``; the mocker's engines then use 16-token blocks, as many as hold the same
+KV tokens), and simulated from the same requests on kvroute's side.
 
 Dynamo runs in its own virtual environment, ``.venv-dynamo`` (git-ignored), never in kvroute's:
 this script, run with kvroute's python, re-invokes itself there (``--inner``) once per replay,
@@ -142,7 +149,7 @@ def log(msg: str) -> None:
 
 def engine_args(spec: dict[str, Any]) -> dict[str, Any]:
     engine = {
-        "block_size": TRACE_BLOCK,
+        "block_size": spec.get("block_size", TRACE_BLOCK),
         "num_gpu_blocks": spec["num_gpu_blocks"],
         "max_num_seqs": spec["max_num_seqs"],
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
@@ -252,7 +259,8 @@ def inner(spec_path: str, out_path: str) -> None:
     result: dict[str, Any] = {}
     if spec.get("probe"):
         result["probe"] = probe(spec)
-        engine = _normalize_mocker_config(engine_args(spec))["engine"]
+        # the engines of the runs (the probe's own run at the trace's blocks: ``run`` below)
+        engine = _normalize_mocker_config(engine_args({**spec, **spec.get("run", {})}))["engine"]
         result["engine_config"] = {k: v for k, v in engine.items() if k in ENGINE_KEYS}
     if spec.get("router"):
         router = spec["router"]
@@ -270,7 +278,7 @@ def inner(spec_path: str, out_path: str) -> None:
             router_mode=router,
             router_config=config,
             arrival_speedup_ratio=spec["rate_scale"],
-            trace_block_size=TRACE_BLOCK,
+            trace_block_size=spec.get("block_size", TRACE_BLOCK),
             trace_format="mooncake",
             extra_engine_args=engine_args(spec),
             capture_per_request=True,
@@ -349,12 +357,16 @@ def kvroute_runs(routers: list[str], args: argparse.Namespace) -> dict[str, Any]
 
     if not routers:
         return {}
-    trace = load_trace(args.trace)
-    plan = build_schedule(trace.requests, time_scale=1 / args.rate_scale)
+    if args.synthetic is not None:
+        requests, block = args.synthetic, args.block_size
+    else:
+        trace = load_trace(args.trace)
+        requests, block = trace.requests, trace.block_size
+    plan = build_schedule(requests, time_scale=1 / args.rate_scale)
     lag_s = (args.kv_event_lag_ms or 0.0) / 1e3
     settings = SimSettings(
         instances=args.instances,
-        block_size=TRACE_BLOCK,
+        block_size=block,
         engine={
             "num_gpu_blocks": args.num_gpu_blocks,
             "max_num_seqs": args.max_num_seqs,
@@ -373,7 +385,7 @@ def kvroute_runs(routers: list[str], args: argparse.Namespace) -> dict[str, Any]
     for router in routers:
         log(f"kvroute {router} (x{args.rate_scale} rate)")
         truth, prices = (LatencyProfile.load(KVROUTE_PROFILE) for _ in range(2))
-        run = simulate(plan, trace.block_size, truth, router, settings, router_profile=prices)
+        run = simulate(plan, block, truth, router, settings, router_profile=prices)
         records = []
         for r in run.records:  # as Dynamo's per-request records, for run_metrics
             records.append({
@@ -419,8 +431,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--num-gpu-blocks",
         type=int,
-        default=DEFAULT_GPU_BLOCKS,
-        help="KV blocks of 512 tokens per worker (default: H100 + Llama-3.1-8B, ~440k tokens)",
+        help="KV blocks per worker (default: H100 + Llama-3.1-8B, ~440k tokens: 859 of the "
+        "trace's 512 tokens, 27,488 of a synthetic workload's 16)",
     )
     ap.add_argument("--routers", default=",".join(ROUTERS), help=f"subset of {','.join(ROUTERS)}")
     ap.add_argument("--seeds", type=int, default=3, help="runs per router (Dynamo is unseeded)")
@@ -447,6 +459,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="kv_ttft,round_robin",
         help="kvroute routers to run on kvroute's simulator, lined up (empty: none)",
     )
+    ap.add_argument(
+        "--workload",
+        help="instead of --trace: a synthetic workload of loadgen's (to-b, mix, ...), written as a "
+        "Mooncake-layout trace of 16-token blocks for Dynamo and simulated as such here",
+    )
+    ap.add_argument("--workload-requests", type=int, default=4000, help="its requests [4000]")
+    ap.add_argument("--workload-rate", type=float, default=100.0, help="its req/s at x1 [100]")
+    ap.add_argument("--workload-seed", type=int, default=0, help="its seed [0]")
     ap.add_argument("--setup", action="store_true", help=f"(re)create {VENV.name} first")
     ap.add_argument("--inner", help=argparse.SUPPRESS)
     ap.add_argument("--inner-out", help=argparse.SUPPRESS)
@@ -463,14 +483,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [r for r in args.kvroute.split(",") if r and r not in scorer_names()]
     if unknown:
         ap.error(f"--kvroute: unknown {unknown}; valid: {', '.join(scorer_names())}")
+    args.synthetic, args.block_size = None, TRACE_BLOCK
+    if args.workload:
+        from loadgen.synthetic import SYNTH_BLOCK_SIZE, WORKLOADS, SynthParams, generate
+
+        if args.workload not in WORKLOADS:
+            ap.error(f"--workload: one of {', '.join(WORKLOADS)}, got {args.workload!r}")
+        if args.workload_requests <= 0 or args.workload_rate <= 0:
+            ap.error("--workload-requests and --workload-rate must be > 0")
+        n, rate = args.workload_requests, args.workload_rate
+        params = SynthParams(
+            rate=rate, duration_s=1.1 * n / rate + 1.0, seed=args.workload_seed, max_requests=n
+        )
+        args.synthetic, args.block_size = generate(args.workload, params), SYNTH_BLOCK_SIZE
+    elif not args.trace.is_file():
+        ap.error(f"--trace: no file {args.trace}")
+    if args.num_gpu_blocks is None:
+        args.num_gpu_blocks = DEFAULT_GPU_BLOCKS * TRACE_BLOCK // args.block_size
     for name in ("instances", "num_gpu_blocks", "seeds", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
     if args.rate_scale <= 0:
         ap.error("--rate-scale must be > 0")
-    if not args.trace.is_file():
-        ap.error(f"--trace: no file {args.trace}")
     return args
+
+
+def write_synthetic(requests: list[Any], path: Path) -> None:
+    """A synthetic workload as the Mooncake layout Dynamo's replay reads (timestamps in ms; the
+    hash ids of ``--workload``'s 16-token blocks, passed as the replay's trace block size)."""
+    with path.open("w") as f:
+        for r in requests:
+            rec = {
+                "timestamp": round(r.timestamp_s * 1e3, 3),
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.hash_ids),
+            }
+            f.write(json.dumps(rec) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -479,8 +528,19 @@ def main(argv: list[str] | None = None) -> None:
         inner(args.inner, args.inner_out)
         return
     setup_s = setup_venv() if args.setup or not venv_ready() else None
+    with tempfile.TemporaryDirectory(prefix="dynamo-workload-") as tmp:
+        if args.synthetic is not None:
+            args.trace = Path(tmp) / f"{args.workload}.jsonl"
+            write_synthetic(args.synthetic, args.trace)
+        out = lined_up(args, setup_s)
+    print(json.dumps(out, indent=2))
+
+
+def lined_up(args: argparse.Namespace, setup_s: float | None) -> dict[str, Any]:
+    """Every router's runs on both simulators, and the comparison (the JSON ``main`` prints)."""
     base = {
         "trace": str(args.trace.resolve()),
+        "block_size": args.block_size,
         "instances": args.instances,
         "num_gpu_blocks": args.num_gpu_blocks,
         "max_num_seqs": args.max_num_seqs,
@@ -494,7 +554,14 @@ def main(argv: list[str] | None = None) -> None:
         "kv_event_lag_ms": args.kv_event_lag_ms,
     }
     t0 = time.perf_counter()
-    checked = run_inner({**base, "probe": True})
+    # the probe checks the mocker's timing at the Mooncake trace's blocks, whatever the workload
+    probe = {
+        "block_size": TRACE_BLOCK,
+        "num_gpu_blocks": DEFAULT_GPU_BLOCKS,
+        "probe": True,
+        "run": {"block_size": args.block_size, "num_gpu_blocks": args.num_gpu_blocks},
+    }
+    checked = run_inner({**base, **probe})
     routers: dict[str, Any] = {}
     for router in args.router_list:
         runs = []
@@ -504,14 +571,25 @@ def main(argv: list[str] | None = None) -> None:
             log(f"  TTFT p50 {runs[-1]['ttft_p50_ms']:.1f} ms, {runs[-1]['wall_s']:.1f} s wall")
         routers[router] = {"runs": runs, "median": medians(runs)}
     ours = kvroute_runs([r for r in args.kvroute.split(",") if r], args)
-    capacity = args.num_gpu_blocks * TRACE_BLOCK
-    out = {
+    capacity = args.num_gpu_blocks * args.block_size
+    workload = (
+        {
+            "kind": args.workload,
+            "requests": args.workload_requests,
+            "rate_at_x1": args.workload_rate,
+            "seed": args.workload_seed,
+        }
+        if args.workload
+        else None
+    )
+    return {
         "benchmark": "dynamo_replay",
         "dynamo": f"ai-dynamo {DYNAMO_VERSION} (offline replay, vLLM-style mocker)",
-        "trace": str(args.trace),
+        "trace": None if args.workload else str(args.trace),
+        "workload": workload,
         "setup": {
             "instances": args.instances,
-            "block_size": TRACE_BLOCK,
+            "block_size": args.block_size,
             "num_gpu_blocks": args.num_gpu_blocks,
             "kv_capacity_tokens": capacity,
             "rate_scale": args.rate_scale,
@@ -541,7 +619,6 @@ def main(argv: list[str] | None = None) -> None:
         "comparison": comparison(routers, ours),
         "total_wall_s": time.perf_counter() - t0,
     }
-    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
