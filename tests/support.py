@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -113,6 +116,18 @@ def settle() -> None:
     at most a publish interval in the forwarder, then a bus poll, at the defaults (three times
     that, for a busy box)."""
     time.sleep(3 * (PUBLISH_INTERVAL_S + BUS_POLL_S))
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module (the folder is scripts, not a package), registered in
+    ``sys.modules`` so its dataclasses resolve."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def wait_for(cond: Callable[[], bool], timeout_s: float = 10.0, poll_s: float = 0.05) -> bool:

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import msgspec
 
 from cachemap.events import InstanceEvents, Removed, Stored, Update, decode_message, encode_message
+from tests.support import load_benchmark
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bus_scale_bench.py"
-_spec = importlib.util.spec_from_file_location("bus_scale_bench", _PATH)
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bus_scale_bench"] = bench
-_spec.loader.exec_module(bench)
+bench = load_benchmark("bus_scale_bench")
 
 
 def test_wire_message_is_byte_identical_to_encode_message() -> None:

@@ -5,23 +5,18 @@ requests."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "dynamo_replay.py"
+from tests.support import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def replay() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("dynamo_replay", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("dynamo_replay")
 
 
 def test_a_synthetic_workload_is_lined_up_on_16_token_blocks(replay, tmp_path: Path) -> None:

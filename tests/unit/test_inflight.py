@@ -6,8 +6,7 @@ from cachemap import Match
 from router.core import RouterCore
 from router.inflight import InFlightPrompts
 from router.placement import Placement, PlacementRequest
-
-from .test_placement import BS, Linear
+from tests.unit.test_placement import BS, Linear
 
 
 def test_a_sent_prompt_counts_where_it_went_until_its_first_token() -> None:

@@ -3,23 +3,17 @@ x workload x load cell filled over the seeds, and the loads reused from a previo
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_suite.py"
+from tests.support import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def suite() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("routing_suite", SUITE)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("routing_suite")
 
 
 TINY = [
