@@ -264,10 +264,14 @@ class KvTtftScorer(Scorer):
             elif est == own and waiting < own_waiting:  # any best without a queue
                 own_waiting = waiting
             if toll > 0:
-                wkey = (id(inst.latency), inst.block_size, m)
-                w = work.get(wkey)
-                if w is None:
-                    w = work[wkey] = profile_ttft(request, inst, m, idle=True)[0]
+                if inst.pending_prefill_tokens == 0:  # nothing queued: the walk just priced it
+                    w = base
+                else:
+                    wkey = (id(inst.latency), inst.block_size, m)
+                    idle = work.get(wkey)
+                    if idle is None:
+                        idle = work[wkey] = profile_ttft(request, inst, m, idle=True)[0]
+                    w = idle
                 est += toll * w
             scored.append((est, cached, base, inst))
         self.queued_share += ((own_waiting > 0) - self.queued_share) / _SHARE_WINDOW
