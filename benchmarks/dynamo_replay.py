@@ -485,17 +485,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--kvroute: unknown {unknown}; valid: {', '.join(scorer_names())}")
     args.synthetic, args.block_size = None, TRACE_BLOCK
     if args.workload:
-        from loadgen.synthetic import SYNTH_BLOCK_SIZE, WORKLOADS, SynthParams, generate
+        from loadgen.synthetic import SYNTH_BLOCK_SIZE, WORKLOADS, generate_count
 
         if args.workload not in WORKLOADS:
             ap.error(f"--workload: one of {', '.join(WORKLOADS)}, got {args.workload!r}")
         if args.workload_requests <= 0 or args.workload_rate <= 0:
             ap.error("--workload-requests and --workload-rate must be > 0")
-        n, rate = args.workload_requests, args.workload_rate
-        params = SynthParams(
-            rate=rate, duration_s=1.1 * n / rate + 1.0, seed=args.workload_seed, max_requests=n
+        args.synthetic = generate_count(
+            args.workload, args.workload_requests, args.workload_rate, args.workload_seed
         )
-        args.synthetic, args.block_size = generate(args.workload, params), SYNTH_BLOCK_SIZE
+        args.block_size = SYNTH_BLOCK_SIZE
     elif not args.trace.is_file():
         ap.error(f"--trace: no file {args.trace}")
     if args.num_gpu_blocks is None:

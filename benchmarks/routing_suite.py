@@ -55,7 +55,7 @@ from loadgen.jobs import DEFAULT_JOBS, run_each
 from loadgen.metrics import summarize
 from loadgen.simulate_cmd import excess_ttfts, parse_router, parse_routers
 from loadgen.simulator import Perturbation, SimSettings, ideal_ttfts, simulate
-from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
+from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate_count
 from loadgen.traces import PrefixModel, TraceRequest, load_trace
 from loadgen.workloads import Planned, build_schedule, ideal_hit_rate
 from router.placement import scorer_names
@@ -111,12 +111,8 @@ def make_plan(
             _traces[key] = (trace.requests, trace.block_size)
         reqs, block = _traces[key]
         return build_schedule(reqs, time_scale=1.0 / scale, max_requests=requests), block
-    rate = SYNTH_BASE_RATE * scale
-    # NOTE: 10% more time than the requests need at the mean rate, then cut at the count
-    p = SynthParams(
-        rate=rate, duration_s=1.1 * requests / rate + 1.0, seed=seed, max_requests=requests
-    )
-    return build_schedule(generate(source, p)), SYNTH_BLOCK_SIZE
+    reqs = generate_count(source, requests, SYNTH_BASE_RATE * scale, seed)
+    return build_schedule(reqs), SYNTH_BLOCK_SIZE
 
 
 def settings_for(seed: int, instances: int, inflight_prompts: bool = False) -> SimSettings:

@@ -424,3 +424,13 @@ def generate(kind: str, p: SynthParams) -> list[TraceRequest]:
             reqs += _to_c(p, p.rate * (1 - p.to_b_fraction), rng, ids)
     reqs.sort(key=lambda r: r.timestamp_s)  # stable: a burst's calls keep their order
     return reqs[: p.max_requests] if p.max_requests is not None else reqs
+
+
+def generate_count(kind: str, requests: int, rate: float, seed: int = 0) -> list[TraceRequest]:
+    """``requests`` requests of ``kind`` at ``rate`` req/s: generated over 10% more time than
+    they need at the mean rate (sessions and bursts make the count per second uneven), then cut
+    at the count."""
+    p = SynthParams(
+        rate=rate, duration_s=1.1 * requests / rate + 1.0, seed=seed, max_requests=requests
+    )
+    return generate(kind, p)
