@@ -529,7 +529,8 @@ class Scheduler:
             ctx0 += r.num_tokens
         if k <= 0:
             return 0, 0.0
-        a = p.base_ms + p.decode_pass_ms + p.decode_seq_ms * batch + p.decode_ctx_ms * ctx0  # ms
+        # the first step, ms
+        a = p.base_ms + p.decode_pass_ms + p.decode_seq_ms * batch + p.decode_ctx_ms * ctx0
         d = p.decode_ctx_ms * batch  # growth per step, ms
         k = min(k, _steps_starting_before(a, d, (limit_s - now_s) * 1e3))
         bs, free = blocks.block_size, blocks.num_free

@@ -224,6 +224,9 @@ class KvTtftScorer(Scorer):
     ) -> Placement:
         pool: list[tuple[InstanceView, Match | None]]
         filler: _Fill | None = None
+        # the toll's weight before the queue (0: off, or no recent request met a queue)
+        share = self.externality * self.queued_share
+        queue = 0.0  # waiting requests per healthy instance, where the toll needs it
         if self.kv_veto is None and len(instances) >= _INDEXED_FROM:
             filler = self._filler()
             pool = self._index.candidates(instances, match, filler)
@@ -232,7 +235,8 @@ class KvTtftScorer(Scorer):
             queue = self._index.mean_waiting()
         else:
             vetted = healthy(instances)
-            queue = sum(i.waiting for i in vetted) / len(vetted)
+            if share > 0:
+                queue = sum(i.waiting for i in vetted) / len(vetted)
             if self.kv_veto is not None:
                 vetted = [i for i in vetted if not self._vetoed(request, i)] or vetted
             get = match.get
@@ -246,7 +250,7 @@ class KvTtftScorer(Scorer):
         # the cost a request's own prefill puts on the requests it delays: its engine time
         # (calibrated like the estimate) times the cluster's waiting requests per instance,
         # as far as requests lately could not avoid a queue
-        toll = self.externality * self.queued_share * queue * a
+        toll = share * queue * a
         work: dict[tuple[object, ...], float] = {}
         scored: list[tuple[float, int, float, InstanceView]] = []
         own, own_waiting = math.inf, 0
@@ -307,7 +311,7 @@ class KvTtftScorer(Scorer):
             else:
                 s, cached, base, inst = min(near, key=lambda x: (x[3].running + x[3].waiting, x[0]))
         if toll > 0:  # the estimate itself, for admission
-            s = a * base + b * inst.running + d * inst.waiting + c if cal else base
+            s = cal.correct(base, inst.running, inst.waiting) if cal else base
         return Placement(
             inst.instance_id,
             estimated_ttft_s=s,
