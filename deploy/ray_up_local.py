@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -293,6 +294,131 @@ def stop_redis(home: Home) -> None:
             os.kill(int(home.redis_pid.read_text().strip()), signal.SIGTERM)
 
 
+class LocalRun:
+    """One run's steps, each timed into ``out``; ``cleanup`` stops what the run started (once)."""
+
+    def __init__(self, timeout_s: float, install: bool) -> None:
+        self.timeout_s = timeout_s
+        self.install = install
+        self.out: dict[str, Any] = {"ok": False}
+        self.ray = BIN / "ray"
+        self.home = Home(Path(tempfile.mkdtemp(prefix="kvroute-ray-up-")))
+        self.cluster = self.home.root / "cluster-local.yaml"
+        self.serve: subprocess.Popen[str] | None = None
+        self.up = self.privsep = self.cleaned = False
+
+    def timed(self, key: str, step: Callable[[], Any]) -> Any:
+        t = time.monotonic()
+        result = step()
+        self.out[key] = round(time.monotonic() - t, 1)
+        return result
+
+    def run(self) -> None:
+        ensure_ports_free()  # first: before installing or starting anything
+        ensure_packages()
+        self.privsep = self.timed(
+            "prepare_s", lambda: prepare_home(self.home, self.cluster, install=self.install)
+        )
+        self.timed("ray_up_s", self.ray_up)
+        self.out["ray_auth"] = self.timed("ray_auth_s", lambda: ray_without_token(self.home))
+        port = free_port()
+        config = serve_config(self.home, port)
+        self.timed("serve_ready_s", lambda: self.start_serve(config))
+        self.timed("checks_s", lambda: self.check(f"http://127.0.0.1:{port}"))
+        self.timed("serve_stop_s", self.stop_serve)
+        self.timed("ray_down_s", self.ray_down)
+        # NOTE: ray down's own `ray stop` runs in an SSH login shell, where this venv's `ray`
+        # is not on PATH: it stops nothing. The head is this machine: stop it here.
+        self.out["left_running_after_ray_down"] = listening(GCS_PORT)
+        self.timed("ray_stop_s", lambda: stop_ray(self.ray, self.home))
+        req, red, auth = self.out["requests"], self.out["redis"], self.out["ray_auth"]
+        self.out["ok"] = (
+            req["completion_tokens"] == 8
+            and req["cached_tokens_again"] > 0
+            and red["kv_events_published"] > 0
+            and red["default_user_refused"]
+            and red["acl_refuses_config_and_keys"]
+            and red["plain_tcp_refused"]
+            and all(a["refused"] for a in auth.values())
+        )
+
+    def ray_up(self) -> None:
+        res = sh(
+            self.ray,
+            "up",
+            "-y",
+            "--no-config-cache",
+            self.cluster,
+            timeout=self.timeout_s,
+            check=False,
+            env=self.home.env(),
+        )
+        self.up = True
+        if res.returncode != 0:
+            raise RuntimeError(
+                f"ray up failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+            )
+
+    def start_serve(self, config: Path) -> None:
+        self.serve = serve = subprocess.Popen(
+            [str(BIN / "kvroute"), "serve", "--ray-address", "auto", "--config", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+            env=self.home.env(**self.home.ray_auth()),
+        )
+        assert serve.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + self.timeout_s
+        for line in serve.stdout:
+            lines.append(line)
+            if line.startswith("kvroute serving") or time.monotonic() > deadline:
+                break
+        if not lines or not lines[-1].startswith("kvroute serving"):
+            raise RuntimeError("kvroute serve did not start:\n" + "".join(lines[-40:]))
+
+    def check(self, base: str) -> None:
+        self.out["requests"] = requests_through(base)
+        self.out["redis"] = redis_streams(self.home)
+
+    def stop_serve(self) -> None:
+        assert self.serve is not None
+        self.serve.send_signal(signal.SIGTERM)
+        self.serve.wait(timeout=120)
+        self.serve = None
+
+    def ray_down(self) -> None:
+        res = sh(
+            self.ray,
+            "down",
+            "-y",
+            self.cluster,
+            timeout=self.timeout_s,
+            check=False,
+            env=self.home.env(),
+        )
+        self.up = False
+        if res.returncode != 0:
+            raise RuntimeError(f"ray down failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
+
+    def cleanup(self) -> None:
+        """Stop what this run started, remove its HOME and /run/sshd if it made it (once)."""
+        if self.cleaned:
+            return
+        self.cleaned = True
+        if self.serve is not None and self.serve.poll() is None:
+            self.serve.kill()
+        if self.up:
+            env = self.home.env()
+            sh(self.ray, "down", "-y", self.cluster, timeout=self.timeout_s, check=False, env=env)
+            sh(self.ray, "stop", "--force", timeout=120, check=False, env=env)
+        stop_redis(self.home)
+        if self.privsep:
+            shutil.rmtree(PRIVSEP, ignore_errors=True)
+        shutil.rmtree(self.home.root, ignore_errors=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--timeout-s", type=float, default=600, help="per step")
@@ -303,124 +429,25 @@ def main() -> int:
         "repository's venv): the head is this checkout, already installed",
     )
     args = ap.parse_args()
-    out: dict[str, Any] = {"ok": False}
-    ray = BIN / "ray"
-    home = Home(Path(tempfile.mkdtemp(prefix="kvroute-ray-up-")))
-    cluster = home.root / "cluster-local.yaml"
-    serve: subprocess.Popen[str] | None = None
-    state = {"up": False, "privsep": False, "cleaned": False}
-
-    def cleanup() -> None:
-        """Stop what this run started, remove its HOME and /run/sshd if it made it (once)."""
-        if state["cleaned"]:
-            return
-        state["cleaned"] = True
-        if serve is not None and serve.poll() is None:
-            serve.kill()
-        if state["up"]:
-            sh(ray, "down", "-y", cluster, timeout=args.timeout_s, check=False, env=home.env())
-            sh(ray, "stop", "--force", timeout=120, check=False, env=home.env())
-        stop_redis(home)
-        if state["privsep"]:
-            shutil.rmtree(PRIVSEP, ignore_errors=True)
-        shutil.rmtree(home.root, ignore_errors=True)
+    run = LocalRun(args.timeout_s, install=not args.no_install)
 
     def on_signal(signum: int, _frame: Any) -> None:
         raise SystemExit(128 + signum)  # unwinds through the finally below
 
-    atexit.register(cleanup)
+    atexit.register(run.cleanup)
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     t0 = time.monotonic()
     try:
-        ensure_ports_free()  # first: before installing or starting anything
-        ensure_packages()
-        state["privsep"] = prepare_home(home, cluster, install=not args.no_install)
-        out["prepare_s"] = round(time.monotonic() - t0, 1)
-        t = time.monotonic()
-        res = sh(
-            ray,
-            "up",
-            "-y",
-            "--no-config-cache",
-            cluster,
-            timeout=args.timeout_s,
-            check=False,
-            env=home.env(),
-        )
-        state["up"] = True
-        if res.returncode != 0:
-            raise RuntimeError(
-                f"ray up failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
-            )
-        out["ray_up_s"] = round(time.monotonic() - t, 1)
-        t = time.monotonic()
-        out["ray_auth"] = ray_without_token(home)
-        out["ray_auth_s"] = round(time.monotonic() - t, 1)
-        port = free_port()
-        config = serve_config(home, port)
-        t = time.monotonic()
-        serve = subprocess.Popen(
-            [str(BIN / "kvroute"), "serve", "--ray-address", "auto", "--config", str(config)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=REPO,
-            env=home.env(**home.ray_auth()),
-        )
-        assert serve.stdout is not None
-        lines: list[str] = []
-        deadline = time.monotonic() + args.timeout_s
-        for line in serve.stdout:
-            lines.append(line)
-            if line.startswith("kvroute serving"):
-                break
-            if time.monotonic() > deadline:
-                break
-        if not lines or not lines[-1].startswith("kvroute serving"):
-            raise RuntimeError("kvroute serve did not start:\n" + "".join(lines[-40:]))
-        out["serve_ready_s"] = round(time.monotonic() - t, 1)
-        t = time.monotonic()
-        out["requests"] = requests_through(f"http://127.0.0.1:{port}")
-        out["redis"] = redis_streams(home)
-        out["checks_s"] = round(time.monotonic() - t, 1)
-        t = time.monotonic()
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(timeout=120)
-        serve = None
-        out["serve_stop_s"] = round(time.monotonic() - t, 1)
-        t = time.monotonic()
-        res = sh(ray, "down", "-y", cluster, timeout=args.timeout_s, check=False, env=home.env())
-        state["up"] = False
-        if res.returncode != 0:
-            raise RuntimeError(f"ray down failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
-        out["ray_down_s"] = round(time.monotonic() - t, 1)
-        # NOTE: ray down's own `ray stop` runs in an SSH login shell, where this venv's `ray`
-        # is not on PATH: it stops nothing. The head is this machine: stop it here.
-        out["left_running_after_ray_down"] = listening(GCS_PORT)
-        t = time.monotonic()
-        stop_ray(ray, home)
-        out["ray_stop_s"] = round(time.monotonic() - t, 1)
-        req, red, auth = out["requests"], out["redis"], out["ray_auth"]
-        out["ok"] = (
-            req["completion_tokens"] == 8
-            and req["cached_tokens_again"] > 0
-            and red["kv_events_published"] > 0
-            and red["default_user_refused"]
-            and red["acl_refuses_config_and_keys"]
-            and red["plain_tcp_refused"]
-            and all(a["refused"] for a in auth.values())
-        )
+        run.run()
     except Exception as e:  # report what failed, as JSON, and exit non-zero
-        out["error"] = f"{type(e).__name__}: {e}"
+        run.out["error"] = f"{type(e).__name__}: {e}"
     finally:
-        t = time.monotonic()
-        cleanup()
-        out["cleanup_s"] = round(time.monotonic() - t, 1)
-        out["home_removed"] = not home.root.exists()
-        out["total_s"] = round(time.monotonic() - t0, 1)
-    print(json.dumps(out, indent=2))
-    return 0 if out["ok"] else 1
+        run.timed("cleanup_s", run.cleanup)
+        run.out["home_removed"] = not run.home.root.exists()
+        run.out["total_s"] = round(time.monotonic() - t0, 1)
+    print(json.dumps(run.out, indent=2))
+    return 0 if run.out["ok"] else 1
 
 
 if __name__ == "__main__":
