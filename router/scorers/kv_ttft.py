@@ -222,35 +222,62 @@ class KvTtftScorer(Scorer):
         instances: Sequence[InstanceView],
         match: Mapping[str, Match],
     ) -> Placement:
-        pool: list[tuple[InstanceView, Match | None]]
-        filler: _Fill | None = None
         # the toll's weight before the queue (0: off, or no recent request met a queue)
         share = self.externality * self.queued_share
-        queue = 0.0  # waiting requests per healthy instance, where the toll needs it
+        pool, filler, queue = self._pool(instances, match, request, share > 0)
+        cal = self.calibration
+        # the cost a request's own prefill puts on the requests it delays: its engine time
+        # (calibrated like the estimate) times the cluster's waiting requests per instance,
+        # as far as requests lately could not avoid a queue
+        toll = share * queue * (cal.a if cal else 1.0)
+        scored = self._scored(request, pool, toll)
+        s, cached, base, inst = self._choose(scored, filler)
+        if toll > 0:  # the estimate itself, for admission
+            s = cal.correct(base, inst.running, inst.waiting) if cal else base
+        return Placement(
+            inst.instance_id,
+            estimated_ttft_s=s,
+            cached_blocks=cached,
+            detail={"profile_ttft_s": base, "running": inst.running, "waiting": inst.waiting},
+        )
+
+    def _pool(
+        self,
+        instances: Sequence[InstanceView],
+        match: Mapping[str, Match],
+        request: PlacementRequest,
+        tolled: bool,
+    ) -> tuple[list[tuple[InstanceView, Match | None]], _Fill | None, float]:
+        """The candidates with their matches, the fill function when the index chose them, and
+        the waiting requests per healthy instance (0.0 unless ``tolled``: only the toll reads
+        it; the index keeps it anyway)."""
         if self.kv_veto is None and len(instances) >= _INDEXED_FROM:
             filler = self._filler()
             pool = self._index.candidates(instances, match, filler)
             if not pool:
                 healthy(instances)  # raises: none is
-            queue = self._index.mean_waiting()
-        else:
-            vetted = healthy(instances)
-            if share > 0:
-                queue = sum(i.waiting for i in vetted) / len(vetted)
-            if self.kv_veto is not None:
-                vetted = [i for i in vetted if not self._vetoed(request, i)] or vetted
-            get = match.get
-            pool = [(i, get(i.instance_id)) for i in vetted]
+            return pool, filler, self._index.mean_waiting()
+        vetted = healthy(instances)
+        queue = sum(i.waiting for i in vetted) / len(vetted) if tolled else 0.0
+        if self.kv_veto is not None:
+            vetted = [i for i in vetted if not self._vetoed(request, i)] or vetted
+        get = match.get
+        return [(i, get(i.instance_id)) for i in vetted], None, queue
+
+    def _scored(
+        self,
+        request: PlacementRequest,
+        pool: list[tuple[InstanceView, Match | None]],
+        toll: float,
+    ) -> list[tuple[float, int, float, InstanceView]]:
+        """(estimate with its toll, cached blocks, profile estimate, instance) per candidate;
+        updates ``queued_share`` with whether the best own estimate met a queue."""
         cal = self.calibration
         a, b, d, c = (cal.a, cal.b, cal.d, cal.c) if cal else (1.0, 0.0, 0.0, 0.0)
         # NOTE: what ``estimate`` does, but instances in the same state for the profile (often:
         # no cached prefix, the same queue) are priced once: the profile's walk is the cost.
         # The key holds the match itself (None or its two run lengths).
         priced: dict[tuple[object, ...], tuple[float, int]] = {}
-        # the cost a request's own prefill puts on the requests it delays: its engine time
-        # (calibrated like the estimate) times the cluster's waiting requests per instance,
-        # as far as requests lately could not avoid a queue
-        toll = share * queue * a
         work: dict[tuple[object, ...], float] = {}
         scored: list[tuple[float, int, float, InstanceView]] = []
         own, own_waiting = math.inf, 0
@@ -279,6 +306,13 @@ class KvTtftScorer(Scorer):
                 est += toll * w
             scored.append((est, cached, base, inst))
         self.queued_share += ((own_waiting > 0) - self.queued_share) / _SHARE_WINDOW
+        return scored
+
+    def _choose(
+        self, scored: list[tuple[float, int, float, InstanceView]], filler: _Fill | None
+    ) -> tuple[float, int, float, InstanceView]:
+        """The winner among the candidates scored: the best estimate, with affinity and
+        near-tie rules."""
         best = min(x[0] for x in scored)
         near = [x for x in scored if x[0] <= best + self.tie_s]
         if self.affinity_s > 0:
@@ -297,27 +331,15 @@ class KvTtftScorer(Scorer):
                 key=lambda x: index.position(x[3]),
             )
         if len(near) == 1:
-            s, cached, base, inst = near[0]
-        else:
-            # near-ties (a cold prefix between idle engines, most often): the least decode load,
-            # then the longest cached prefix, then the emptiest cache, so that cold prefixes
-            # spread over the cluster's whole cache instead of filling (and evicting on) the
-            # first engines in view order, while a short prompt stays with its cache
-            fill = filler or self._filler()
-            if fill is not None:
-                s, cached, base, inst = min(
-                    near, key=lambda x: (x[3].running + x[3].waiting, -x[1], fill(x[3]), x[0])
-                )
-            else:
-                s, cached, base, inst = min(near, key=lambda x: (x[3].running + x[3].waiting, x[0]))
-        if toll > 0:  # the estimate itself, for admission
-            s = cal.correct(base, inst.running, inst.waiting) if cal else base
-        return Placement(
-            inst.instance_id,
-            estimated_ttft_s=s,
-            cached_blocks=cached,
-            detail={"profile_ttft_s": base, "running": inst.running, "waiting": inst.waiting},
-        )
+            return near[0]
+        # near-ties (a cold prefix between idle engines, most often): the least decode load,
+        # then the longest cached prefix, then the emptiest cache, so that cold prefixes
+        # spread over the cluster's whole cache instead of filling (and evicting on) the
+        # first engines in view order, while a short prompt stays with its cache
+        fill = filler or self._filler()
+        if fill is not None:
+            return min(near, key=lambda x: (x[3].running + x[3].waiting, -x[1], fill(x[3]), x[0]))
+        return min(near, key=lambda x: (x[3].running + x[3].waiting, x[0]))
 
     def on_first_token(self, placement: Placement, ttft_s: float) -> None:
         cal, d = self.calibration, placement.detail
