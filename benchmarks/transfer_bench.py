@@ -59,13 +59,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.pd.transfer import (
-    KVTransport,
-    LayerSpec,
-    gather_blocks,
-    layer_specs,
-    scatter_blocks,
-)
+from engines.pd.layout import LayerSpec, gather_blocks, layer_specs, scatter_blocks
+from engines.pd.transfer import KVTransport
 from engines.vllm_engine import free_port
 
 MIB = 1 << 20

@@ -21,13 +21,9 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from engines.base import EngineOutput, EngineRequest, RoutedRequest
-from engines.pd.connector import (
-    KvrouteConnectorMetadata,
-    KvrouteConnectorStats,
-    RecvTask,
-    _SchedulerSide,
-    _WorkerSide,
-)
+from engines.pd.connector_records import KvrouteConnectorMetadata, KvrouteConnectorStats, RecvTask
+from engines.pd.connector_scheduler import SchedulerSide
+from engines.pd.connector_worker import WorkerSide
 from engines.pd.protocol import ConnectorSettings, PullParams
 from engines.vllm_engine import free_port
 from policies.hints import PolicyHints
@@ -55,10 +51,10 @@ def _settings(port: int | None) -> ConnectorSettings:
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[_WorkerSide, _WorkerSide, int, dict[str, torch.Tensor]]]:
+def pair() -> Iterator[tuple[WorkerSide, WorkerSide, int, dict[str, torch.Tensor]]]:
     port = free_port()
-    prefill = _WorkerSide(_settings(port), "eng-p", 1)
-    decode = _WorkerSide(_settings(None), "eng-d", 1)
+    prefill = WorkerSide(_settings(port), "eng-p", 1)
+    decode = WorkerSide(_settings(None), "eng-d", 1)
     src, dst = _caches(True), _caches(False)
     prefill.register(src)
     decode.register(dst)
@@ -73,7 +69,7 @@ def _pull(port: int, rid: str, blocks: list[int]) -> PullParams:
     return PullParams("eng-p", rid, tuple(blocks), "127.0.0.1", port, 1, None, None)
 
 
-def _wait(w: _WorkerSide, what: Callable[[set[str], set[str], set[str]], bool]) -> None:
+def _wait(w: WorkerSide, what: Callable[[set[str], set[str], set[str]], bool]) -> None:
     """Poll ``w``'s transfer results (accumulated) until ``what(sent, done, failed)``."""
     sent: set[str] = set()
     done: set[str] = set()
@@ -158,7 +154,7 @@ def test_released_and_expired_requests_are_refused_at_once(pair) -> None:
 
 
 def test_nobody_at_the_port_fails_within_the_connect_timeout() -> None:
-    decode = _WorkerSide(_settings(None), "eng-d", 1)
+    decode = WorkerSide(_settings(None), "eng-d", 1)
     decode.register(_caches(False))
     try:
         t0 = time.monotonic()
@@ -217,7 +213,7 @@ def test_a_pull_report_reaches_the_router_as_one_record(pair) -> None:
         KvrouteConnectorMetadata(to_recv=[RecvTask("d1", _pull(port, "p1", [0, 1]), [4, 5])])
     )
     _wait(decode, lambda s, d, f: "d1" in d)
-    sched = _SchedulerSide(VllmConfig(), _settings(None), "eng-d")
+    sched = SchedulerSide(VllmConfig(), _settings(None), "eng-d")
     stats = decode.take_stats()
     sched.update_connector_output(
         KVConnectorOutput(finished_recving={"d1"}, kv_connector_stats=stats)

@@ -17,16 +17,15 @@ from typing import Any
 import pytest
 import torch
 
-from engines.pd.transfer import (
+from engines.pd.layout import layer_specs, layout_fingerprint
+from engines.pd.transfer import KVTransport
+from engines.pd.wire import (
     Header,
     KVTransferAborted,
     KVTransferError,
     KVTransferMismatch,
     KVTransferTimeout,
-    KVTransport,
     KVTransportBroken,
-    layer_specs,
-    layout_fingerprint,
     request_key,
 )
 from engines.vllm_engine import free_port
