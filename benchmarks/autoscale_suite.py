@@ -17,7 +17,7 @@ the smallest fixed size that meets the target, found by bisection between 1 and
 ``--max-instances`` (fixed-size runs); then each policy runs from that size with
 ``--min-instances`` to ``--max-instances``. The SLO is the planning example's (TTFT <= 2000 ms,
 TPOT <= 50 ms); the target is 99%, or one point under the workload's ceiling (the attainment of
-every request's ideal TTFT, ``loadgen.simulator.ideal_ttfts``) where that is lower. Reported per
+every request's ideal TTFT, ``simulation.settings.ideal_ttfts``) where that is lower. Reported per
 policy: attainment, GPU-hours (every engine from its scale decision to its release), peak
 replicas, number of changes; and the static peak's. Not run: the hindsight oracle.
 
@@ -45,13 +45,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines.sim.profile import LatencyProfile
-from loadgen.jobs import DEFAULT_JOBS, run_each
-from loadgen.simulate_cmd import slo_attainment
-from loadgen.simulator import Perturbation, SimSettings, ideal_ttfts, simulate
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.traces import PrefixModel, load_trace
 from loadgen.workloads import Planned, build_schedule
 from router.autoscale import Autoscaler, SchedulePolicy, Slo, create_policy
+from simulation.cluster import simulate
+from simulation.jobs import DEFAULT_JOBS, run_each
+from simulation.settings import Perturbation, SimSettings, ideal_ttfts
+from simulation.simulate_cmd import slo_attainment
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 WORKLOADS = ("conversation", "to-b", "mix", "azure-conv")

@@ -351,9 +351,10 @@ def kvroute_runs(routers: list[str], args: argparse.Namespace) -> dict[str, Any]
     module doc), measured as ``run_metrics`` measures a Dynamo replay; one run each (seeded: one
     run is every run). The trace is read once for all. Runs in kvroute's venv only."""
     from engines.sim.profile import LatencyProfile
-    from loadgen.simulator import EXACT, SimSettings, simulate
     from loadgen.traces import load_trace
     from loadgen.workloads import build_schedule
+    from simulation.cluster import simulate
+    from simulation.settings import EXACT, SimSettings
 
     if not routers:
         return {}

@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from loadgen.simulate_cmd import parse_router
 from router.placement import parse_options
+from simulation.options import parse_router
 
 if TYPE_CHECKING:
     from engines.sim.profile import LatencyProfile
@@ -236,7 +236,7 @@ def sim_settings_like_real(engine_opts: dict[str, Any] | None, instances: int = 
     """Sim engines configured as the real ones (the same validated ``engine_config``: block
     size, limits, KV capacity), with an exact truth (no perturbation)."""
     from engines.config import EngineConfig
-    from loadgen.simulator import EXACT, SimSettings
+    from simulation.settings import EXACT, SimSettings
 
     real = EngineConfig.model_validate(engine_config(engine_opts))
     engine: dict[str, Any] = {
@@ -266,7 +266,7 @@ def simulate_routers(
     validated ``engine_config``), on ``truth``."""
     from engines.sim.profile import LatencyProfile
     from loadgen.metrics import summarize
-    from loadgen.simulator import simulate
+    from simulation.cluster import simulate
 
     plan, trace_block_size = schedule(workload, rate, duration)
     settings = sim_settings_like_real(engine_opts)

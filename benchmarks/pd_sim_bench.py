@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines.sim.profile import LatencyProfile
 from loadgen.metrics import summarize
-from loadgen.simulator import SimSettings, simulate
 from loadgen.traces import load_trace
 from loadgen.workloads import Planned, build_schedule
+from simulation.cluster import simulate
+from simulation.settings import SimSettings
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"

@@ -23,7 +23,7 @@ the real runs see the same requests).
    equal the p50 measured on it (bisection). One engine is calibrated at ``--rate``; two at
    ``--rate`` and twice it, and interpolated linearly in the request rate between (and beyond)
    those. The measured runs below never feed the planner. ``--slowdown`` skips calibration.
-2. **Prediction.** ``loadgen.planner`` (what ``kvroute plan`` runs) on the seed-7 schedule,
+2. **Prediction.** ``simulation.planner`` (what ``kvroute plan`` runs) on the seed-7 schedule,
    the sim engines configured as the real ones, no perturbation: attainment of 1 and 2 engines
    (whole runs) and the break rate of 2 engines (the smallest rate scale on a 2% grid that
    fails, each scale priced at the slowdown of its rate).
@@ -60,8 +60,8 @@ ROUTER = "kv_ttft"
 
 
 def measured_attainment(records: list[dict[str, Any]], slo: Any) -> dict[str, Any]:
-    from loadgen.planner import judge
     from loadgen.report import record_from_row
+    from simulation.pricing import judge
 
     recs = [record_from_row(r) for r in records]
     met, ttft_met, _tpot_met, refused, ttft_at, tpot_at, hit = judge(recs, len(recs), slo)
@@ -101,7 +101,7 @@ def wait_quiet(limit_s: float = 180.0, busy_pct: float = 15.0) -> float:
 
 def sim_p50_ms(plan: list[Any], tbs: int, n: int, truth: Any, belief: Any) -> float:
     from loadgen.metrics import summarize
-    from loadgen.simulator import simulate
+    from simulation.cluster import simulate
 
     run = simulate(plan, tbs, truth, ROUTER, sim_settings_like_real({}, n), router_profile=belief)
     span = plan[-1].offset_s if plan else 0.0
@@ -150,13 +150,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from engines.sim.profile import LatencyProfile
-    from loadgen.planner import (
-        RATE_STEPS_PER_DOUBLING,
-        Candidate,
-        PlanSetup,
-        Slo,
-        find_boundary,
-    )
+    from simulation.planner import RATE_STEPS_PER_DOUBLING, find_boundary
+    from simulation.pricing import Candidate, PlanSetup, Slo
 
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment)
     profile = LatencyProfile.load(PROFILE)

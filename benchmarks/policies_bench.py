@@ -19,7 +19,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loadgen.cachesim import infinite_hit_rate, replay, simulate, synthetic_bailian  # noqa: E402
 from loadgen.traces import TraceRequest, load_trace  # noqa: E402
 from policies import (  # noqa: E402
     EvictionPolicy,
@@ -29,6 +28,7 @@ from policies import (  # noqa: E402
     get_policy_class,
     policy_names,
 )
+from simulation.cachesim import infinite_hit_rate, replay, simulate, synthetic_bailian  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 CAPACITIES = [1000, 3000, 6000, 10000]

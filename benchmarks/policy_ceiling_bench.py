@@ -37,9 +37,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from loadgen.cachesim import infinite_hit_rate, replay, simulate  # noqa: E402
 from loadgen.traces import TraceRequest, load_trace  # noqa: E402
 from policies import create_policy  # noqa: E402
+from simulation.cachesim import infinite_hit_rate, replay, simulate  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 CAPACITIES = [1000, 3000, 6000, 10000]

@@ -17,7 +17,7 @@ previous output's instead of searching again (workloads missing there are search
 Per workload x load x router, over ``--seeds`` seeds (seed k: the simulator's perturbation seed
 and the workload's seed; a trace's requests are the same for every seed, the Azure trace's
 prefix model is drawn anew): TTFT p50 and p99, the excess TTFT over each request's ideal
-(``loadgen.simulator.ideal_ttfts``) mean and p99, TPOT p99, hit rate (over prompt tokens),
+(``simulation.settings.ideal_ttfts``) mean and p99, TPOT p99, hit rate (over prompt tokens),
 goodput (requests/s meeting TTFT <= 2000 ms and TPOT <= 50 ms) and the per-engine request spread
 (max over min requests per engine; None when an engine got none), each as its mean, min and max
 over seeds. 16 instances of ``h100-llama3.1-8b`` unless told otherwise.
@@ -51,14 +51,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 
 from engines.sim.profile import LatencyProfile
-from loadgen.jobs import DEFAULT_JOBS, run_each
 from loadgen.metrics import summarize
-from loadgen.simulate_cmd import excess_ttfts, parse_router, parse_routers
-from loadgen.simulator import Perturbation, SimSettings, ideal_ttfts, simulate
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate_count
 from loadgen.traces import PrefixModel, TraceRequest, load_trace
 from loadgen.workloads import Planned, build_schedule, ideal_hit_rate
 from router.placement import scorer_names
+from simulation.cluster import simulate
+from simulation.jobs import DEFAULT_JOBS, run_each
+from simulation.options import parse_router, parse_routers
+from simulation.settings import Perturbation, SimSettings, ideal_ttfts
+from simulation.simulate_cmd import excess_ttfts
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 WORKLOADS: dict[str, str] = {

@@ -1,7 +1,7 @@
 """Speed of the cluster simulator with the production routing core in the loop.
 
 Replays the shared Mooncake conversation trace (12,031 requests over ~59 minutes) on virtual sim
-engines (H100 Llama-3.1-8B profile) placed by ``loadgen.simulator`` (the real ``RouterCore``,
+engines (H100 Llama-3.1-8B profile) placed by ``simulation.cluster`` (the real ``RouterCore``,
 scorer, event ingestion and load tracking), and prints JSON: per router the median over
 ``--runs`` of wall seconds and simulated requests per wall second of each router run alone in
 this process (``per_router_single_process``; goals: <= 10 s per router for the trace on 16
@@ -34,11 +34,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines.sim.profile import LatencyProfile
-from loadgen.jobs import DEFAULT_JOBS, run_each
 from loadgen.metrics import summarize
-from loadgen.simulator import SimSettings, simulate
 from loadgen.traces import TraceRequest, load_trace
 from loadgen.workloads import Planned, build_schedule
+from simulation.cluster import simulate
+from simulation.jobs import DEFAULT_JOBS, run_each
+from simulation.settings import SimSettings
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"

@@ -23,15 +23,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "measure a real engine and write a latency profile for the sim engine",
     ),
     "simulate": (
-        "loadgen.simulate_cmd",
+        "simulation.simulate_cmd",
         "replay a workload on a virtual cluster placed by the real router core, per router",
     ),
     "plan": (
-        "loadgen.plan_cmd",
+        "simulation.plan_cmd",
         "size a cluster for a workload and SLO (engines, CPU tier, policy) in the simulator",
     ),
     "cachesim": (
-        "loadgen.cachesim_cmd",
+        "simulation.cachesim_cmd",
         "replay a trace through eviction policies and report hit rates",
     ),
 }

@@ -61,10 +61,15 @@ MODULES: tuple[str, ...] = (
     "engines.sim.request",
     "engines.sim.scheduler",
     "engines.sim.virtual",
-    "loadgen.simulator",
     "router.load",
     "router.core",
     "router.scorers.kv_ttft",
+    # the cluster simulator: its replay and wiring, what-if runs, and the settings and records
+    # the loop reads (a compiled module reads a non-compiled class's attributes slowly)
+    "simulation.cluster",
+    "simulation.settings",
+    "simulation.whatif",
+    "simulation.wiring",
 )
 
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # e.g. .cpython-311-x86_64-linux-gnu.so
@@ -81,7 +86,15 @@ def extension(module: str) -> Path:
 
 
 # the project's packages: where compiled modules, and the modules they import, live
-PACKAGES: tuple[str, ...] = ("cachemap", "deploy", "engines", "loadgen", "policies", "router")
+PACKAGES: tuple[str, ...] = (
+    "cachemap",
+    "deploy",
+    "engines",
+    "loadgen",
+    "policies",
+    "router",
+    "simulation",
+)
 
 
 # NOTE: the group's runtime library (every compiled module's code; the extensions at the

@@ -1,6 +1,6 @@
 """Traces (Mooncake, Qwen-Bailian), synthetic workloads, the open-loop HTTP runner, metrics and
-reports (``kvroute loadgen``), and the trace-driven cache simulator (``kvroute cachesim``).
-The HTTP runner imports nothing of kvroute's but ``cachemap.hashing``."""
+reports (``kvroute loadgen``). The HTTP runner imports nothing of kvroute's but
+``cachemap.hashing``. The simulators that replay these workloads are ``simulation``'s."""
 
 from loadgen.traces import Trace, TraceFormatError, TraceRequest, load_trace
 

@@ -9,7 +9,6 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -189,24 +188,6 @@ def _choice(value: str, flag: str, valid: tuple[str, ...]) -> str:
 def _positive(value: float | None, flag: str) -> None:
     if value is not None and not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{flag} must be > 0, got {value}")
-
-
-def parse_floats(raw: str, flag: str, ok: Callable[[float], bool], rule: str) -> list[float]:
-    """The comma-separated numbers of ``flag``'s ``raw`` value, distinct and sorted. Raises
-    naming the flag for an item that is not a number, one ``ok`` refuses (``rule`` says what
-    they must be), or no item at all."""
-    out: list[float] = []
-    for item in filter(None, (x.strip() for x in raw.split(","))):
-        try:
-            value = float(item)
-        except ValueError:
-            raise ValueError(f"{flag}: {item!r} is not a number") from None
-        if not ok(value):
-            raise ValueError(f"{flag}: values must be {rule}, got {item}")
-        out.append(value)
-    if not out:
-        raise ValueError(f"{flag}: give at least one value")
-    return sorted(set(out))
 
 
 def _time_scale(args: argparse.Namespace) -> float:

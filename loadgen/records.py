@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class RequestRecord:
     """What one request did, over HTTP (``loadgen.client``) or in the cluster simulator
-    (``loadgen.simulator``). Times are seconds since the run's start (``perf_counter`` based, or
+    (``simulation.cluster``). Times are seconds since the run's start (``perf_counter`` based, or
     virtual); ``intended_s`` is the schedule's send time, latencies are measured from it.
 
     ``itl_s`` holds every inter-token gap where the client saw them (HTTP streams); a simulated

@@ -5,7 +5,7 @@ scorer and admission.
 ``RouterCore`` reads no clock, starts no thread and opens no file: every method that needs time
 takes ``now`` (seconds, on the clock of the engines' ``LoadSnapshot.ts``), and placements go to
 an injected ``router.recorder.PlacementRecorder``. The production router (``router.state``'s
-shell) and the cluster simulator (``loadgen.simulator``, virtual time) run this same object.
+shell) and the cluster simulator (``simulation.cluster``, virtual time) run this same object.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The sim engine: vLLM-like paged KV blocks, prefix caching and continuous batching without a
 model, timed by a latency profile. Real time (``SimEngine``, asyncio) or virtual time
-(``VirtualInstance``, discrete events; ``loadgen.simulator`` runs a cluster of them)."""
+(``VirtualInstance``, discrete events; ``simulation.cluster`` runs a cluster of them)."""
 
 from engines.sim.blocks import KVBlockManager
 from engines.sim.profile import LatencyProfile

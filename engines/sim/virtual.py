@@ -6,7 +6,7 @@ driven by a discrete-event loop instead of asyncio, so an hour of trace replays 
 steps in closed form), ``drain`` runs to idle. KV events, when a callback is given, are delivered
 per step as the exact bytes vLLM's ZMQ publisher sends (``(instance_id, seq, payload)``); first
 tokens and finishes are announced to ``on_progress``. Placement is not this module's business:
-the cluster simulator (``loadgen.simulator``) runs the production routing core over instances.
+the cluster simulator (``simulation.cluster``) runs the production routing core over instances.
 
 An instance may run *slower than its profile*, as real engines do: ``slowdown`` stretches every
 step (a per-engine speed factor, a straggler) and ``jitter`` multiplies each step by a seeded

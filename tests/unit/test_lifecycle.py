@@ -14,7 +14,6 @@ from engines.base import EngineRequest, RoutedRequest, SamplingParams
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
 from engines.sim.scheduler import SimEngineOptions
-from loadgen.simulator import ClusterSimulator, SimSettings
 from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned
 from router import lifecycle
@@ -26,6 +25,8 @@ from router.pd import PdPlanner, TransferModel
 from router.placement import PlacementRequest
 from router.pools import Pool
 from router.state import RouterState
+from simulation.cluster import ClusterSimulator
+from simulation.settings import SimSettings
 
 PROFILE = LatencyProfile.load("cpu-tiny-llama")
 BS = 16

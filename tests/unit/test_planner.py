@@ -11,23 +11,22 @@ import pytest
 
 from deploy.cli import main
 from engines.sim.profile import LatencyProfile
-from loadgen.planner import (
+from loadgen.records import RequestRecord
+from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
+from loadgen.workloads import build_schedule
+from simulation.cluster import simulate
+from simulation.options import parse_tiers
+from simulation.planner import RATE_STEPS_PER_DOUBLING, Planner, find_boundary
+from simulation.pricing import (
     NO_TIER,
-    RATE_STEPS_PER_DOUBLING,
     Candidate,
-    Planner,
     PlanSetup,
     Slo,
     event_volume,
-    find_boundary,
     judge,
-    parse_tiers,
     prefill_count,
 )
-from loadgen.records import RequestRecord
-from loadgen.simulator import SimSettings, SloBudget, simulate
-from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
-from loadgen.workloads import build_schedule
+from simulation.settings import SimSettings, SloBudget
 
 PROFILE = "cpu-small-llama"
 
@@ -116,7 +115,7 @@ def test_early_exit_never_changes_a_verdict(setup: PlanSetup) -> None:
 
 
 def test_seeds_pool_one_run_per_perturbation_seed(setup: PlanSetup) -> None:
-    from loadgen.simulator import Perturbation
+    from simulation.settings import Perturbation
 
     cand = Candidate(3)
     pooled = replace(setup, seeds=2).evaluate(cand, SLO, False)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from loadgen.cachesim import replay, synthetic_bailian
 from policies import RequestInfo, create_policy
 from policies.prefix_odds import PrefixOddsPolicy
+from simulation.cachesim import replay, synthetic_bailian
 
 
 def _request(policy: PrefixOddsPolicy, keys: list[object], now: float) -> None:

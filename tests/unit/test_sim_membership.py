@@ -11,10 +11,11 @@ import pytest
 
 from cachemap.hashing import Tier
 from engines.sim.profile import LatencyProfile
-from loadgen.simulator import EXACT, ClusterSimulator, Perturbation, SimSettings
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule
 from router.autoscale import Autoscaler, Observation
+from simulation.cluster import ClusterSimulator
+from simulation.settings import EXACT, Perturbation, SimSettings
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +149,8 @@ def test_the_policy_is_handed_a_what_if_of_the_recent_requests(profile):
     in the last ``what_if_history_s``; more engines attain at least as much under a burst, a
     pool of 64 is simulated as a slice of ``max_engines``, and re-used requests get fresh
     blocks. The run reports its billing and each decision's CPU cost."""
-    from loadgen.simulator import WhatIfSimulator
     from router.autoscale import Slo
+    from simulation.whatif import WhatIfSimulator
 
     _, run, script = replay(profile, 2, [], plan=work(30.0))
     late = [o for o in script.seen if o.now >= 25.0]
@@ -184,9 +185,9 @@ def test_a_fixed_run_without_what_if_matches_one_with(profile):
 
 
 def test_hot_prefixes_rank_the_shared_prefixes_by_the_prefill_they_save():
-    from loadgen.simulator import hot_prefixes
     from loadgen.traces import TraceRequest
     from loadgen.workloads import Planned
+    from simulation.cluster import hot_prefixes
 
     def req(k, ids):
         return Planned(k, float(k), TraceRequest(float(k), 16 * len(ids), 8, tuple(ids)))

@@ -10,11 +10,12 @@ import pytest
 from deploy.cli import main as kvroute
 from engines.sim.profile import LatencyProfile
 from loadgen.metrics import summarize
-from loadgen.simulator import EXACT, ClusterSimulator, Perturbation, SimSettings, simulate
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule
 from router.placement import create_scorer
 from router.recorder import MemoryRecorder
+from simulation.cluster import ClusterSimulator, simulate
+from simulation.settings import EXACT, Perturbation, SimSettings
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +190,7 @@ def test_cli_jobs_run_routers_in_forked_processes_with_the_serial_output(tmp_pat
 
 
 def test_run_each_raises_a_workers_error_as_the_call_would():
-    from loadgen.jobs import run_each
+    from simulation.jobs import run_each
 
     def fail() -> int:
         raise ValueError("--router x: no such thing")
@@ -307,7 +308,7 @@ def test_ideal_ttft_bounds_every_request_and_is_met_alone(profile, kind):
     """A request's ideal TTFT (alone on an idle engine, every earlier prefix cached) is at most
     what it measured under any router (engines exactly on the profile); a request alone on an
     idle cluster takes exactly its ideal."""
-    from loadgen.simulator import ideal_ttfts
+    from simulation.settings import ideal_ttfts
 
     work = plan(kind, rate=20.0, duration=8.0, seed=1)
     settings = SimSettings(instances=4, perturbation=EXACT)

@@ -1,7 +1,7 @@
 """``kvroute plan``: how many engines, with how much CPU KV tier and which eviction policy, a
 workload needs to meet its SLO; or (``--find-max-rate``) the rate at which a given configuration
 stops meeting it. Each configuration priced is a cluster simulation through the production
-router core (``loadgen.planner``); the output states what the answer assumes."""
+router core (``simulation.planner``); the output states what the answer assumes."""
 
 from __future__ import annotations
 
@@ -14,19 +14,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadgen.cli import (
-    _positive,
-    add_workload_arguments,
-    check_output_dir,
-    parse_floats,
-    plan_workload,
-)
-from loadgen.simulate_cmd import (
+from loadgen.cli import _positive, add_workload_arguments, check_output_dir, plan_workload
+from simulation.options import (
     add_engine_arguments,
     add_jobs_argument,
     add_truth_arguments,
     load_profile,
+    parse_floats,
     parse_routers,
+    parse_tiers,
     perturbation_meta,
     sim_settings,
 )
@@ -135,13 +131,7 @@ def _scales(args: argparse.Namespace) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadgen.planner import (
-        PlanSetup,
-        Slo,
-        event_volume,
-        parse_tiers,
-        rescaled,
-    )
+    from simulation.pricing import PlanSetup, Slo, event_volume, rescaled
 
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment)
     scales = _scales(args)
@@ -217,7 +207,8 @@ def _search(
 ) -> tuple[Any, list[Any], dict[str, int]]:
     """The planner's search, with a progress line: (the max-rate answer, or None; the size
     answers per rate scale; the simulations run, full and guide)."""
-    from loadgen.planner import Candidate, Planner, prefill_count
+    from simulation.planner import Planner
+    from simulation.pricing import Candidate, prefill_count
 
     quiet = args.no_progress or not sys.stderr.isatty()
     sims = {"full": 0, "guide": 0}
@@ -427,7 +418,7 @@ def _print_sizes(
     con: Any, sizes: list[dict[str, Any]], slo: Any, seeds: int
 ) -> list[dict[str, Any]]:
     """The sizing answers in words, a paragraph per rate scale; their curves' rows."""
-    from loadgen.planner import ROUTER_CORE_BUDGET
+    from simulation.pricing import ROUTER_CORE_BUDGET
 
     rows: list[dict[str, Any]] = []
     for s in sizes:

@@ -1,6 +1,6 @@
 """``kvroute simulate``: replay a trace or synthetic workload on a virtual cluster of sim engines,
 placed by the production routing core, once per router; print the comparison table and write
-``--json`` / ``--report`` outputs (see ``loadgen.simulator`` for what is and is not modelled)."""
+``--json`` / ``--report`` outputs (see ``simulation.cluster`` for what is and is not modelled)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.cli import _positive, add_workload_arguments, check_output_dir, plan_workload
-from loadgen.jobs import DEFAULT_JOBS
+from simulation.options import (
+    add_engine_arguments,
+    add_jobs_argument,
+    add_truth_arguments,
+    load_profile,
+    parse_routers,
+    perturbation_meta,
+    sim_settings,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,135 +113,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_jobs_argument(o, "routers")
 
 
-def add_jobs_argument(g: argparse._ArgumentGroup, what: str = "simulations") -> None:
-    """``--jobs``: how many simulations run at once, each in a forked process."""
-    g.add_argument(
-        "--jobs",
-        type=int,
-        default=DEFAULT_JOBS,
-        help=f"{what} simulated at once, one forked process each [min(2, cores)]",
-    )
-
-
-def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
-    """The engines' flags ``simulate`` and ``plan`` share (``sim_settings`` reads them)."""
-    from loadgen.simulator import ENGINE_OPTIONS
-
-    c.add_argument(
-        "--profile", default="h100-llama3.1-8b", help="engines' latency profile (name or JSON)"
-    )
-    c.add_argument(
-        "--router-profile", help="the profile the router prices with [same name, loaded apart]"
-    )
-    c.add_argument(
-        "--engine",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help=f"engine option for every instance ({', '.join(ENGINE_OPTIONS)})",
-    )
-    c.add_argument("--block-size", type=int, help="engine block size [the workload's]")
-    c.add_argument(
-        "--event-stride",
-        type=int,
-        default=1,
-        help="the engines' KV events (and the router's map) keep every K-th block only [1]",
-    )
-    c.add_argument(
-        "--inflight-prompts",
-        action="store_true",
-        help="the router counts the prompts it sent that no KV event shows yet as cached where "
-        "it sent them (router.inflight; off by default)",
-    )
-
-
-def add_truth_arguments(p: argparse.ArgumentParser) -> None:
-    """How the simulated engines depart from their profile, and the router's lag."""
-    t = p.add_argument_group("truth and lag")
-    t.add_argument("--speed-sigma", type=float, default=0.1, help="per-engine speed spread [0.1]")
-    t.add_argument("--jitter", type=float, default=0.05, help="per-step time jitter sigma [0.05]")
-    t.add_argument("--stragglers", type=float, default=0.0, help="fraction of slow engines [0]")
-    t.add_argument("--straggler-slowdown", type=float, default=3.0, help="their slowdown [3]")
-    t.add_argument("--lag-ms", type=float, default=10.0, help="KV event and load sample lag [10]")
-
-
-def sim_settings(args: argparse.Namespace, instances: int, slo_ttft_s: float | None = None) -> Any:
-    """The ``SimSettings`` the engine and truth flags describe (validated: raises naming the
-    flag)."""
-    from loadgen.simulator import Perturbation, SimSettings
-    from router.placement import parse_options
-
-    _positive(args.block_size, "--block-size")
-    settings = SimSettings(
-        instances=instances,
-        block_size=args.block_size,
-        engine=parse_options(args.engine, "--engine"),
-        perturbation=Perturbation(
-            args.speed_sigma, args.jitter, args.stragglers, args.straggler_slowdown, args.seed
-        ),
-        event_lag_s=args.lag_ms / 1e3,
-        load_lag_s=args.lag_ms / 1e3,
-        slo_ttft_s=slo_ttft_s,
-        prefill_instances=getattr(args, "prefill_instances", 0),
-        event_stride=args.event_stride,
-        inflight_prompts=args.inflight_prompts,
-    )
-    if settings.prefill_instances:
-        local = args.pd_max_local_prefill_tokens
-        if local < 0:
-            raise ValueError(f"--pd-max-local-prefill-tokens must be >= 0, got {local}")
-        factor = args.pd_overload_factor
-        if factor and factor < 1:
-            raise ValueError(f"--pd-overload-factor must be 0 or >= 1, got {factor}")
-        settings.pd_max_local_prefill_tokens = local
-        settings.pd_overload_factor = factor or None
-    settings.validate()
-    return settings
-
-
-def perturbation_meta(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "speed_sigma": args.speed_sigma,
-        "jitter": args.jitter,
-        "stragglers": args.stragglers,
-        "straggler_slowdown": args.straggler_slowdown,
-        "seed": args.seed,
-    }
-
-
-def parse_router(spec: str) -> tuple[str, dict[str, Any]]:
-    """One scorer spec, ``NAME`` or ``NAME@key=value+key=value``: ``(name, options)``."""
-    from router.placement import parse_spec
-
-    return parse_spec(spec, "--router")
-
-
-def parse_routers(spec: str) -> list[tuple[str, str, dict[str, Any]]]:
-    """``--router`` as ``(label, scorer name, options)``; raises naming the bad entry."""
-    from router.placement import create_scorer
-
-    out = []
-    for label in filter(None, (x.strip() for x in spec.split(","))):
-        name, options = parse_router(label)
-        try:
-            create_scorer(name, **options)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"--router {label}: {e}") from None
-        out.append((label, name, options))
-    if not out:
-        raise ValueError("--router: give at least one scorer")
-    return out
-
-
-def load_profile(name: str, flag: str) -> Any:
-    from engines.sim.profile import LatencyProfile
-
-    try:
-        return LatencyProfile.load(name)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{flag}: cannot load profile {name!r}: {e}") from None
-
-
 def autoscaler_factory(
     args: argparse.Namespace, belief: Any, settings: Any
 ) -> tuple[Any, dict[str, Any]] | None:
@@ -302,10 +181,11 @@ def autoscale_row(sim: Any, slo_ttft_s: float, slo_tpot_s: float | None) -> dict
 def run(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from loadgen.jobs import run_each
     from loadgen.metrics import summarize
-    from loadgen.simulator import ideal_ttfts, simulate
     from loadgen.workloads import ideal_hit_rate
+    from simulation.cluster import simulate
+    from simulation.jobs import run_each
+    from simulation.settings import ideal_ttfts
 
     _check(args)
     # before the workload is read: a bad flag fails fast
@@ -410,7 +290,7 @@ def _print_autoscale(policy: str, results: dict[str, Any]) -> None:
 
 def _check(args: argparse.Namespace) -> None:
     """The flags ``run`` cannot simulate with, refused before anything runs."""
-    from loadgen.jobs import check_jobs
+    from simulation.jobs import check_jobs
 
     for value, flag in (
         (args.slo_ttft_ms, "--slo-ttft-ms"),
@@ -457,7 +337,7 @@ def _stats_ms(values_s: Any) -> dict[str, float | None]:
 
 
 def excess_ttfts(records: Any, ideal_s: list[float]) -> list[float]:
-    """Each completed request's TTFT over its ideal (``loadgen.simulator.ideal_ttfts``, indexed
+    """Each completed request's TTFT over its ideal (``simulation.settings.ideal_ttfts``, indexed
     as the plan), in seconds; refused and unfinished requests have none."""
     return [
         r.ttft_s - ideal_s[r.index] for r in records if r.ok and not math.isnan(ideal_s[r.index])

@@ -56,8 +56,8 @@ def parse_policies(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadgen.cachesim import infinite_hit_rate, simulate
     from loadgen.traces import load_trace
+    from simulation.cachesim import infinite_hit_rate, simulate
 
     names = parse_policies(args.policy)
     caps = parse_capacities(args.capacity_blocks)

@@ -1,0 +1,183 @@
+"""The flags ``kvroute simulate`` and ``kvroute plan`` share, and what they describe: the
+engines (``--profile``, ``--engine``, ...), their truth and the router's lag, ``--jobs``, the
+``--router`` scorer specs, and the ``simulation.settings.SimSettings`` they build; the
+comma-separated lists ``plan`` takes (``parse_floats``, ``parse_tiers``)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import Any
+
+from loadgen.cli import _positive
+from simulation.jobs import DEFAULT_JOBS
+
+
+def add_jobs_argument(g: argparse._ArgumentGroup, what: str = "simulations") -> None:
+    """``--jobs``: how many simulations run at once, each in a forked process."""
+    g.add_argument(
+        "--jobs",
+        type=int,
+        default=DEFAULT_JOBS,
+        help=f"{what} simulated at once, one forked process each [min(2, cores)]",
+    )
+
+
+def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
+    """The engines' flags ``simulate`` and ``plan`` share (``sim_settings`` reads them)."""
+    from simulation.settings import ENGINE_OPTIONS
+
+    c.add_argument(
+        "--profile", default="h100-llama3.1-8b", help="engines' latency profile (name or JSON)"
+    )
+    c.add_argument(
+        "--router-profile", help="the profile the router prices with [same name, loaded apart]"
+    )
+    c.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"engine option for every instance ({', '.join(ENGINE_OPTIONS)})",
+    )
+    c.add_argument("--block-size", type=int, help="engine block size [the workload's]")
+    c.add_argument(
+        "--event-stride",
+        type=int,
+        default=1,
+        help="the engines' KV events (and the router's map) keep every K-th block only [1]",
+    )
+    c.add_argument(
+        "--inflight-prompts",
+        action="store_true",
+        help="the router counts the prompts it sent that no KV event shows yet as cached where "
+        "it sent them (router.inflight; off by default)",
+    )
+
+
+def add_truth_arguments(p: argparse.ArgumentParser) -> None:
+    """How the simulated engines depart from their profile, and the router's lag."""
+    t = p.add_argument_group("truth and lag")
+    t.add_argument("--speed-sigma", type=float, default=0.1, help="per-engine speed spread [0.1]")
+    t.add_argument("--jitter", type=float, default=0.05, help="per-step time jitter sigma [0.05]")
+    t.add_argument("--stragglers", type=float, default=0.0, help="fraction of slow engines [0]")
+    t.add_argument("--straggler-slowdown", type=float, default=3.0, help="their slowdown [3]")
+    t.add_argument("--lag-ms", type=float, default=10.0, help="KV event and load sample lag [10]")
+
+
+def sim_settings(args: argparse.Namespace, instances: int, slo_ttft_s: float | None = None) -> Any:
+    """The ``SimSettings`` the engine and truth flags describe (validated: raises naming the
+    flag)."""
+    from router.placement import parse_options
+    from simulation.settings import Perturbation, SimSettings
+
+    _positive(args.block_size, "--block-size")
+    settings = SimSettings(
+        instances=instances,
+        block_size=args.block_size,
+        engine=parse_options(args.engine, "--engine"),
+        perturbation=Perturbation(
+            args.speed_sigma, args.jitter, args.stragglers, args.straggler_slowdown, args.seed
+        ),
+        event_lag_s=args.lag_ms / 1e3,
+        load_lag_s=args.lag_ms / 1e3,
+        slo_ttft_s=slo_ttft_s,
+        prefill_instances=getattr(args, "prefill_instances", 0),
+        event_stride=args.event_stride,
+        inflight_prompts=args.inflight_prompts,
+    )
+    if settings.prefill_instances:
+        local = args.pd_max_local_prefill_tokens
+        if local < 0:
+            raise ValueError(f"--pd-max-local-prefill-tokens must be >= 0, got {local}")
+        factor = args.pd_overload_factor
+        if factor and factor < 1:
+            raise ValueError(f"--pd-overload-factor must be 0 or >= 1, got {factor}")
+        settings.pd_max_local_prefill_tokens = local
+        settings.pd_overload_factor = factor or None
+    settings.validate()
+    return settings
+
+
+def perturbation_meta(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "speed_sigma": args.speed_sigma,
+        "jitter": args.jitter,
+        "stragglers": args.stragglers,
+        "straggler_slowdown": args.straggler_slowdown,
+        "seed": args.seed,
+    }
+
+
+def parse_router(spec: str) -> tuple[str, dict[str, Any]]:
+    """One scorer spec, ``NAME`` or ``NAME@key=value+key=value``: ``(name, options)``."""
+    from router.placement import parse_spec
+
+    return parse_spec(spec, "--router")
+
+
+def parse_routers(spec: str) -> list[tuple[str, str, dict[str, Any]]]:
+    """``--router`` as ``(label, scorer name, options)``; raises naming the bad entry."""
+    from router.placement import create_scorer
+
+    out = []
+    for label in filter(None, (x.strip() for x in spec.split(","))):
+        name, options = parse_router(label)
+        try:
+            create_scorer(name, **options)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"--router {label}: {e}") from None
+        out.append((label, name, options))
+    if not out:
+        raise ValueError("--router: give at least one scorer")
+    return out
+
+
+def load_profile(name: str, flag: str) -> Any:
+    from engines.sim.profile import LatencyProfile
+
+    try:
+        return LatencyProfile.load(name)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{flag}: cannot load profile {name!r}: {e}") from None
+
+
+def parse_floats(raw: str, flag: str, ok: Callable[[float], bool], rule: str) -> list[float]:
+    """The comma-separated numbers of ``flag``'s ``raw`` value, distinct and sorted. Raises
+    naming the flag for an item that is not a number, one ``ok`` refuses (``rule`` says what
+    they must be), or no item at all."""
+    out: list[float] = []
+    for item in filter(None, (x.strip() for x in raw.split(","))):
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"{flag}: {item!r} is not a number") from None
+        if not ok(value):
+            raise ValueError(f"{flag}: values must be {rule}, got {item}")
+        out.append(value)
+    if not out:
+        raise ValueError(f"{flag}: give at least one value")
+    return sorted(set(out))
+
+
+def parse_tiers(gib_list: str, policies: str) -> list[tuple[float, str]]:
+    """``--cpu-tier-gib`` x ``--policy`` as ``(GiB, policy)`` pairs; a 0 GiB tier has no
+    policy. Raises naming the flag."""
+    from policies import policy_names
+    from simulation.pricing import NO_TIER
+
+    sizes = parse_floats(
+        gib_list, "--cpu-tier-gib", lambda g: g >= 0 and math.isfinite(g), ">= 0 (0: no CPU tier)"
+    )
+    names = [x.strip() for x in policies.split(",") if x.strip()]
+    known = policy_names()
+    for name in names:
+        if name not in known:
+            raise ValueError(f"--policy: unknown policy {name!r}; known: {', '.join(known)}")
+    if not names and any(sizes):
+        raise ValueError("--policy: give at least one eviction policy for the CPU tier")
+    out: list[tuple[float, str]] = []
+    for gib in sizes:
+        out += [(gib, NO_TIER)] if gib == 0 else [(gib, name) for name in names]
+    return out

@@ -1,0 +1,118 @@
+"""The model-predictive autoscaling policy's simulator of the pool (``WhatIfSimulator``): a
+cluster simulation of the recent requests, re-timed, on a candidate pool size."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from engines.sim.profile import LatencyProfile
+from loadgen.workloads import Planned
+from router.autoscale import Slo
+from simulation.cluster import ClusterSimulator
+from simulation.settings import EXACT, SimSettings, ideal_ttfts
+
+
+class WhatIfSimulator:
+    """The model-predictive policy's simulator of the pool (``router.autoscale.WhatIf``): what
+    a pool of ``replicas`` engines would attain if requests arrived at ``rate`` per second for
+    ``horizon_s``, replayed on the production router core (scorer ``scorer``, default
+    options) and sim engines of the router's profile, unperturbed (the router does not know
+    the engines' speeds).
+
+    The traffic: the most recent of ``recent`` (the requests of the last few minutes, their
+    tokens and prefixes) re-timed to arrive evenly at the rate, after a backlog of the
+    ``waiting`` requests queued now (the latest requests again, all at the start). At most
+    ``max_engines`` are simulated: a larger pool is simulated as a slice of that many engines
+    given that share of the rate and of the backlog (the router spreads load evenly), so a
+    decision at 64 instances costs what one at ``max_engines`` does; the slice is thinner
+    still where the forecast would bring more than ``max_requests`` arrivals (short prompts,
+    many requests a second per engine). A request used again
+    (a short history) gets fresh block ids for each lap. The engines start with empty caches,
+    so the requests of the first ``warm_fraction`` of the horizon only warm them (the
+    backlog's are always counted). The attainment returned is over the requests some pool
+    could serve in time (their ``ideal_ttfts`` within the TTFT SLO): the policy's goal is set
+    over those (``PredictivePolicy.sim_goal``). Built fresh by the cluster simulator at each
+    decision; in production the same object can be built from the ingress's recent
+    requests."""
+
+    def __init__(
+        self,
+        profile: LatencyProfile,
+        scorer: str,
+        trace_block_size: int,
+        recent: Sequence[Planned],
+        *,
+        waiting: int = 0,
+        ready: int = 1,
+        settings: SimSettings | None = None,
+        max_engines: int = 8,
+        warm_fraction: float = 0.25,
+        max_requests: int = 400,
+    ) -> None:
+        self.profile, self.scorer = profile, scorer
+        self.trace_block_size, self.recent = trace_block_size, list(recent)
+        self.waiting, self.ready = waiting, max(1, ready)
+        base = settings or SimSettings()
+        self.settings = SimSettings(
+            instances=1,
+            block_size=base.block_size,
+            engine=dict(base.engine),
+            perturbation=EXACT,
+            event_lag_s=base.event_lag_s,
+            load_lag_s=base.load_lag_s,
+            load_interval_s=base.load_interval_s,
+            what_if=False,
+        )
+        self.max_engines, self.warm_fraction = max(1, max_engines), warm_fraction
+        self.max_requests = max(1, max_requests)
+        self.calls = 0
+
+    def plan(self, replicas: int, rate: float, horizon_s: float) -> tuple[int, list[Planned]]:
+        """The slice simulated for ``replicas`` engines: its size, and its requests (the
+        backlog's first, at 0)."""
+        m = min(replicas, self.max_engines)
+        if rate * horizon_s > 0:  # at most ``max_requests`` arrivals: a thinner slice
+            m = max(1, min(m, int(self.max_requests * replicas / (rate * horizon_s))))
+        share = m / replicas
+        lam = rate * share
+        backlog = round(self.waiting * m / self.ready)
+        n = max(1, math.ceil(lam * horizon_s)) if lam > 0 else 0
+        pool = self.recent
+        if not pool:
+            return m, []
+        take = backlog + n
+        out = []
+        for k in range(take):
+            lap, j = divmod(take - 1 - k, len(pool))
+            req = pool[-1 - j].req
+            if lap:  # a request used again: fresh blocks, so it hits only its own lap's
+                req = replace(req, hash_ids=tuple(b + (lap << 48) for b in req.hash_ids))
+            out.append(Planned(k, 0.0 if k < backlog else (k - backlog) / lam, req))
+        return m, out
+
+    def __call__(self, replicas: int, rate: float, horizon_s: float, slo: Slo) -> float:
+        self.calls += 1
+        m, plan = self.plan(replicas, rate, horizon_s)
+        if not plan:
+            return 1.0
+        settings = replace(self.settings, instances=m)
+        sim = ClusterSimulator(
+            self.profile, self.scorer, settings, self.trace_block_size, router_profile=self.profile
+        )
+        try:
+            run = sim.run(plan)
+        finally:
+            sim.close()
+        # requests no pool can serve within the TTFT SLO (alone on an idle engine with every
+        # earlier block cached: ``ideal_ttfts``) are left out: the policy's goal is over the
+        # attainable ones, and the few in a small sample would swing it
+        ideal = ideal_ttfts(plan, self.trace_block_size, self.profile, settings)
+        warm = self.warm_fraction * horizon_s
+        met = [
+            r.meets(slo.ttft_s, slo.tpot_s)
+            for r in run.records
+            if not 0 < r.intended_s < warm and ideal[r.index] <= slo.ttft_s
+        ]
+        return sum(met) / len(met) if met else 1.0
