@@ -37,7 +37,8 @@ from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.tiny_model import resolve_model
 from router.admission import Admission
 from router.dispatch import Dispatcher
-from router.ingress import IngressConfig, build_app
+from router.ingress import build_app
+from router.ingress_config import IngressConfig
 from router.pd import PdPlanner, TransferModel
 from router.placement import create_scorer
 from router.pools import Pool

@@ -16,7 +16,8 @@ from engines.base import Engine, LoadSnapshot
 from engines.forwarder import KvEventForwarder
 from router.admission import Admission
 from router.dispatch import Dispatcher
-from router.ingress import IngressConfig, build_app
+from router.ingress import build_app
+from router.ingress_config import IngressConfig
 from router.local_client import LocalEngineClient
 from router.pd import PdPlanner
 from router.placement import LatencyModel, Scorer

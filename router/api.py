@@ -1,5 +1,4 @@
-"""OpenAI-compatible request bodies (pydantic), OpenAI-shaped errors, and what the served engines
-support.
+"""The OpenAI-compatible request bodies (pydantic) and what the served engines support.
 
 The request models list exactly the fields vLLM's own OpenAI server accepts for chat and text
 completions (``vllm.entrypoints.openai.*.protocol``), with the same meanings, plus kvroute's
@@ -12,143 +11,39 @@ Nothing is dropped silently: a field kvroute cannot honour (tools, beam search, 
 logprobs ...) is accepted only at its default value and is a 400 naming it otherwise, and on sim
 engines so is every field whose effect a client could check but a model-free engine cannot
 produce (logprobs, structured outputs, logit_bias ...; see ``SIM_UNSUPPORTED``).
+The bodies' parts are in ``router.api_fields``, their errors in ``router.api_errors``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    WithJsonSchema,
-    field_validator,
-    model_validator,
-)
-from pydantic_core import PydanticCustomError
+from pydantic import Field, ValidationInfo, WithJsonSchema, field_validator
 
 from cachemap.hashing import as_u32
 from engines.base import SamplingParams
+from router.api_errors import APIError, unsupported
+from router.api_fields import (
+    CATEGORY_PATTERN,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_PROMPTS,
+    MAX_STOP_STRINGS,
+    RESERVED_XARGS,
+    CacheSalt,
+    ChatMessage,
+    EngineKind,
+    NonEmpty,
+    ResponseFormat,
+    RouterOnlyParams,
+    StreamOptions,
+    StrictBody,
+    StructuredOutputs,
+    TokenId,
+)
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-# vLLM's VLLM_MAX_STOP_STRINGS default (and OpenAI's limit)
-MAX_STOP_STRINGS = 4
-# prompts in one /v1/completions request (each is ``n`` engine requests of its own)
-MAX_PROMPTS = 64
-
-EngineKind = Literal["sim", "vllm"]
-# a request category (``kvroute_category``, x-kvroute-category): the CPU-tier policies keep
-# state per category, so it is a short name, and an ingress takes a bounded number of them
-CATEGORY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$"
-NonEmpty = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0)]
-# vLLM's rule for a cache salt: 1-128 characters, none of '@', '/', '\\', NUL
-CacheSalt = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^@/\\\x00]+$")]
 _RENDER_ONLY = "only for vLLM's render endpoints, which this server does not serve"
-# Free-form JSON that goes on to the engine (a structured-output schema) is
-# pickled on the way by Ray, and pickle gives up a few hundred levels down: nested deeper than
-# this it is a 400 naming the field (a request carrying one 500 levels deep was a 500).
-MAX_JSON_DEPTH = 64
-
-
-def bounded_nesting(value: Any) -> Any:
-    """``value`` unchanged, unless its dicts and lists nest deeper than ``MAX_JSON_DEPTH``
-    (``ValueError``; the top level is level 1). Only containers are walked: a string (a JSON
-    schema given as text) is not read."""
-    if not isinstance(value, dict | list):
-        return value
-    stack = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
-        children = node.values() if isinstance(node, dict) else node
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return value
-
-
-# A free-form JSON object bound for the engine, nested at most ``MAX_JSON_DEPTH`` levels
-EngineJson = Annotated[dict[str, Any], AfterValidator(bounded_nesting)]
-
-
-def _router_only(value: Any) -> Any:
-    raise PydanticCustomError(
-        "router_only",
-        "transfer parameters are set by the router only (its PD legs and admin commands); "
-        "a client may not send any",
-    )
-
-
-# ``kv_transfer_params`` as clients may send it: empty. The dict is opaque (its keys change
-# between vLLM versions) and every key of it steers a KV connector (do_remote_*: where the
-# engine pulls KV from and what it stores it under; "kvroute": the CPU-tier policy), so the
-# allowlist is empty: each key is an error located at ``kv_transfer_params.<key>``.
-RouterOnlyParams = Annotated[
-    dict[str, Annotated[Any, AfterValidator(_router_only)]],
-    WithJsonSchema(
-        {
-            "type": "object",
-            "maxProperties": 0,
-            "description": "set by the router only: a client may send it empty, no key",
-        }
-    ),
-]
-# vLLM's own keys of ``SamplingParams.extra_args`` (``vllm.v1.request.Request``): the KV and
-# encoder-cache connectors' parameters, and ``kv_cache_report_mode`` ("full" makes the engine
-# re-publish a BlockStored event for every cached block a request reuses: an event storm on the
-# cache-map bus). A client's ``vllm_xargs`` may not set them.
-RESERVED_XARGS = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode")
-
-
-class APIError(Exception):
-    """A client-visible error: rendered as ``{"error": {message, type, param, code}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def unsupported(param: str, why: str = "not supported by this server") -> APIError:
-    """The 400 for a parameter kvroute understands but does not honour."""
-    return APIError(400, f"{param}: {why}", param=param, code="unsupported_parameter")
-
-
-class StrictBody(BaseModel):
-    """A request body: unknown fields are errors; NaN and infinities are not numbers (vLLM
-    refuses them). ``validation_error`` turns its ``ValidationError`` into the 400."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def _fits_u32(ids: list[int]) -> bool:
@@ -179,166 +74,13 @@ def checked_token_ids(ids: Sequence[int], vocab_size: int, param: str) -> list[i
     return out
 
 
-def validation_error(e: ValidationError, model: type[BaseModel]) -> APIError:
-    """The 400 of ``model``'s ``ValidationError`` ``e``: its first error, located by the client's
-    field path (``param``), without pydantic's union-member tags (``stop``, not
-    ``stop.list[str]``)."""
-    err = e.errors(include_url=False)[0]
-    param = ".".join(str(p) for p in field_path(model, err["loc"])) or None
-    msg = str(err["msg"])
-    return APIError(400, f"{param}: {msg}" if param else msg, param=param)
-
-
-def field_path(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
-    """``loc`` of a ``model`` validation error less its union-member tags. Pydantic puts the tag
-    of the member that failed (``str``, ``list[str]``, a model's name ...) after the location of
-    a union with several members; walking ``model``'s field types along ``loc`` tells the tags
-    from field names, indices and dict keys (a key may look like a tag: ``vllm_xargs.Key``)."""
-    path: list[int | str] = []
-    tp: Any = model
-    for part in loc:
-        tp = _bare(tp)
-        members = [_bare(m) for m in get_args(tp) if m is not type(None)] if _is_union(tp) else []
-        if len(members) == 1:  # ``X | None``: no tag
-            tp = members[0]
-        elif members:  # ``part`` is the tag of the member that failed
-            tp = next((m for m in members if _tag_names(m, part)), Any)
-            continue
-        path.append(part)
-        origin = get_origin(tp)
-        if isinstance(tp, type) and issubclass(tp, BaseModel):
-            field = next(
-                (f for name, f in tp.model_fields.items() if part in (name, f.alias)), None
-            )
-            tp = field.annotation if field is not None else Any
-        elif origin is list and get_args(tp):
-            tp = get_args(tp)[0]
-        elif origin is dict and get_args(tp):
-            tp = get_args(tp)[1]
-        else:
-            tp = Any  # the rest of ``loc`` is inside a value of no known shape: kept whole
-    return tuple(path)
-
-
-def _bare(tp: Any) -> Any:
-    while get_origin(tp) is Annotated:
-        tp = get_args(tp)[0]
-    return tp
-
-
-def _is_union(tp: Any) -> bool:
-    return get_origin(tp) in (Union, UnionType)
-
-
-def _tag_names(member: Any, tag: int | str) -> bool:
-    """``tag`` is pydantic's tag of union member ``member`` (``list[...]`` of a list ...)."""
-    if not isinstance(tag, str):
-        return False
-    if isinstance(member, type) and issubclass(member, BaseModel):
-        return tag == member.__name__
-    origin = get_origin(member) or member
-    name = getattr(origin, "__name__", None)
-    return name is not None and (tag == name or tag.startswith(f"{name}["))
-
-
-class StreamOptions(StrictBody):
-    include_usage: bool | None = False
-    # vLLM's extension: every chunk carries the usage so far
-    continuous_usage_stats: bool | None = False
-
-
-class JsonSchemaFormat(StrictBody):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
-
-    name: str
-    description: str | None = None
-    json_schema: EngineJson | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(StrictBody):
-    """OpenAI's ``response_format``; json_object / json_schema go to vLLM's structured outputs
-    (vLLM's ``structural_tag`` type is not supported)."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type 'json_schema' needs the 'json_schema' field")
-        return self
-
-
-class StructuredOutputs(StrictBody):
-    """vLLM's ``structured_outputs`` (``StructuredOutputsParams``): exactly one constraint."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
-
-    json_: str | EngineJson | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = Field(default=None, min_length=1)
-    grammar: str | None = Field(default=None, min_length=1)
-    json_object: Literal[True] | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
-    structural_tag: str | None = Field(default=None, min_length=1)
-
-    def params(self) -> dict[str, Any]:
-        """Keyword arguments of vLLM's ``StructuredOutputsParams`` (set fields only)."""
-        return self.model_dump(by_alias=True, exclude_unset=True, exclude_none=True)
-
-
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
-
-_TEXT_PARTS: dict[str, Any] = {
-    "type": "array",
-    "items": {
-        "type": "object",
-        "required": ["type", "text"],
-        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-    },
-}
 _TOKEN_IDS: dict[str, Any] = {
     "type": "array",
     "minItems": 1,
     "items": {"type": "integer", "minimum": 0},
 }
-
-
-class ChatMessage(StrictBody):
-    """One chat message: the fields vLLM passes to the chat template (text content only)."""
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | Annotated[list[dict[str, Any]], WithJsonSchema(_TEXT_PARTS)] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-    @field_validator("content")
-    @classmethod
-    def _text_only(cls, v: str | list[dict[str, Any]] | None) -> Any:
-        for part in v if isinstance(v, list) else ():
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-        return v
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(part["text"] for part in self.content)  # text parts (``_text_only``)
-
-    def for_template(self) -> dict[str, Any]:
-        """The message as the chat template sees it: role and text content, and name,
-        tool_calls and tool_call_id where given (the template decides what it renders)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
-        for key in ("name", "tool_calls", "tool_call_id"):
-            value = getattr(self, key)
-            if value is not None:
-                out[key] = value
-        return out
 
 
 class _Common(StrictBody):
@@ -739,141 +481,3 @@ class CompletionRequest(_Common):
             ("suffix", (None,), "not supported by this server"),
             ("prompt_embeds", (None,), "only text or token-id prompts are supported"),
         ]
-
-
-def json_body_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """The OpenAPI ``openapi_extra`` of an endpoint that reads its body itself (bounded,
-    4xx-shaped): the model's JSON schema as the request body, with pydantic's ``$defs`` inlined
-    (OpenAPI resolves a ``$ref`` from the document's root)."""
-    schema = model.model_json_schema()
-    defs = schema.pop("$defs", {})
-    refused = getattr(model, "refused_fields", None)
-    for name, accepted, why in refused() if refused is not None else ():
-        schema["properties"][name] = {"enum": list(accepted), "description": why}
-
-    def inline(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return inline(defs[ref.removeprefix("#/$defs/")])
-            return {k: inline(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [inline(v) for v in node]
-        return node
-
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": inline(schema)}},
-        }
-    }
-
-
-_ERROR_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["error"],
-    "properties": {
-        "error": {
-            "type": "object",
-            "required": ["message", "type", "param", "code"],
-            "properties": {
-                "message": {"type": "string"},
-                "type": {"type": "string"},
-                "param": {"type": ["string", "null"]},
-                "code": {"type": ["string", "null"]},
-            },
-        }
-    },
-}
-_USAGE_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {
-        "prompt_tokens": {"type": "integer", "minimum": 0},
-        "completion_tokens": {"type": "integer", "minimum": 0},
-        "total_tokens": {"type": "integer", "minimum": 0},
-        "prompt_tokens_details": {
-            "type": "object",
-            "properties": {"cached_tokens": {"type": "integer", "minimum": 0}},
-        },
-    },
-}
-
-
-def error_responses(described: dict[int, str]) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI responses: each status of ``described`` with its description and the
-    OpenAI-shaped error body."""
-    error = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
-    return {status: {"description": why, **error} for status, why in described.items()}
-
-
-# the errors of every endpoint that reads a JSON body (``_read_json_body``)
-BODY_ERRORS = {
-    400: "Malformed body, or a field not valid",
-    413: "Body over the limit",
-    415: "Content type not application/json",
-}
-# the errors of an endpoint behind the admin key
-ADMIN_ERRORS = {
-    401: "Missing or invalid admin key",
-    403: "Off: no admin key is configured",
-}
-
-
-def openapi_responses(chat: bool) -> dict[int | str, dict[str, Any]]:
-    """The documented responses of a completion endpoint: the body (or an SSE stream with
-    ``stream: true``) and the OpenAI-shaped errors."""
-    choice: dict[str, Any] = {
-        "type": "object",
-        "required": ["index", "finish_reason", "logprobs"],
-        "properties": {
-            "index": {"type": "integer", "minimum": 0},
-            "finish_reason": {"type": ["string", "null"]},
-            "logprobs": {"type": ["object", "null"]},
-            "stop_reason": {"type": ["integer", "string", "null"]},
-            **(
-                {
-                    "message": {
-                        "type": "object",
-                        "required": ["role", "content"],
-                        "properties": {
-                            "role": {"const": "assistant"},
-                            "content": {"type": ["string", "null"]},
-                        },
-                    }
-                }
-                if chat
-                else {"text": {"type": "string"}}
-            ),
-        },
-    }
-    body = {
-        "type": "object",
-        "required": ["id", "object", "created", "model", "choices", "usage"],
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"const": "chat.completion" if chat else "text_completion"},
-            "created": {"type": "integer"},
-            "model": {"type": "string"},
-            "choices": {"type": "array", "items": choice},
-            "usage": _USAGE_SCHEMA,
-        },
-    }
-    error = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
-    return {
-        200: {
-            "description": "The completion; with stream: true, server-sent events of chunks",
-            "content": {
-                "application/json": {"schema": body},
-                "text/event-stream": {"schema": {"type": "string"}},
-            },
-        },
-        400: {"description": "Malformed body, field, or a parameter not supported", **error},
-        401: {"description": "Missing or invalid API key", **error},
-        404: {"description": "Unknown model", **error},
-        413: {"description": "Body over the limit", **error},
-        415: {"description": "Content type not application/json", **error},
-        429: {"description": "Overloaded (admission); see Retry-After", **error},
-        500: {"description": "Internal error", **error},
-        503: {"description": "No engine could serve the request; see Retry-After", **error},
-    }

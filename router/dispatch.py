@@ -13,10 +13,11 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import msgspec
+from opentelemetry import trace
 
 from engines.base import EngineError, EngineOutput, KvCommand, RoutedRequest, Usage, whole
 from policies.hints import PolicyHints, TransferReport
@@ -86,6 +87,25 @@ class PdStats:
         self.decode_prompt_tokens += report.prompt_tokens_computed or 0
 
 
+@dataclass(slots=True)
+class _Progress:
+    """Where one ``Dispatcher.stream`` stands: the engine request running now (``current``:
+    ``routed`` itself, a decode leg or a migrated leg), its placement request and placement,
+    the instances tried, this leg's tries, the legs so far, and every token yielded."""
+
+    routed: RoutedRequest
+    preq: PlacementRequest
+    placement: Placement | None = None
+    current: RoutedRequest = field(init=False)
+    tried: set[str] = field(default_factory=set)
+    attempt: int = 0
+    legs: int = 1
+    generated: list[int] = field(default_factory=list)  # tokens yielded so far, over every leg
+
+    def __post_init__(self) -> None:
+        self.current = self.routed
+
+
 class StreamBroken(Exception):
     """The engines failed after the first token more times than a request may migrate."""
 
@@ -151,91 +171,35 @@ class Dispatcher:
         request for the tokens still owed, up to ``max_migrations`` times; only then
         ``StreamBroken``. The final output's usage counts the client's prompt and every token
         of every leg."""
-        preq = self.placement_request(routed)
-        tried: set[str] = set()
-        placement = first or self.place(preq, tried)
-        attempt = 0
-        current, legs = routed, 1
-        generated: list[int] = []  # tokens yielded so far, over every leg
+        p = _Progress(routed, self.placement_request(routed))
+        p.placement = first or self.place(p.preq, p.tried)
         while True:
-            attempt += 1
+            p.attempt += 1
             # NOTE: without pre-placement the handle's own router picks; we learn nothing of it.
-            where = placement.instance_id if placement is not None else "?"
-            current.target_instance = placement.instance_id if placement is not None else None
-            current.request.expected_cached_tokens = (
-                self.state.cached_tokens(preq, placement) if placement is not None else 0
-            )
-            if placement is not None and placement.prefill is not None:
-                handed = await self._prefill(current, preq, placement)
-                if handed is None:  # no prefill engine could do it: recompute on the decoder
-                    placement = replace(placement, prefill=None, transfer_tokens=0)
-                    self.pd.recomputed += 1
-                else:
-                    current = handed
-                current.target_instance = placement.instance_id
-            if placement is not None:
-                self.state.assigned(preq, placement)
-            # NOTE: a failover replaces ``placement`` and ``preq`` before ``finally``
-            running, running_preq = placement, preq
+            where = p.placement.instance_id if p.placement is not None else "?"
+            await self._start_leg(p)
+            # NOTE: a failover replaces ``p.placement`` and ``p.preq`` before ``finally``
+            running, running_preq = p.placement, p.preq
             started = False
-            # a disaggregated request's decode leg gets a span of its own beside the prefill's
-            leg_span = (
-                tracing.tracer.start_span(
-                    "kvroute.decode_leg", attributes={"kvroute.instance": placement.instance_id}
-                )
-                if placement is not None and self.state.disaggregated and tracing.tracing_on()
-                else None
-            )
-            outs = self.client.stream(current)
+            leg_span = self._leg_span(p.placement)
+            outs = self.client.stream(p.current)
             try:
                 async for out in outs:
                     if not started:
                         started = True
-                        self.state.first_token(preq.request_id, current.request.stream)
-                        if (
-                            placement is not None
-                            and out.instance_id is not None
-                            and out.instance_id != placement.instance_id
-                        ):
-                            # Serve's request router delivered it elsewhere than placed.
-                            self.overrides += 1
-                    if out.finished and out.kv_transfer_params:
-                        self._pulled(out.kv_transfer_params)
-                    if current is not routed and out.usage is not None:
-                        out = _leg_usage(out, routed, len(generated) + len(out.token_ids))
-                    generated.extend(out.token_ids)
-                    yield placement or Placement(where), out
+                        self._first_output(p, out)
+                    yield p.placement or Placement(where), self._counted(p, out)
                 return
             except (EngineError, ConnectionError, OSError) as e:
-                if placement is not None:
-                    self.state.failed(placement.instance_id)
-                tried.add(where)
-                if generated:
-                    if legs > self.max_migrations:
-                        raise StreamBroken(f"engine {where} failed: {e}") from e
-                    log.warning(
-                        "engine %s failed after %d tokens, migrating: %s", where, len(generated), e
-                    )
-                    legs += 1
-                    leg = lifecycle.continuation(routed, generated, legs)
-                    if leg is None:  # it failed with every owed token already yielded
-                        yield placement or Placement(where), _finished(routed, generated)
-                        return
-                    self.migrations += 1
-                    current = leg
-                    preq = self.placement_request(current)
-                    attempt = 0
-                elif attempt >= self.max_attempts:
+                if p.placement is not None:
+                    self.state.failed(p.placement.instance_id)
+                p.tried.add(where)
+                if not p.generated and p.attempt >= self.max_attempts:
                     raise
-                else:
-                    log.warning("engine %s failed before the first token, retrying: %s", where, e)
-                    self.failovers += 1
-                    if current is not routed and not generated:  # the hand-over or decode failed
-                        current, preq = routed, self.placement_request(routed)
-                        self.pd.recomputed += 1
-                # NOTE: no SLO gate: the request was admitted, and an accepted request is
-                # served (only NoInstanceError, with no instance left, ends it here)
-                placement = self.place(preq, tried, gate=False, rerun=True)
+                final = self._recover(p, where, e)
+                if final is not None:  # it failed with every owed token already yielded
+                    yield p.placement or Placement(where), final
+                    return
             finally:
                 # closed early (its choice was stopped): close the engine's stream now, not
                 # whenever it is collected, so that the engine aborts the request at once
@@ -246,6 +210,87 @@ class Dispatcher:
                     self.state.finished(running_preq, running.instance_id)
                 if leg_span is not None:
                     leg_span.end()
+
+    async def _start_leg(self, p: _Progress) -> None:
+        """Aim ``p.current`` at ``p.placement`` and count it assigned there. A split placement
+        runs its prefill leg first: ``p.current`` becomes the decode leg it hands over to, or,
+        when no prefill engine could do it, the request is recomputed whole on the decoder."""
+        placement, current = p.placement, p.current
+        current.target_instance = placement.instance_id if placement is not None else None
+        current.request.expected_cached_tokens = (
+            self.state.cached_tokens(p.preq, placement) if placement is not None else 0
+        )
+        if placement is not None and placement.prefill is not None:
+            handed = await self._prefill(current, p.preq, placement)
+            if handed is None:  # no prefill engine could do it: recompute on the decoder
+                placement = p.placement = replace(placement, prefill=None, transfer_tokens=0)
+                self.pd.recomputed += 1
+            else:
+                p.current = handed
+            p.current.target_instance = placement.instance_id
+        if placement is not None:
+            self.state.assigned(p.preq, placement)
+
+    def _leg_span(self, placement: Placement | None) -> trace.Span | None:
+        """A disaggregated request's decode leg gets a span of its own beside the prefill's
+        (None: not disaggregated, or tracing is off)."""
+        if placement is not None and self.state.disaggregated and tracing.tracing_on():
+            return tracing.tracer.start_span(
+                "kvroute.decode_leg", attributes={"kvroute.instance": placement.instance_id}
+            )
+        return None
+
+    def _first_output(self, p: _Progress, out: EngineOutput) -> None:
+        """A leg's first output: its first token observed, and counted as an override if the
+        engine reports running it off its placement."""
+        self.state.first_token(p.preq.request_id, p.current.request.stream)
+        if (
+            p.placement is not None
+            and out.instance_id is not None
+            and out.instance_id != p.placement.instance_id
+        ):
+            # Serve's request router delivered it elsewhere than placed.
+            self.overrides += 1
+
+    def _counted(self, p: _Progress, out: EngineOutput) -> EngineOutput:
+        """``out`` as the client sees it (a later leg's usage is the whole request's), its
+        tokens counted as yielded and its pull report, if any, counted."""
+        if out.finished and out.kv_transfer_params:
+            self._pulled(out.kv_transfer_params)
+        if p.current is not p.routed and out.usage is not None:
+            out = _leg_usage(out, p.routed, len(p.generated) + len(out.token_ids))
+        p.generated.extend(out.token_ids)
+        return out
+
+    def _recover(self, p: _Progress, where: str, e: Exception) -> EngineOutput | None:
+        """After the engine at ``where`` failed with ``e`` (a retry is still allowed): ``p``
+        re-placed, migrating the request after its first token (``StreamBroken`` past
+        ``max_migrations``) or retrying it before. Returns the final output instead when every
+        owed token was already yielded."""
+        if p.generated:
+            if p.legs > self.max_migrations:
+                raise StreamBroken(f"engine {where} failed: {e}") from e
+            log.warning(
+                "engine %s failed after %d tokens, migrating: %s", where, len(p.generated), e
+            )
+            p.legs += 1
+            leg = lifecycle.continuation(p.routed, p.generated, p.legs)
+            if leg is None:
+                return _finished(p.routed, p.generated)
+            self.migrations += 1
+            p.current = leg
+            p.preq = self.placement_request(leg)
+            p.attempt = 0
+        else:
+            log.warning("engine %s failed before the first token, retrying: %s", where, e)
+            self.failovers += 1
+            if p.current is not p.routed:  # the hand-over or decode failed
+                p.current, p.preq = p.routed, self.placement_request(p.routed)
+                self.pd.recomputed += 1
+        # NOTE: no SLO gate: the request was admitted, and an accepted request is
+        # served (only NoInstanceError, with no instance left, ends it here)
+        p.placement = self.place(p.preq, p.tried, gate=False, rerun=True)
+        return None
 
     async def _prefill(
         self, routed: RoutedRequest, preq: PlacementRequest, placement: Placement

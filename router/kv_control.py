@@ -37,20 +37,12 @@ from cachemap import BlockHasher
 from cachemap.map import Match
 from engines.base import EngineError, EngineRequest, KvCommand, RoutedRequest, SamplingParams
 from policies.hints import PolicyHints
-from router.api import (
-    ADMIN_ERRORS,
-    BODY_ERRORS,
-    CATEGORY_PATTERN,
-    APIError,
-    CacheSalt,
-    ChatMessage,
-    StrictBody,
-    checked_token_ids,
-    error_responses,
-    validation_error,
-)
-from router.api import json_body_schema as _schema
+from router.api import checked_token_ids
+from router.api_errors import APIError, validation_error
+from router.api_fields import CATEGORY_PATTERN, CacheSalt, ChatMessage, StrictBody
 from router.dispatch import EngineClient
+from router.openapi import ADMIN_ERRORS, BODY_ERRORS, error_responses
+from router.openapi import json_body_schema as _schema
 from router.placement import InstanceView, cached_tokens
 from router.state import RouterState
 from router.tokenizer import PromptTokenizer

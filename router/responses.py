@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engines.base import EngineOutput, TopLogprob
-from router.api import APIError, ChatCompletionRequest, CompletionRequest
+from router.api import ChatCompletionRequest, CompletionRequest
+from router.api_errors import APIError
 from router.tokenizer import IncrementalDetokenizer, PromptTokenizer
 
 if TYPE_CHECKING:

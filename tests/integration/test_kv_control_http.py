@@ -20,7 +20,7 @@ from engines.sim.engine import SimEngine
 from engines.sim.scheduler import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from router.admission import Admission
-from router.api import APIError
+from router.api_errors import APIError
 from router.kv_control import KvControl, PinBody
 from router.tokenizer import PromptTokenizer
 from tests.support import Server, free_port, settle

@@ -15,18 +15,11 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from engines.base import EngineOutput, EngineRequest, RoutedRequest, SamplingParams, Usage
-from router.api import (
-    MAX_JSON_DEPTH,
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    bounded_nesting,
-    checked_token_ids,
-    field_path,
-    json_body_schema,
-    validation_error,
-)
+from router.api import ChatCompletionRequest, CompletionRequest, checked_token_ids
+from router.api_errors import APIError, field_path, validation_error
+from router.api_fields import MAX_JSON_DEPTH, bounded_nesting
 from router.lifecycle import choice_requests
+from router.openapi import json_body_schema
 from router.responses import ResponseBuilder, check_stop_strings
 from tests.support import FORGED_TRANSFER_PARAMS, nested_json
 
@@ -524,7 +517,8 @@ def test_completion_prompts_get_special_tokens_as_vllm_adds_them(tmp_path) -> No
     tokenizer given a BOS post-processor, the ingress's prompt ids follow the same rule."""
     from starlette.requests import Request
 
-    from router.ingress import IngressConfig, RequestPreparer
+    from router.ingress_config import IngressConfig
+    from router.prepare import RequestPreparer
     from router.tokenizer import PromptTokenizer
 
     _, bos = tiny_tokenizer_with_bos(tmp_path)
@@ -547,7 +541,8 @@ def test_prompt_text_goes_only_to_a_request_router_that_reads_it() -> None:
     from starlette.requests import Request
 
     from engines.tiny_model import build_tiny_model
-    from router.ingress import IngressConfig, RequestPreparer
+    from router.ingress_config import IngressConfig
+    from router.prepare import RequestPreparer
     from router.tokenizer import PromptTokenizer
 
     tok = PromptTokenizer(build_tiny_model())
