@@ -385,8 +385,8 @@ def main() -> None:
         log_to_driver=False,
         runtime_env={"env_vars": env} if env else None,
     )
+    from engines.ports import free_port
     from engines.sim.profile import LatencyProfile
-    from engines.vllm_engine import free_port
 
     profile = LatencyProfile.load(PROFILE)
 

@@ -168,7 +168,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from engines.vllm_engine import free_port
+    from engines.ports import free_port
 
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     port = free_port()

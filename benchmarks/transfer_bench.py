@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.pd.layout import LayerSpec, gather_blocks, layer_specs, scatter_blocks
 from engines.pd.transfer import KVTransport
-from engines.vllm_engine import free_port
+from engines.ports import free_port
 
 MIB = 1 << 20
 MODELS: dict[str, dict[str, Any]] = {

@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 import yaml
 
-from engines.vllm_engine import free_port
+from engines.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

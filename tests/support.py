@@ -17,8 +17,8 @@ import uvicorn
 
 from deploy.local import LocalStack
 from engines.base import PUBLISH_INTERVAL_S, Engine
+from engines.ports import free_port
 from engines.sim.scheduler import SimEngineOptions
-from engines.vllm_engine import free_port
 from router.state import BUS_POLL_S
 
 if TYPE_CHECKING:

@@ -28,8 +28,9 @@ pytest.importorskip("vllm")
 
 from engines.base import EngineOutput, EngineRequest, SamplingParams
 from engines.pd.connector import kv_transfer_config
+from engines.ports import free_port
 from engines.tiny_model import build_tiny_model
-from engines.vllm_engine import VllmEngine, free_port
+from engines.vllm_engine import VllmEngine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 

@@ -42,8 +42,9 @@ except ImportError as e:  # the wheels: `make` installs nixl and nixl-cu12 1.5.1
 
 from engines.base import EngineOutput
 from engines.pd.nixl import nixl_transfer_config, side_channel_environ
+from engines.ports import free_port
 from engines.tiny_model import build_tiny_model
-from engines.vllm_engine import VllmEngine, free_port
+from engines.vllm_engine import VllmEngine
 from tests.engine.test_pd_connector import (  # the same PD legs
     DTYPE,
     _prefill,

@@ -25,7 +25,7 @@ from engines.pd.connector_records import KvrouteConnectorMetadata, KvrouteConnec
 from engines.pd.connector_scheduler import SchedulerSide
 from engines.pd.connector_worker import WorkerSide
 from engines.pd.protocol import ConnectorSettings, PullParams
-from engines.vllm_engine import free_port
+from engines.ports import free_port
 from policies.hints import PolicyHints
 from router.dispatch import Dispatcher, PdStats
 from router.state import RouterState

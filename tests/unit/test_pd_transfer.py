@@ -28,7 +28,7 @@ from engines.pd.wire import (
     KVTransportBroken,
     request_key,
 )
-from engines.vllm_engine import free_port
+from engines.ports import free_port
 
 NUM_BLOCKS = 10
 SILENT_TIMEOUT_S = 1.0

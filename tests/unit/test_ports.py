@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from engines import vllm_engine
-from engines.vllm_engine import free_port
+from engines import ports as ports_module
+from engines.ports import free_port
 
 
 def _bindable_everywhere(port: int) -> bool:
@@ -22,7 +22,7 @@ def _bindable_everywhere(port: int) -> bool:
 
 
 def test_ports_come_from_below_the_ephemeral_range_and_are_free_on_every_interface() -> None:
-    lo, _ = vllm_engine._ephemeral_ports()
+    lo, _ = ports_module._ephemeral_ports()
     ports = [free_port() for _ in range(50)]
     assert all(20_000 <= p < lo for p in ports)
     assert all(_bindable_everywhere(p) for p in ports)
@@ -34,14 +34,14 @@ def test_a_port_in_use_on_loopback_is_skipped(monkeypatch: pytest.MonkeyPatch) -
         busy.listen()
         taken = busy.getsockname()[1]
         # the busy port is drawn first, a free one second
-        monkeypatch.setattr(vllm_engine, "_ephemeral_ports", lambda: (taken + 1, 60_999))
+        monkeypatch.setattr(ports_module, "_ephemeral_ports", lambda: (taken + 1, 60_999))
         draws: Iterator[int] = iter([taken, taken - 1_000])
 
         class Draw:
             def randrange(self, start: int, stop: int) -> int:
                 return next(draws)
 
-        monkeypatch.setattr(vllm_engine.random, "SystemRandom", Draw)
+        monkeypatch.setattr(ports_module.random, "SystemRandom", Draw)
         if not _bindable_everywhere(taken - 1_000):
             pytest.skip("the second draw happens to be in use on this machine")
         assert free_port() == taken - 1_000
@@ -50,8 +50,8 @@ def test_a_port_in_use_on_loopback_is_skipped(monkeypatch: pytest.MonkeyPatch) -
 def test_a_narrow_range_below_the_kernels_falls_back_to_the_kernels_choice(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    lo, hi = vllm_engine._ephemeral_ports()
-    monkeypatch.setattr(vllm_engine, "_ephemeral_ports", lambda: (20_500, 60_999))
+    lo, hi = ports_module._ephemeral_ports()
+    monkeypatch.setattr(ports_module, "_ephemeral_ports", lambda: (20_500, 60_999))
     port = free_port()
     assert lo <= port <= hi
     assert _bindable_everywhere(port)
