@@ -14,7 +14,6 @@ Pure (no vLLM, Ray or router imports), so the engines and the router both import
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
@@ -22,40 +21,6 @@ import msgspec
 __all__ = ["HINTS_KEY", "PolicyHints", "RequestInfo", "TransferReport"]
 
 HINTS_KEY = "kvroute"  # kvroute's own key of kv_transfer_params (vLLM's connectors ignore it)
-
-
-@dataclass(slots=True, frozen=True)
-class RequestInfo:
-    """What a policy may know about the request whose blocks it is about to see.
-
-    ``category`` is ``type_turn`` (``text_2``) or ``"all"``; ``session_id`` and ``parent_id``
-    identify a multi-turn conversation when the workload has one; ``index`` is the request's
-    position in a replayed trace (the Belady oracle's clock); ``num_blocks`` is the prompt's
-    length in blocks (0: unknown); ``continuation_p`` is an external prediction that the session
-    sends another turn (None: the policy predicts it itself). ``pin`` is an operator's order
-    for the request's blocks (the KV control API): True pins them in the CPU tier (never a
-    victim, admitted whatever the policy says), False unpins them, None leaves pins alone. The
-    cache carries it out; a policy never sees a pinned block as a candidate.
-
-    ``index`` and ``num_blocks`` are the cache's own facts (a trace replay's position, the
-    prompt it holds) and never travel; the rest is what the router sends (``PolicyHints``).
-    """
-
-    category: str = "all"
-    turn: int = 1
-    session_id: int | None = None
-    parent_id: int | None = None
-    index: int = -1
-    num_blocks: int = 0
-    continuation_p: float | None = None
-    pin: bool | None = None
-
-    @classmethod
-    def from_hints(cls, kv_transfer_params: Mapping[str, Any] | None) -> RequestInfo | None:
-        """The router's hints in ``kv_transfer_params`` as a policy sees them, or None without
-        them (``PolicyHints.from_params``; raises ``ValueError`` naming a malformed field)."""
-        hints = PolicyHints.from_params(kv_transfer_params)
-        return hints.request_info() if hints is not None else None
 
 
 class TransferReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -88,11 +53,16 @@ class PolicyHints(msgspec.Struct, frozen=True, omit_defaults=True):
     """The ``kv_transfer_params["kvroute"]`` entry: the router's hints to the engine's CPU-tier
     policy (``router.hints`` derives them), and what the engine reports back.
 
-    ``category``, ``turn``, ``session_id``, ``parent_id``, ``pin``: as ``RequestInfo``;
-    ``continuation``: ``RequestInfo.continuation_p``, a probability; ``now_s``: the sender's
-    clock for this request, for a policy in a process whose contract carries no time (the vLLM
-    adapter; None: it reads its own clock); ``transfer``: a decode engine's report of its KV
-    pull (on outputs only). Fields at their default are left out of the wire form.
+    ``category`` is ``type_turn`` (``text_2``) or ``"all"``; ``session_id`` and ``parent_id``
+    identify a multi-turn conversation when the workload has one; ``continuation`` is an
+    external prediction (a probability) that the session sends another turn (None: the policy
+    predicts it itself). ``pin`` is an operator's order for the request's blocks (the KV
+    control API): True pins them in the CPU tier (never a victim, admitted whatever the policy
+    says), False unpins them, None leaves pins alone. The cache carries it out; a policy never
+    sees a pinned block as a candidate. ``now_s``: the sender's clock for this request, for a
+    policy in a process whose contract carries no time (the vLLM adapter; None: it reads its
+    own clock); ``transfer``: a decode engine's report of its KV pull (on outputs only). Fields
+    at their default are left out of the wire form.
     """
 
     category: str = "all"
@@ -113,20 +83,13 @@ class PolicyHints(msgspec.Struct, frozen=True, omit_defaults=True):
         if not isinstance(entry, Mapping):
             return None
         try:
-            return msgspec.convert(dict(entry), cls, strict=False)
+            return msgspec.convert(dict(entry), PolicyHints, strict=False)
         except msgspec.ValidationError as e:
             raise ValueError(f"kv_transfer_params[{HINTS_KEY!r}]: {e}") from None
 
     def request_info(self) -> RequestInfo:
-        """The request as a policy sees it."""
-        return RequestInfo(
-            category=self.category,
-            turn=self.turn,
-            session_id=self.session_id,
-            parent_id=self.parent_id,
-            continuation_p=self.continuation,
-            pin=self.pin,
-        )
+        """The request as a policy sees it: these hints, without the cache's own facts."""
+        return RequestInfo(**msgspec.structs.asdict(self))
 
     def encode(self) -> dict[str, Any]:
         """The JSON-able wire form (fields at their default left out)."""
@@ -138,3 +101,20 @@ class PolicyHints(msgspec.Struct, frozen=True, omit_defaults=True):
         this entry under ``HINTS_KEY``, replacing any there; nothing else of ``params`` is
         touched (the caller's dict is not changed)."""
         return {**(params or {}), HINTS_KEY: self.encode()}
+
+
+class RequestInfo(PolicyHints, frozen=True, omit_defaults=True):
+    """What a policy may know about the request whose blocks it is about to see: the router's
+    hints (``PolicyHints``, all of them optional) and the cache's own facts, which never travel:
+    ``index``, the request's position in a replayed trace (the Belady oracle's clock), and
+    ``num_blocks``, the prompt's length in blocks (0: unknown)."""
+
+    index: int = -1
+    num_blocks: int = 0
+
+    @classmethod
+    def from_hints(cls, kv_transfer_params: Mapping[str, Any] | None) -> RequestInfo | None:
+        """The router's hints in ``kv_transfer_params`` as a policy sees them, or None without
+        them (``PolicyHints.from_params``; raises ``ValueError`` naming a malformed field)."""
+        hints = PolicyHints.from_params(kv_transfer_params)
+        return hints.request_info() if hints is not None else None

@@ -53,7 +53,7 @@ class HistoryPredictor:
 
 
 class LPCPolicy(ScoredPolicy):
-    """Each request carries a continuation probability ``p`` (``RequestInfo.continuation_p``
+    """Each request carries a continuation probability ``p`` (``RequestInfo.continuation``
     or the predictor's); a block's priority is ``p d / (p d + 1 - p)`` with
     ``d = exp(-decay_per_s * (now - last access))``, the max over the requests sharing it.
 
@@ -90,7 +90,7 @@ class LPCPolicy(ScoredPolicy):
         self.resume_request(request, now_s)
 
     def resume_request(self, request: RequestInfo, now_s: float) -> None:
-        p = request.continuation_p
+        p = request.continuation
         if p is None:
             p = self.predictor.predict(request)
         p = min(max(p, 1e-6), 1.0 - 1e-6)

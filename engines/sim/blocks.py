@@ -25,8 +25,10 @@ loaded as the reuse when it finishes); blocks enter the tier at eviction, outsid
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from cachemap.events import AllBlocksCleared, BlockRemoved, BlockStored
 from engines.sim.cpu_tier import CPUTier
@@ -124,7 +126,7 @@ class KVBlockManager:
             if req.info is None:
                 req.info = RequestInfo(num_blocks=len(req.block_hashes))
             elif not req.info.num_blocks:
-                req.info = replace(req.info, num_blocks=len(req.block_hashes))
+                req.info = msgspec.structs.replace(req.info, num_blocks=len(req.block_hashes))
             self.cpu.begin_request(req.info, self.now_s)
 
     def end_request(self, req: SimRequest) -> None:

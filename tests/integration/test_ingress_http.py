@@ -302,9 +302,9 @@ def test_policy_hints_reach_the_engine(server: Server, monkeypatch) -> None:
     first, second, third = seen
     assert first is not None and second is not None and third is not None
     assert (first.category, first.turn, first.parent_id) == ("search_1", 1, None)
-    assert first.session_id is not None and first.continuation_p is None
+    assert first.session_id is not None and first.continuation is None
     assert (second.category, second.turn, second.parent_id) == ("search_2", 2, first.session_id)
-    assert second.continuation_p == 0.3 and third.continuation_p == 0.9
+    assert second.continuation == 0.3 and third.continuation == 0.9
     bad = httpx.post(
         base,
         json={**body, "messages": turn1},

@@ -188,10 +188,10 @@ def test_wa_ties_go_to_the_deeper_block() -> None:
 
 def test_lpc_priority_is_continuation_odds_decayed_and_shared_blocks_keep_the_max() -> None:
     lpc = LPCPolicy(10, decay_per_s=0.1)
-    lpc.begin_request(RequestInfo(continuation_p=0.9), 0.0)
+    lpc.begin_request(RequestInfo(continuation=0.9), 0.0)
     lpc.insert("likely", 0.0)
     lpc.insert("shared", 0.0)
-    lpc.begin_request(RequestInfo(continuation_p=0.1), 1.0)
+    lpc.begin_request(RequestInfo(continuation=0.1), 1.0)
     lpc.insert("unlikely", 1.0)
     lpc.touch("shared", 1.0)  # the low-p request does not lower the shared block
     assert lpc.evict(1) == ["unlikely"]
@@ -238,6 +238,6 @@ def test_router_hints_parse_the_same_for_the_sim_and_the_vllm_adapter() -> None:
 
     params = {"kvroute": {"category": "text_2", "turn": 2, "continuation": 0.6}}
     info = RequestInfo.from_hints(params)
-    assert info == RequestInfo(category="text_2", turn=2, continuation_p=0.6)
+    assert info == RequestInfo(category="text_2", turn=2, continuation=0.6)
     assert request_info(SimpleNamespace(kv_transfer_params=params)) == info  # type: ignore[arg-type]
     assert RequestInfo.from_hints({"other": 1}) is None and RequestInfo.from_hints(None) is None

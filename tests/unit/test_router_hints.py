@@ -17,7 +17,7 @@ def test_hints_round_trip_through_the_engines_parser() -> None:
     hints = PolicyHints("search_2", 2, session_id=11, parent_id=7, continuation=0.8)
     info = RequestInfo.from_hints(hints.merged_into(None))
     assert info == RequestInfo(
-        category="search_2", turn=2, session_id=11, parent_id=7, continuation_p=0.8
+        category="search_2", turn=2, session_id=11, parent_id=7, continuation=0.8
     )
     bare = PolicyHints("text_1").encode()
     assert bare == {"category": "text_1"}  # fields at their default are left out

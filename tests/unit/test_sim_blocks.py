@@ -315,17 +315,17 @@ def test_an_offloaded_block_carries_the_request_that_held_it() -> None:
     whichever request's allocation evicted it (LPC's odds are per request)."""
     bm = KVBlockManager(5, BS, cpu_capacity_blocks=8, cpu_policy="lpc")
     a = req("a", toks(100, 13))
-    a.info = RequestInfo(category="text_1", continuation_p=0.9)
+    a.info = RequestInfo(category="text_1", continuation=0.9)
     _run(bm, a)
     b = req("b", toks(200, 16))
-    b.info = RequestInfo(category="api_1", continuation_p=0.0)
+    b.info = RequestInfo(category="api_1", continuation=0.0)
     bm.begin_request(b)  # b is the latest to arrive when a's blocks leave the GPU
     seen: list[float | None] = []
     policy = bm.cpu.policy  # type: ignore[union-attr]
     original = policy.resume_request
 
     def spy(info: RequestInfo, now_s: float) -> None:
-        seen.append(info.continuation_p)
+        seen.append(info.continuation)
         original(info, now_s)
 
     policy.resume_request = spy  # type: ignore[method-assign]
