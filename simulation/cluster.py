@@ -58,6 +58,7 @@ from router.placement import PlacementRequest, create_scorer
 from router.recorder import PlacementRecorder
 from simulation.cachesim import request_info
 from simulation.settings import WARM_PREFIX, ProgressFn, SimRun, SimSettings, SloBudget
+from simulation.whatif import WhatIfSimulator
 from simulation.wiring import WiredCluster
 
 
@@ -448,9 +449,8 @@ class ClusterSimulator(WiredCluster):
         recent = self._recent
         what_if = None
         if self.settings.what_if and recent:
-            from simulation.whatif import WhatIfSimulator  # it runs ClusterSimulators
-
             what_if = WhatIfSimulator(
+                ClusterSimulator,
                 self._belief,
                 self.core.scorer.name,
                 self.trace_block_size,

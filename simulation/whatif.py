@@ -6,20 +6,23 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from engines.sim.profile import LatencyProfile
 from loadgen.workloads import Planned
 from router.autoscale import Slo
-from simulation.cluster import ClusterSimulator
 from simulation.settings import EXACT, SimSettings, ideal_ttfts
+
+if TYPE_CHECKING:  # the cluster simulator builds this with itself: no import circle
+    from simulation.cluster import ClusterSimulator
 
 
 class WhatIfSimulator:
     """The model-predictive policy's simulator of the pool (``router.autoscale.WhatIf``): what
     a pool of ``replicas`` engines would attain if requests arrived at ``rate`` per second for
-    ``horizon_s``, replayed on the production router core (scorer ``scorer``, default
-    options) and sim engines of the router's profile, unperturbed (the router does not know
-    the engines' speeds).
+    ``horizon_s``, replayed by ``cluster`` (the ``ClusterSimulator`` class) on the production
+    router core (scorer ``scorer``, default options) and sim engines of the router's profile,
+    unperturbed (the router does not know the engines' speeds).
 
     The traffic: the most recent of ``recent`` (the requests of the last few minutes, their
     tokens and prefixes) re-timed to arrive evenly at the rate, after a backlog of the
@@ -39,6 +42,7 @@ class WhatIfSimulator:
 
     def __init__(
         self,
+        cluster: type[ClusterSimulator],
         profile: LatencyProfile,
         scorer: str,
         trace_block_size: int,
@@ -51,7 +55,7 @@ class WhatIfSimulator:
         warm_fraction: float = 0.25,
         max_requests: int = 400,
     ) -> None:
-        self.profile, self.scorer = profile, scorer
+        self.cluster, self.profile, self.scorer = cluster, profile, scorer
         self.trace_block_size, self.recent = trace_block_size, list(recent)
         self.waiting, self.ready = waiting, max(1, ready)
         base = settings or SimSettings()
@@ -98,7 +102,7 @@ class WhatIfSimulator:
         if not plan:
             return 1.0
         settings = replace(self.settings, instances=m)
-        sim = ClusterSimulator(
+        sim = self.cluster(
             self.profile, self.scorer, settings, self.trace_block_size, router_profile=self.profile
         )
         try:
