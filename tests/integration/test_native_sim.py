@@ -38,10 +38,16 @@ ARGS = [
     "1",
 ]
 
+# prints where each of deploy/native.py's MODULES was loaded from, then simulates
 PROBE = (
-    "import sys, engines.sim.scheduler as m; from deploy.cli import main; "
-    "print(m.__file__, file=sys.stderr); sys.exit(main(sys.argv[1:]))"
+    "import importlib, sys; from deploy import native; from deploy.cli import main; "
+    "[print('loaded:', importlib.import_module(m).__file__, file=sys.stderr) "
+    "for m in native.MODULES]; sys.exit(main(sys.argv[1:]))"
 )
+
+
+def loaded(stderr: str) -> list[str]:
+    return [line.split(" ", 1)[1] for line in stderr.splitlines() if line.startswith("loaded: ")]
 
 
 def simulate(root: Path) -> tuple[dict[str, Any], str]:
@@ -77,9 +83,12 @@ def test_compiled_modules_simulate_exactly_as_pure_python(tmp_path: Path) -> Non
         ),
     )
     compiled, where = simulate(native.ROOT)
-    assert where.strip().endswith(native.SUFFIX), where[-500:]
+    files = loaded(where)
+    assert len(files) == len(native.MODULES), where[-500:]
+    assert all(f.endswith(native.SUFFIX) for f in files), files
     plain, where = simulate(pure)
-    assert where.strip().endswith(".py"), where[-500:]
+    files = loaded(where)
+    assert len(files) == len(native.MODULES) and all(f.endswith(".py") for f in files), files
     assert without_wall_time(compiled) == without_wall_time(plain)
     assert compiled["routers"]["kv_ttft"]["requests"] == 1500
 
@@ -92,8 +101,9 @@ def test_compiled_modules_import_as_an_installed_kvroute_does(tmp_path: Path) ->
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     probe = (
         "import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.', sys.argv[1])]; "
-        "import router.core, engines.sim.virtual; "
-        "print(router.core.__file__); print(engines.sim.virtual.__file__)"
+        "import router.core, engines.sim.virtual, simulation.cluster; "
+        "print(router.core.__file__); print(engines.sim.virtual.__file__); "
+        "print(simulation.cluster.__file__)"
     )
     done = subprocess.run(
         [sys.executable, "-c", probe, str(native.ROOT)],
