@@ -185,7 +185,8 @@ def _choice(value: str, flag: str, valid: tuple[str, ...]) -> str:
     return value
 
 
-def _positive(value: float | None, flag: str) -> None:
+def check_positive(value: float | None, flag: str) -> None:
+    """Raises ``ValueError`` naming ``flag`` unless ``value`` is None or a finite number > 0."""
     if value is not None and not (value > 0 and math.isfinite(value)):
         raise ValueError(f"{flag} must be > 0, got {value}")
 
@@ -196,7 +197,7 @@ def _time_scale(args: argparse.Namespace) -> float:
     rate_scale: float | None = args.rate_scale
     time_scale: float | None = args.time_scale
     if rate_scale is not None:
-        _positive(rate_scale, "--rate-scale")
+        check_positive(rate_scale, "--rate-scale")
         return 1.0 / rate_scale
     return 1.0 if time_scale is None else time_scale
 
@@ -272,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         (args.vocab_size, "--vocab-size"),
         (args.max_connections, "--max-connections"),
     ):
-        _positive(value, flag)
+        check_positive(value, flag)
     if args.token_offset is not None and args.token_offset < 0:
         raise ValueError(f"--token-offset must be >= 0, got {args.token_offset}")
     api_key = args.api_key if args.api_key is not None else os.environ.get("OPENAI_API_KEY")

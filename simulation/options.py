@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from loadgen.cli import _positive
+from loadgen.cli import check_positive
 from simulation.jobs import DEFAULT_JOBS
 
 
@@ -72,7 +72,7 @@ def sim_settings(args: argparse.Namespace, instances: int, slo_ttft_s: float | N
     from router.placement import parse_options
     from simulation.settings import Perturbation, SimSettings
 
-    _positive(args.block_size, "--block-size")
+    check_positive(args.block_size, "--block-size")
     settings = SimSettings(
         instances=instances,
         block_size=args.block_size,

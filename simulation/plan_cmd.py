@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadgen.cli import _positive, add_workload_arguments, check_output_dir, plan_workload
+from loadgen.cli import add_workload_arguments, check_output_dir, check_positive, plan_workload
 from simulation.options import (
     add_engine_arguments,
     add_jobs_argument,
@@ -272,7 +272,7 @@ def _check(args: argparse.Namespace, scales: int, tiers: int, splits: int) -> No
         (args.jobs, "--jobs"),
         (args.seeds, "--seeds"),
     ):
-        _positive(value, flag)
+        check_positive(value, flag)
     if args.curve < 0:
         raise ValueError(f"--curve must be >= 0, got {args.curve}")
     if args.find_max_rate:

@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from loadgen.cli import _positive, add_workload_arguments, check_output_dir, plan_workload
+from loadgen.cli import add_workload_arguments, check_output_dir, check_positive, plan_workload
 from simulation.options import (
     add_engine_arguments,
     add_jobs_argument,
@@ -130,7 +130,7 @@ def autoscaler_factory(
         raise ValueError("--autoscale: prefill/decode pools are not autoscaled yet")
     if not 0 < args.attainment <= 1:
         raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
-    _positive(args.autoscale_interval_s, "--autoscale-interval-s")
+    check_positive(args.autoscale_interval_s, "--autoscale-interval-s")
     if args.cold_start_s is not None:
         settings.cold_start_s = args.cold_start_s
     settings.warm_prefixes = args.warm_prefixes
@@ -297,7 +297,7 @@ def _check(args: argparse.Namespace) -> None:
         (args.slo_tpot_ms, "--slo-tpot-ms"),
         (args.instances, "--instances"),
     ):
-        _positive(value, flag)
+        check_positive(value, flag)
     check_jobs(args.jobs)
     if args.admit and args.slo_ttft_ms is None:
         raise ValueError("--admit needs --slo-ttft-ms")
