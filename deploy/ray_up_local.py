@@ -319,14 +319,14 @@ class LocalRun:
         self.privsep = self.timed(
             "prepare_s", lambda: prepare_home(self.home, self.cluster, install=self.install)
         )
-        self.timed("ray_up_s", self.ray_up)
+        self.timed("ray_up_s", lambda: self.ray_cluster("up", "-y", "--no-config-cache"))
         self.out["ray_auth"] = self.timed("ray_auth_s", lambda: ray_without_token(self.home))
         port = free_port()
         config = serve_config(self.home, port)
         self.timed("serve_ready_s", lambda: self.start_serve(config))
         self.timed("checks_s", lambda: self.check(f"http://127.0.0.1:{port}"))
         self.timed("serve_stop_s", self.stop_serve)
-        self.timed("ray_down_s", self.ray_down)
+        self.timed("ray_down_s", lambda: self.ray_cluster("down", "-y"))
         # NOTE: ray down's own `ray stop` runs in an SSH login shell, where this venv's `ray`
         # is not on PATH: it stops nothing. The head is this machine: stop it here.
         self.out["left_running_after_ray_down"] = listening(GCS_PORT)
@@ -342,21 +342,17 @@ class LocalRun:
             and all(a["refused"] for a in auth.values())
         )
 
-    def ray_up(self) -> None:
+    def ray_cluster(self, *verb: str) -> None:
+        """``ray up``/``ray down`` (``verb`` and its flags) on this run's cluster file; raises
+        with the command's output when it fails."""
         res = sh(
-            self.ray,
-            "up",
-            "-y",
-            "--no-config-cache",
-            self.cluster,
-            timeout=self.timeout_s,
-            check=False,
-            env=self.home.env(),
+            self.ray, *verb, self.cluster, timeout=self.timeout_s, check=False, env=self.home.env()
         )
-        self.up = True
+        self.up = verb[0] == "up"  # a failed up may have started part of the cluster
         if res.returncode != 0:
             raise RuntimeError(
-                f"ray up failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+                f"ray {verb[0]} failed ({res.returncode}):\n{res.stdout[-3000:]}\n"
+                f"{res.stderr[-3000:]}"
             )
 
     def start_serve(self, config: Path) -> None:
@@ -387,20 +383,6 @@ class LocalRun:
         self.serve.send_signal(signal.SIGTERM)
         self.serve.wait(timeout=120)
         self.serve = None
-
-    def ray_down(self) -> None:
-        res = sh(
-            self.ray,
-            "down",
-            "-y",
-            self.cluster,
-            timeout=self.timeout_s,
-            check=False,
-            env=self.home.env(),
-        )
-        self.up = False
-        if res.returncode != 0:
-            raise RuntimeError(f"ray down failed:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}")
 
     def cleanup(self) -> None:
         """Stop what this run started, remove its HOME and /run/sshd if it made it (once)."""
