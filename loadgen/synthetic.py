@@ -2,7 +2,9 @@
 
 - ``to-c``: multi-turn chat. Sessions arrive as a Poisson process; each has a geometric number
   of turns; turn ``k`` re-sends the whole conversation (prompt and reply of turn ``k-1``) plus a
-  new user message after an exponential think time.
+  new user message after an exponential think time. By default one type, ``text``, with no
+  system prompt; ``chat_types`` makes it a mix of types (``ChatType``: share of sessions, shared
+  system prompt, mean turns, think time, user-message length), as ``BAILIAN_TYPES`` does.
 - ``to-b``: API programs. Each program owns a system prompt; requests pick a program by Zipf
   popularity and send its system prompt plus a fresh user part, single-turn.
 - ``mix``: both, with ``to_b_fraction`` of the requests from ``to-b``.
@@ -48,6 +50,35 @@ SYNTH_BLOCK_SIZE = FORMATS["bailian"][1]
 WORKLOADS: tuple[str, ...] = ("to-c", "to-b", "mix", "random", "agentic", "rag")
 
 
+@dataclass(frozen=True, slots=True)
+class ChatType:
+    """One type of to-C session. ``share``: relative weight among the types, per session;
+    ``system_tokens``: a system prompt every session of the type starts with (its full blocks
+    shared, 0 for none); ``turns_mean``: geometric turns, so a turn is followed by another with
+    probability ``1 - 1/turns_mean``; ``think_time_s``: mean (exponential) time between turns;
+    ``user_tokens``: log-normal median of a new user message."""
+
+    name: str
+    share: float
+    system_tokens: int
+    turns_mean: float
+    think_time_s: float
+    user_tokens: int
+
+
+# Four types in the Qwen-Bailian trace's shape. NOTE: hand-picked after "KVCache Cache in the
+# Wild"'s qualitative findings (types differ in continuation probability and in reuse time:
+# under a minute for text, minutes for image and file), not fitted to its published figures.
+# Next-turn probabilities 0.55/0.1/0.45/0.65; user medians are means of 12/60/40/160 blocks
+# over e^(0.8^2/2) = 1.38, the log-normal's mean at the default ``length_sigma``.
+BAILIAN_TYPES: tuple[ChatType, ...] = (
+    ChatType("text", 0.55, 640, 1 / (1 - 0.55), 45.0, 140),
+    ChatType("search", 0.15, 960, 1 / (1 - 0.1), 25.0, 700),
+    ChatType("image", 0.15, 320, 1 / (1 - 0.45), 155.0, 465),
+    ChatType("file", 0.15, 480, 1 / (1 - 0.65), 305.0, 1860),
+)
+
+
 @dataclass(slots=True)
 class SynthParams:
     rate: float = 5.0  # requests/s over the whole workload
@@ -60,6 +91,8 @@ class SynthParams:
     user_tokens: int = 300  # log-normal median of a new user message
     output_tokens: int = 250  # log-normal median of a reply
     length_sigma: float = 0.8
+    # None: one type "text" of the four fields above, no system prompt
+    chat_types: tuple[ChatType, ...] | None = None
     # to-B
     programs: int = 20
     zipf_s: float = 1.1
@@ -132,6 +165,14 @@ class SynthParams:
             "rag-question-tokens": self.rag_question_tokens >= 1,
             "rag-output-tokens": self.rag_output_tokens >= 1,
         }
+        for i, ct in enumerate(self.chat_types if self.chat_types is not None else ()):
+            checks[f"chat-types[{i}].share"] = ct.share > 0
+            checks[f"chat-types[{i}].system-tokens"] = ct.system_tokens >= 0
+            checks[f"chat-types[{i}].turns-mean"] = ct.turns_mean >= 1
+            checks[f"chat-types[{i}].think-time-s"] = ct.think_time_s >= 0
+            checks[f"chat-types[{i}].user-tokens"] = ct.user_tokens >= 1
+        if self.chat_types is not None and not self.chat_types:
+            checks["chat-types"] = False
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"--{name} is out of range")
@@ -254,21 +295,28 @@ def _lognormal(rng: np.random.Generator, median: int, sigma: float, cap: int) ->
 
 def _to_c(p: SynthParams, rate: float, rng: np.random.Generator, ids: _Ids) -> list[TraceRequest]:
     bs, out = SYNTH_BLOCK_SIZE, []
-    session_rate = rate / p.turns_mean
+    types = p.chat_types or (ChatType("text", 1.0, 0, p.turns_mean, p.think_time_s, p.user_tokens),)
+    weights = np.array([ct.share for ct in types]) / sum(ct.share for ct in types)
+    system = [ids.hashes(ct.system_tokens // bs) for ct in types]
+    session_rate = rate / float(weights @ np.array([ct.turns_mean for ct in types]))
     # NOTE: warm start. Sessions also begin before 0 so the run sees the steady state (later
     # turns of running conversations); turns before 0 are dropped, their children then look
     # like a trace window cut mid-session (parent not in the workload).
-    t = -p.think_time_s * p.turns_mean * 4 + rng.exponential(1.0 / session_rate)
+    warm_s = max(ct.think_time_s * ct.turns_mean for ct in types) * 4
+    t = -warm_s + rng.exponential(1.0 / session_rate)
     while t < p.duration_s:
-        turns = int(rng.geometric(1.0 / p.turns_mean))
-        blocks: list[int] = []  # hash ids of the conversation's full prompt blocks so far
-        context = 0  # tokens of the previous prompt + reply
+        # NOTE: one type draws nothing, so the default stays seed for seed what it always was
+        k = int(rng.choice(len(types), p=weights)) if len(types) > 1 else 0
+        ct = types[k]
+        turns = int(rng.geometric(1.0 / ct.turns_mean))
+        blocks = system[k]  # hash ids of the conversation's full prompt blocks so far
+        context = ct.system_tokens  # tokens of the previous prompt + reply
         parent: int | None = None
         ts = t
         for turn in range(1, turns + 1):
             if ts >= p.duration_s:
                 break
-            length = context + _lognormal(rng, p.user_tokens, p.length_sigma, p.max_prompt_tokens)
+            length = context + _lognormal(rng, ct.user_tokens, p.length_sigma, p.max_prompt_tokens)
             if length > p.max_prompt_tokens:
                 break
             n = math.ceil(length / bs)
@@ -276,13 +324,13 @@ def _to_c(p: SynthParams, rate: float, rng: np.random.Generator, ids: _Ids) -> l
             reply = _lognormal(rng, p.output_tokens, p.length_sigma, 8192)
             chat = ids.chat()
             if ts >= 0:
-                req = TraceRequest(ts, length, reply, tuple(hash_ids), chat, parent, "text", turn)
+                req = TraceRequest(ts, length, reply, tuple(hash_ids), chat, parent, ct.name, turn)
                 out.append(req)
             # NOTE: only full blocks of this prompt are shared with the next turn; the partial
             # last block's content changes once the reply is appended, so it gets a new id.
             blocks = hash_ids[: length // bs]
             context, parent = length + reply, chat
-            ts += rng.exponential(p.think_time_s) if p.think_time_s > 0 else 0.0
+            ts += rng.exponential(ct.think_time_s) if ct.think_time_s > 0 else 0.0
         t += rng.exponential(1.0 / session_rate)
     return out
 

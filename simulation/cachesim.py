@@ -16,11 +16,11 @@ The cache (this module) owns residency and capacity; the policy only picks victi
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from loadgen.synthetic import BAILIAN_TYPES, SynthParams, generate
 from loadgen.traces import TraceRequest
 from loadgen.workloads import ideal_hit_rate
 from policies.base import NO_PROTECTION, EvictionPolicy, OfflinePolicy, RequestInfo
@@ -126,64 +126,28 @@ def simulate(
     ]
 
 
-def synthetic_bailian(
-    sessions: int = 2000, seed: int = 0, block_tokens: int = 16
-) -> list[TraceRequest]:
-    """A small multi-turn workload in the Qwen-Bailian trace's shape (16-token blocks,
-    ``chat_id``/``parent_chat_id``/``type``/``turn``), for tests and the WA benchmark.
+def synthetic_bailian(sessions: int = 2000, seed: int = 0) -> list[TraceRequest]:
+    """A multi-turn workload in the Qwen-Bailian trace's shape, for tests and the WA benchmark:
+    loadgen's ``to-c`` generator over its four types (``BAILIAN_TYPES``: text, search, image,
+    file, which differ in shared system prompt, next-turn probability, think time and message
+    length), sessions starting at 2/s for ``sessions / 2`` seconds, replies of median 100 tokens.
+    Turn k re-sends turn k-1's prompt and reply plus a new message; 16-token blocks; ``chat_id``,
+    ``parent_chat_id``, ``type`` and ``turn`` set.
 
-    NOTE: the parameters are hand-picked after the ATC'25 paper's qualitative findings
-    (categories differ in continuation probability and exponential reuse times), not fitted
-    to its published figures. Types text/search/image/file; each has a shared system prompt,
-    a next-turn probability and a think time (5 s + exponential: ~40 s for text, minutes for
-    image/file); a turn's prompt is the previous prompt + the previous answer + a new message.
-    Session starts are a Poisson process at 2 sessions/s.
+    NOTE: a window of a running workload (``to-c``'s warm start): a turn may continue a session
+    begun before it, and turns past the end are cut.
     """
-    rng = random.Random(seed)
-    # type: (share, system prompt blocks, P(next turn), mean think time s, mean user blocks)
-    kinds = {
-        "text": (0.55, 40, 0.55, 40.0, 12),
-        "search": (0.15, 60, 0.1, 20.0, 60),
-        "image": (0.15, 20, 0.45, 150.0, 40),
-        "file": (0.15, 30, 0.65, 300.0, 160),
-    }
-    names, weights = list(kinds), [k[0] for k in kinds.values()]
-    next_id = 10**6
-    system = {}
-    for i, name in enumerate(names):
-        system[name] = list(range(i * 1000, i * 1000 + kinds[name][1]))
-    events: list[tuple[float, int, TraceRequest]] = []
-    t = 0.0
-    for chat in range(sessions):
-        t += rng.expovariate(2.0)
-        kind = rng.choices(names, weights)[0]
-        _, _, p_next, think_s, user_blocks = kinds[kind]
-        prompt = list(system[kind])
-        now, turn, parent = t, 1, -1
-        while True:
-            grow = 1 + int(rng.expovariate(1.0 / user_blocks))
-            prompt.extend(range(next_id, next_id + grow))
-            next_id += grow
-            output_blocks = 1 + int(rng.expovariate(1.0 / 8))
-            req = TraceRequest(
-                now,
-                len(prompt) * block_tokens,
-                output_blocks * block_tokens,
-                tuple(prompt),
-                chat_id=chat * 100 + turn,
-                parent_chat_id=None if parent < 0 else parent,
-                type=kind,
-                turn=turn,
-            )
-            events.append((now, len(events), req))
-            if turn >= 20 or rng.random() > p_next:
-                break
-            prompt.extend(range(next_id, next_id + output_blocks))
-            next_id += output_blocks
-            parent, turn = chat * 100 + turn, turn + 1
-            now += 5.0 + rng.expovariate(1.0 / think_s)
-    events.sort(key=lambda e: (e[0], e[1]))
-    return [req for _, _, req in events]
+    sessions_per_s = 2.0
+    types = BAILIAN_TYPES
+    turns = sum(ct.share * ct.turns_mean for ct in types) / sum(ct.share for ct in types)
+    params = SynthParams(
+        rate=sessions_per_s * turns,
+        duration_s=sessions / sessions_per_s,
+        seed=seed,
+        output_tokens=100,
+        chat_types=types,
+    )
+    return generate("to-c", params)
 
 
 __all__ = ["SimResult", "infinite_hit_rate", "replay", "simulate", "synthetic_bailian"]

@@ -147,11 +147,17 @@ def test_synthetic_bailian_round_trips_through_the_loader(tmp_path: Path) -> Non
     trace = load_trace(path)
     assert trace.format == "bailian" and trace.requests == reqs
     assert {r.category for r in reqs} >= {"text_1", "text_2"}
-    # Turn k+1 extends turn k's prompt: the parent's blocks are a prefix of the child's.
+    # Turn k+1 extends turn k's prompt: the parent's full blocks are a prefix of the child's
+    # (its partial last block changes once the reply is appended). A window of a running
+    # workload: some parents began before it.
     by_id = {r.chat_id: r for r in reqs}
-    child = next(r for r in reqs if r.parent_chat_id is not None)
-    parent = by_id[child.parent_chat_id]
-    assert child.hash_ids[: len(parent.hash_ids)] == parent.hash_ids
+    pairs = [(by_id[r.parent_chat_id], r) for r in reqs if r.parent_chat_id in by_id]
+    assert pairs
+    for parent, child in pairs:
+        full = parent.input_length // 16
+        assert child.turn == parent.turn + 1 and child.type == parent.type
+        assert child.input_length > parent.input_length + parent.output_length
+        assert child.hash_ids[:full] == parent.hash_ids[:full]
 
 
 def test_request_info_carries_the_category() -> None:

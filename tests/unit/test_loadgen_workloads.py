@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
+from loadgen.synthetic import BAILIAN_TYPES, SYNTH_BLOCK_SIZE, ChatType, SynthParams, generate
 from loadgen.traces import PrefixModel, TraceFormatError, TraceRequest, load_trace
 from loadgen.workloads import arrival_offsets, build_schedule, ideal_hit_rate, link_sessions
 
@@ -190,11 +190,61 @@ def test_mix_fraction() -> None:
     assert 0.15 < api < 0.35
 
 
+def test_to_c_chat_types_have_their_own_prompt_turns_and_think_time() -> None:
+    types = (ChatType("chat", 1.0, 100, 4.0, 2.0, 50), ChatType("lookup", 1.0, 64, 1.0, 30.0, 200))
+    reqs = generate("to-c", SynthParams(rate=20, duration_s=300, seed=2, chat_types=types))
+    by_type = {name: [r for r in reqs if r.type == name] for name in ("chat", "lookup")}
+    assert len(reqs) == sum(map(len, by_type.values()))
+    assert 0.9 < len(reqs) / (20 * 300) < 1.1  # ``rate`` counts requests, over all types
+    # shares are per session: equal sessions, 4 requests a "chat" session to 1 a "lookup" one
+    assert 0.74 < len(by_type["chat"]) / len(reqs) < 0.86
+    # a type's full system-prompt blocks head every prompt of that type; the two share none
+    heads = {
+        name: {r.hash_ids[: n // SYNTH_BLOCK_SIZE] for r in rs}
+        for (name, rs), n in zip(by_type.items(), (100, 64), strict=True)
+    }
+    assert [len(h) for h in heads.values()] == [1, 1]
+    assert not set(next(iter(heads["chat"]))) & set(next(iter(heads["lookup"])))
+    assert all(r.input_length > 100 for r in by_type["chat"] if r.turn == 1)
+    # "lookup" never continues; "chat" continues with probability 1 - 1/4, after ~2 s
+    assert all(r.turn == 1 and r.parent_chat_id is None for r in by_type["lookup"])
+    cont = [r for r in by_type["chat"] if r.turn > 1]
+    assert 0.7 < len(cont) / len(by_type["chat"]) < 0.8
+    by_chat = {r.chat_id: r for r in reqs}
+    gaps = [
+        r.timestamp_s - by_chat[r.parent_chat_id].timestamp_s
+        for r in cont
+        if r.parent_chat_id in by_chat
+    ]
+    assert 1.7 < float(np.mean(gaps)) < 2.3
+
+
+def test_bailian_types_differ_in_continuation_and_reuse_time() -> None:
+    p = SynthParams(rate=20, duration_s=600, seed=1, chat_types=BAILIAN_TYPES)
+    reqs = generate("to-c", p)
+    by_chat = {r.chat_id: r for r in reqs}
+    cont: dict[str, float] = {}
+    gap: dict[str, float] = {}
+    for ct in BAILIAN_TYPES:
+        rs = [r for r in reqs if r.type == ct.name]
+        cont[ct.name] = sum(r.turn > 1 for r in rs) / len(rs)
+        assert abs(cont[ct.name] - (1 - 1 / ct.turns_mean)) < 0.05
+        pairs = [(by_chat[r.parent_chat_id], r) for r in rs if r.parent_chat_id in by_chat]
+        gap[ct.name] = float(np.mean([c.timestamp_s - q.timestamp_s for q, c in pairs]))
+    assert cont["search"] < cont["image"] < cont["text"] < cont["file"]
+    assert max(gap["text"], gap["search"]) < min(gap["image"], gap["file"])
+
+
 def test_synthetic_bad_parameters_name_the_flag() -> None:
     with pytest.raises(ValueError, match="--to-b-fraction"):
         generate("mix", SynthParams(to_b_fraction=1.5))
     with pytest.raises(ValueError, match="--workload"):
         generate("chatty", SynthParams())
+    bad = ChatType("text", 1.0, 0, 0.5, 1.0, 10)  # turns_mean < 1
+    with pytest.raises(ValueError, match=r"--chat-types\[1\]\.turns-mean"):
+        generate("to-c", SynthParams(chat_types=(BAILIAN_TYPES[0], bad)))
+    with pytest.raises(ValueError, match="--chat-types is"):
+        generate("to-c", SynthParams(chat_types=()))
 
 
 AZURE = MOONCAKE.with_name("azure_llm_2023_conv.csv")
