@@ -435,6 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     for w in workloads:
         if w not in WORKLOADS:
             ap.error(f"--workloads: unknown {w!r}; valid: {', '.join(WORKLOADS)}")
+    periodic = [w for w in workloads if w != "azure-conv"]  # scored after their first cycle
+    if periodic and not args.duration > PERIOD_S:
+        ap.error(
+            f"--duration must be > {PERIOD_S:g} (a first cycle to train on), got {args.duration:g}"
+        )
     seeds = [0] if args.quick else list(range(args.seeds))
     if args.quick:
         workloads = workloads[:1]
