@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from loadgen.synthetic import synthetic_bailian  # noqa: E402
 from loadgen.traces import TraceRequest, load_trace  # noqa: E402
 from policies import (  # noqa: E402
     EvictionPolicy,
@@ -28,7 +29,7 @@ from policies import (  # noqa: E402
     get_policy_class,
     policy_names,
 )
-from simulation.cachesim import infinite_hit_rate, replay, simulate, synthetic_bailian  # noqa: E402
+from simulation.cachesim import infinite_hit_rate, replay, simulate  # noqa: E402
 
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 CAPACITIES = [1000, 3000, 6000, 10000]

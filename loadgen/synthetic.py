@@ -482,3 +482,27 @@ def generate_count(kind: str, requests: int, rate: float, seed: int = 0) -> list
         rate=rate, duration_s=1.1 * requests / rate + 1.0, seed=seed, max_requests=requests
     )
     return generate(kind, p)
+
+
+def synthetic_bailian(sessions: int = 2000, seed: int = 0) -> list[TraceRequest]:
+    """A multi-turn workload in the Qwen-Bailian trace's shape, for tests and the WA benchmark:
+    the ``to-c`` generator over its four types (``BAILIAN_TYPES``: text, search, image,
+    file, which differ in shared system prompt, next-turn probability, think time and message
+    length), sessions starting at 2/s for ``sessions / 2`` seconds, replies of median 100 tokens.
+    Turn k re-sends turn k-1's prompt and reply plus a new message; 16-token blocks; ``chat_id``,
+    ``parent_chat_id``, ``type`` and ``turn`` set.
+
+    NOTE: a window of a running workload (``to-c``'s warm start): a turn may continue a session
+    begun before it, and turns past the end are cut.
+    """
+    sessions_per_s = 2.0
+    types = BAILIAN_TYPES
+    turns = sum(ct.share * ct.turns_mean for ct in types) / sum(ct.share for ct in types)
+    params = SynthParams(
+        rate=sessions_per_s * turns,
+        duration_s=sessions / sessions_per_s,
+        seed=seed,
+        output_tokens=100,
+        chat_types=types,
+    )
+    return generate("to-c", params)

@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deploy.cli import main
+from loadgen.synthetic import synthetic_bailian
 from loadgen.traces import TraceRequest, load_trace
 from policies import RequestInfo, create_policy
 from policies.lru import LRUPolicy
-from simulation.cachesim import infinite_hit_rate, replay, simulate, synthetic_bailian
+from simulation.cachesim import infinite_hit_rate, replay, simulate
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation.jsonl"
 needs_trace = pytest.mark.skipif(not SHARED.is_file(), reason="shared Mooncake trace not present")

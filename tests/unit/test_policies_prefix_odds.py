@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from loadgen.synthetic import synthetic_bailian
 from policies import RequestInfo, create_policy
 from policies.prefix_odds import PrefixOddsPolicy
-from simulation.cachesim import replay, synthetic_bailian
+from simulation.cachesim import replay
 
 
 def _request(policy: PrefixOddsPolicy, keys: list[object], now: float) -> None:
