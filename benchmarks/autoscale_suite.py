@@ -58,6 +58,9 @@ TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 WORKLOADS = ("conversation", "to-b", "mix", "azure-conv")
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.05
 PERIOD_S, LOW, HIGH = 600.0, 0.5, 2.0  # a lull at half the mean rate, a burst at twice it
+# the synthetic days cycle every PERIOD_S and are scored after their first cycle (the
+# forecaster's training, as yesterday is in production); the Azure trace's hour is scored whole
+PERIODIC = frozenset(WORKLOADS) - {"azure-conv"}
 SYNTH_RATE = 20.0
 # the Azure conv trace's hour, compressed 4x at the default --rate-scale 2 (15 min, ~21 req/s)
 AZURE_RATE_SCALE = 4.0
@@ -306,11 +309,8 @@ def cell(
     workload: str, seed: int, args: argparse.Namespace, truth: LatencyProfile
 ) -> dict[str, Any]:
     plan, block = make_plan(workload, seed, args.rate_scale, args.duration)
-    periodic = workload != "azure-conv"
-    period = PERIOD_S if periodic else 0.0
-    # a periodic day is scored after its first cycle: the forecaster's training, as yesterday
-    # is in production (the whole day is reported too)
-    since = PERIOD_S if periodic else 0.0
+    period = PERIOD_S if workload in PERIODIC else 0.0
+    since = period  # scored after the first cycle (the whole day is reported too)
     settings = SimSettings(instances=1)
     ideal = ideal_ttfts(plan, block, truth, settings)
     sc = [x for p, x in zip(plan, ideal, strict=True) if p.offset_s >= since]
@@ -435,8 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     for w in workloads:
         if w not in WORKLOADS:
             ap.error(f"--workloads: unknown {w!r}; valid: {', '.join(WORKLOADS)}")
-    periodic = [w for w in workloads if w != "azure-conv"]  # scored after their first cycle
-    if periodic and not args.duration > PERIOD_S:
+    if PERIODIC.intersection(workloads) and not args.duration > PERIOD_S:
         ap.error(
             f"--duration must be > {PERIOD_S:g} (a first cycle to train on), got {args.duration:g}"
         )
