@@ -94,7 +94,8 @@ class Completions:
                     ticket.release()
 
     def _place_first(self, child: RoutedRequest, queued_at: float) -> Placement | None:
-        """Place a request's first choice (None without pre-placement)."""
+        """Place a request's (or a batch prompt's) first choice, in a span of its own (None
+        without pre-placement)."""
         dispatcher = self.dispatcher
         with tracing.span("kvroute.placement") as ps:
             first = dispatcher.place(
@@ -193,13 +194,7 @@ class Completions:
         ticket = await dispatcher.state.admission.acquire()
         self.metrics.admitted(builder, queued_at, routed.request.stream)
         try:
-            first = dispatcher.place(
-                dispatcher.placement_request(children[0]),
-                set(),
-                waited_s=time.monotonic() - queued_at,
-            )
-            if first is not None:
-                self.metrics.placed(first)
+            first = self._place_first(children[0], queued_at)
             streams = ChoiceStreams(dispatcher, children, first)
         except BaseException:
             ticket.release()
