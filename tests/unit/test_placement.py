@@ -544,7 +544,8 @@ def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one(
     views that change a few at a time (others kept, as LoadTracker keeps them), rosters that
     change, unhealthy instances and calibrations, it chooses what pricing all of them chooses,
     with the same estimate, tie-breaks included (with a cache map attached: the emptiest cache
-    among near-ties too, weighed in numpy for every group with ``vector_from`` 1)."""
+    among near-ties too, weighed in numpy for every group with ``vector_from`` 1), and the
+    same toll for the work a request adds once requests meet queues."""
     import random
 
     from router.scorers import kv_ttft
@@ -588,6 +589,10 @@ def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one(
         for s in (fast, full):
             assert s.calibration is not None
             s.calibration.a, s.calibration.b = (1.0, 0.0) if step < 100 else (1.3, 0.01)
+            # from step 200 every request lately met a queue: the toll weighs the waiting
+            # requests per healthy instance, which the index keeps as running totals
+            if step >= 200:
+                s.queued_share = 1.0
         if not any(v.healthy for v in views):
             continue
         if with_map and step % 7 == 0:  # some instances store a few blocks
