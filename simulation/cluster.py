@@ -222,7 +222,7 @@ class ClusterSimulator(WiredCluster):
             )
         except ValueError as e:
             rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
-            self._refused()
+            self._refused(rid)
             return
         preq = PlacementRequest(
             rid,
@@ -236,7 +236,7 @@ class ClusterSimulator(WiredCluster):
             placement = lifecycle.admit(core, preq, t)
         except Rejected as e:
             rec.error, rec.status, rec.error_detail, rec.done_s = "http_429", 429, e.reason, t
-            self._refused()
+            self._refused(rid)
             return
         leg, leg_place = req, placement
         if placement.prefill is not None:  # PD: the prefill leg now, the decode on handover
@@ -258,7 +258,7 @@ class ClusterSimulator(WiredCluster):
             inst.submit(leg, t)
         except ValueError as e:
             rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
-            self._refused()
+            self._refused(rid)
             return
         i = self._index[leg_place.instance_id]
         w = inst.wake_s()
@@ -514,9 +514,9 @@ class ClusterSimulator(WiredCluster):
             n = target
         self._target = n
 
-    def _refused(self) -> None:
+    def _refused(self, request_id: str) -> None:
         if self._budget is not None:
-            self._budget.refused += 1
+            self._budget.refuse(request_id)
 
 
 # the young generation's collection threshold during a replay (CPython's default: 700)

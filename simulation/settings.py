@@ -154,7 +154,8 @@ class SloBudget:
     planner's early exit on configurations that fail). A request misses when it is refused (a
     400 or 429), when its first token comes later than ``ttft_s`` after its arrival, or when it
     finishes with a mean time per output token over ``tpot_s``; each counts once, under the
-    first of those. A request still waiting for its first token is not counted until then."""
+    first of those. A request still waiting for its first token is not counted until then.
+    With ``counted``, only the misses of the requests it names (their ids) count."""
 
     ttft_s: float
     tpot_s: float | None
@@ -162,6 +163,7 @@ class SloBudget:
     ttft_misses: int = 0
     tpot_misses: int = 0
     refused: int = 0
+    counted: frozenset[str] | None = None
 
     @property
     def misses(self) -> int:
@@ -171,13 +173,22 @@ class SloBudget:
     def exhausted(self) -> bool:
         return self.misses > self.max_misses
 
-    def first_token(self, ttft_s: float) -> None:
-        if ttft_s > self.ttft_s:
+    def counts(self, request_id: str) -> bool:
+        return self.counted is None or request_id in self.counted
+
+    def first_token(self, request_id: str, ttft_s: float) -> None:
+        if ttft_s > self.ttft_s and self.counts(request_id):
             self.ttft_misses += 1
+
+    def refuse(self, request_id: str) -> None:
+        if self.counts(request_id):
+            self.refused += 1
 
     def finished(self, req: SimRequest) -> None:
         if self.tpot_s is None or req.num_output < 2 or req.ttft_s > self.ttft_s:
             return  # no TPOT to judge, or already counted at its first token
+        if not self.counts(req.request_id):
+            return
         if (req.finish_s - req.first_token_s) / (req.num_output - 1) > self.tpot_s:
             self.tpot_misses += 1
 

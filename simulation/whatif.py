@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from engines.sim.profile import LatencyProfile
 from loadgen.workloads import Planned
 from router.autoscale import Slo
-from simulation.settings import EXACT, SimSettings, ideal_ttfts
+from simulation.settings import EXACT, SimSettings, SloBudget, ideal_ttfts
 
 if TYPE_CHECKING:  # the cluster simulator builds this with itself: no import circle
     from simulation.cluster import ClusterSimulator
@@ -36,7 +36,10 @@ class WhatIfSimulator:
     so the requests of the first ``warm_fraction`` of the horizon only warm them (the
     backlog's are always counted). The attainment returned is over the requests some pool
     could serve in time (their ``ideal_ttfts`` within the TTFT SLO): the policy's goal is set
-    over those (``PredictivePolicy.sim_goal``). Built fresh by the cluster simulator at each
+    over those (``PredictivePolicy.sim_goal``). Asked for a ``goal``, a run ends once more of
+    those have missed than the goal allows (a ``SloBudget`` over them): the answer is then the
+    share not yet missed, under the goal, and a failing candidate costs a fraction of a run.
+    Built fresh by the cluster simulator at each
     decision; in production the same object can be built from the ingress's recent
     requests."""
 
@@ -96,27 +99,47 @@ class WhatIfSimulator:
             out.append(Planned(k, 0.0 if k < backlog else (k - backlog) / lam, req))
         return m, out
 
-    def __call__(self, replicas: int, rate: float, horizon_s: float, slo: Slo) -> float:
+    def __call__(
+        self, replicas: int, rate: float, horizon_s: float, slo: Slo, goal: float | None = None
+    ) -> float:
         self.calls += 1
         m, plan = self.plan(replicas, rate, horizon_s)
         if not plan:
             return 1.0
         settings = replace(self.settings, instances=m)
-        sim = self.cluster(
-            self.profile, self.scorer, settings, self.trace_block_size, router_profile=self.profile
-        )
-        try:
-            run = sim.run(plan)
-        finally:
-            sim.close()
         # requests no pool can serve within the TTFT SLO (alone on an idle engine with every
         # earlier block cached: ``ideal_ttfts``) are left out: the policy's goal is over the
         # attainable ones, and the few in a small sample would swing it
         ideal = ideal_ttfts(plan, self.trace_block_size, self.profile, settings)
         warm = self.warm_fraction * horizon_s
-        met = [
-            r.meets(slo.ttft_s, slo.tpot_s)
-            for r in run.records
-            if not 0 < r.intended_s < warm and ideal[r.index] <= slo.ttft_s
-        ]
-        return sum(met) / len(met) if met else 1.0
+        counted = frozenset(
+            str(p.index) for p in plan if not 0 < p.offset_s < warm and ideal[p.index] <= slo.ttft_s
+        )
+        if not counted:
+            return 1.0
+        budget = None
+        if goal is not None:  # ends the run once its counted misses rule the goal out
+            allowed = _allowed_misses(len(counted), goal)
+            budget = SloBudget(slo.ttft_s, slo.tpot_s, allowed, counted=counted)
+        sim = self.cluster(
+            self.profile, self.scorer, settings, self.trace_block_size, router_profile=self.profile
+        )
+        try:
+            run = sim.run(plan, budget=budget)
+        finally:
+            sim.close()
+        if run.aborted and budget is not None:  # at least this many missed: at most the rest
+            return (len(counted) - budget.misses) / len(counted)
+        met = [r.meets(slo.ttft_s, slo.tpot_s) for r in run.records if str(r.index) in counted]
+        return sum(met) / len(met)
+
+
+def _allowed_misses(n: int, goal: float) -> int:
+    """The most misses among ``n`` requests that still attain ``goal`` (as the fraction met,
+    ``(n - k) / n >= goal``, compares: -1 when none is allowed)."""
+    k = n - math.ceil(n * goal)
+    while k >= 0 and (n - k) / n < goal:
+        k -= 1
+    while k + 1 <= n and (n - k - 1) / n >= goal:
+        k += 1
+    return k

@@ -340,7 +340,9 @@ class WiredCluster:
                 if budget is not None and not req.remote_decode:
                     # NOTE: a decode leg arrived at its hand-over; the client at the plan's time
                     entry = preqs.get(req.request_id)
-                    budget.first_token(at - (entry[1].offset_s if entry else req.arrival_s))
+                    budget.first_token(
+                        req.request_id, at - (entry[1].offset_s if entry else req.arrival_s)
+                    )
 
     def _pump(self, now: float) -> None:
         core = self.core

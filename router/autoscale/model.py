@@ -29,11 +29,17 @@ class WhatIf(Protocol):
     recent mix, starting from the current queue. The cluster simulator provides one
     (``simulation.whatif.WhatIfSimulator``: the recent requests re-timed, replayed on the
     production router core); a production deployment can hand the same object, built from
-    the ingress's recent requests. It keeps ``calls`` (simulations run) for the reason."""
+    the ingress's recent requests. It keeps ``calls`` (simulations run) for the reason.
+
+    With ``goal``, the caller asks only whether the fraction reaches it: the simulator may stop
+    as soon as too many requests have missed for it to, and answer a fraction under ``goal``
+    (at least as high as the whole run's); an answer of ``goal`` or more is the whole run's."""
 
     calls: int
 
-    def __call__(self, replicas: int, rate: float, horizon_s: float, slo: Slo) -> float: ...
+    def __call__(
+        self, replicas: int, rate: float, horizon_s: float, slo: Slo, goal: float | None = None
+    ) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)

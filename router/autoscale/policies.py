@@ -284,7 +284,7 @@ class PredictivePolicy:
 
         def ok(n: int) -> bool:
             if n not in seen:
-                seen[n] = what_if(n, rate, self.horizon_s, self.slo) >= goal
+                seen[n] = what_if(n, rate, self.horizon_s, self.slo, goal) >= goal
             return seen[n]
 
         guess = min(hi, max(lo, math.ceil(rate / cap - 1e-9)))

@@ -180,7 +180,7 @@ class Threshold:
     def __init__(self, per: float) -> None:
         self.per, self.calls, self.asked = per, 0, []
 
-    def __call__(self, replicas, rate, horizon_s, slo):
+    def __call__(self, replicas, rate, horizon_s, slo, goal=None):
         self.calls += 1
         self.asked.append((replicas, rate))
         return 1.0 if replicas * self.per >= rate else 0.5

@@ -172,6 +172,23 @@ def test_the_policy_is_handed_a_what_if_of_the_recent_requests(profile):
     assert run.gpu_seconds_in(10.0, 20.0) == pytest.approx(2 * 10.0)
 
 
+def test_a_what_if_asked_for_a_goal_stops_once_the_goal_is_out_of_reach(profile):
+    """With ``goal`` the what-if ends a run as soon as the requests it counts have missed too
+    often: an overloaded pool answers just under the goal (the misses so far, not the whole
+    run's far lower fraction), and a pool that passes answers exactly what the whole run
+    does."""
+    from router.autoscale import Slo
+
+    _, _, script = replay(profile, 2, [], plan=work(30.0))
+    w = next(o for o in script.seen if o.now >= 25.0).what_if
+    slo, goal = Slo(0.5, 0.05, 0.99), 0.99
+    rate = 3 * len(w.recent) / 25.0
+    whole_one, whole_four = w(1, rate, 10.0, slo), w(4, rate, 10.0, slo)
+    one, four = w(1, rate, 10.0, slo, goal), w(4, rate, 10.0, slo, goal)
+    assert whole_one < 0.9 < one < goal  # ended at the first misses past the allowance
+    assert whole_four >= goal and four == whole_four
+
+
 def test_a_fixed_run_without_what_if_matches_one_with(profile):
     """The what-if is built from the replay's state but never changes it: a policy that
     ignores it sees the same run with it switched off."""
