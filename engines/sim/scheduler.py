@@ -310,11 +310,25 @@ class Scheduler:
         running = self.running
         # as vLLM: the cap holds only when there is another request to make room for
         cap = cfg.long_prefill_token_threshold if len(running) + len(self.waiting) > 1 else 0
+        bs = blocks.block_size
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
-            n = min(r.num_tokens - r.num_computed, budget, cap or budget)
+            computed = r.num_computed
+            n = min(r.num_tokens - computed, budget, cap or budget)
             if n <= 0:
+                i += 1
+                continue
+            if (
+                n == 1
+                and len(r.blocks) * bs > computed
+                and r.num_cached_blocks >= (computed + 1) // bs
+            ):
+                # NOTE: a decode token inside its last block, which completes no block: what
+                # ``allocate_running`` would do is nothing (no new block, none to cache)
+                step.scheduled.append((r, 1, computed))
+                r.num_computed = computed + 1
+                budget -= 1
                 i += 1
                 continue
             while not blocks.allocate_running(r, n, cfg.max_model_len):
