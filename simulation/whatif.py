@@ -31,7 +31,9 @@ class WhatIfSimulator:
     given that share of the rate and of the backlog (the router spreads load evenly), so a
     decision at 64 instances costs what one at ``max_engines`` does; the slice is thinner
     still where the forecast would bring more than ``max_requests`` arrivals (short prompts,
-    many requests a second per engine). A request used again
+    many requests a second per engine), down to one engine, and where one engine's share
+    alone would, the run is shorter than the horizon (``span``: at least ``min_horizon_s``),
+    so a decision's cost is bounded whatever the rate. A request used again
     (a short history) gets fresh block ids for each lap. The engines start with empty caches,
     so the requests of the first ``warm_fraction`` of the horizon only warm them (the
     backlog's are always counted). The attainment returned is over the requests some pool
@@ -57,6 +59,7 @@ class WhatIfSimulator:
         max_engines: int = 8,
         warm_fraction: float = 0.25,
         max_requests: int = 400,
+        min_horizon_s: float = 20.0,
     ) -> None:
         self.cluster, self.profile, self.scorer = cluster, profile, scorer
         self.trace_block_size, self.recent = trace_block_size, list(recent)
@@ -74,11 +77,22 @@ class WhatIfSimulator:
         )
         self.max_engines, self.warm_fraction = max(1, max_engines), warm_fraction
         self.max_requests = max(1, max_requests)
+        self.min_horizon_s = min_horizon_s
         self.calls = 0
 
+    def span(self, replicas: int, rate: float, horizon_s: float) -> float:
+        """The seconds simulated for ``replicas`` engines: ``horizon_s``, or less where one
+        engine's share of ``rate`` would bring more than ``max_requests`` arrivals in it (at
+        least ``min_horizon_s``)."""
+        per_engine = rate / max(1, replicas)
+        if per_engine * horizon_s <= self.max_requests:
+            return horizon_s
+        return max(min(self.min_horizon_s, horizon_s), self.max_requests / per_engine)
+
     def plan(self, replicas: int, rate: float, horizon_s: float) -> tuple[int, list[Planned]]:
-        """The slice simulated for ``replicas`` engines: its size, and its requests (the
-        backlog's first, at 0)."""
+        """The slice simulated for ``replicas`` engines over ``span(replicas, rate,
+        horizon_s)``: its size, and its requests (the backlog's first, at 0)."""
+        horizon_s = self.span(replicas, rate, horizon_s)
         m = min(replicas, self.max_engines)
         if rate * horizon_s > 0:  # at most ``max_requests`` arrivals: a thinner slice
             m = max(1, min(m, int(self.max_requests * replicas / (rate * horizon_s))))
@@ -111,7 +125,7 @@ class WhatIfSimulator:
         # earlier block cached: ``ideal_ttfts``) are left out: the policy's goal is over the
         # attainable ones, and the few in a small sample would swing it
         ideal = ideal_ttfts(plan, self.trace_block_size, self.profile, settings)
-        warm = self.warm_fraction * horizon_s
+        warm = self.warm_fraction * self.span(replicas, rate, horizon_s)
         counted = frozenset(
             str(p.index) for p in plan if not 0 < p.offset_s < warm and ideal[p.index] <= slo.ttft_s
         )

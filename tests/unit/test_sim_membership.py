@@ -165,6 +165,12 @@ def test_the_policy_is_handed_a_what_if_of_the_recent_requests(profile):
     assert m == w.max_engines == 8 and len(plan) >= 8 / 64 * 100 * 20
     m, plan = w.plan(64, 400.0, 20.0)  # 8 engines' share would be 1000 arrivals: thinner
     assert m == 3 and len(plan) <= w.max_requests + w.waiting
+    # one engine's share alone would bring more: a shorter run, down to min_horizon_s
+    assert w.span(64, 100.0, 60.0) == 60.0 and w.span(1, 10.0, 30.0) == 30.0
+    assert w.span(1, 15.0, 60.0) == pytest.approx(w.max_requests / 15.0)
+    assert w.span(1, 100.0, 60.0) == w.min_horizon_s
+    m, plan = w.plan(1, 15.0, 60.0)
+    assert m == 1 and len(plan) <= w.max_requests + w.waiting
     laps = [p.req.hash_ids for p in plan]
     assert len(set(laps)) == len(laps) or len(plan) <= len(w.recent)
     assert len(run.decision_cpu_s) == len(script.seen)
