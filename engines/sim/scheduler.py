@@ -319,26 +319,21 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            # NOTE: for a decode token inside its last block that completes no block,
+            # ``allocate_running`` would do nothing (no new block, none to cache)
             if (
-                n == 1
-                and len(r.blocks) * bs > computed
-                and r.num_cached_blocks >= (computed + 1) // bs
+                n > 1
+                or len(r.blocks) * bs <= computed
+                or r.num_cached_blocks < (computed + 1) // bs
             ):
-                # NOTE: a decode token inside its last block, which completes no block: what
-                # ``allocate_running`` would do is nothing (no new block, none to cache)
-                step.scheduled.append((r, 1, computed))
-                r.num_computed = computed + 1
-                budget -= 1
-                i += 1
-                continue
-            while not blocks.allocate_running(r, n, cfg.max_model_len):
-                victim = running.pop()
-                self._preempt(victim)
-                step.preempted.append(victim)
-                if victim is r:
+                while not blocks.allocate_running(r, n, cfg.max_model_len):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    step.preempted.append(victim)
+                    if victim is r:
+                        break
+                if r.status != Status.RUNNING:
                     break
-            if r.status != Status.RUNNING:
-                break
             step.scheduled.append((r, n, r.num_computed))
             r.num_computed += n
             budget -= n
