@@ -3,6 +3,7 @@ cluster simulation of the recent requests, re-timed, on a candidate pool size.""
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -138,10 +139,17 @@ class WhatIfSimulator:
         sim = self.cluster(
             self.profile, self.scorer, settings, self.trace_block_size, router_profile=self.profile
         )
+        # NOTE: without the collector: its full passes would walk the caller's heap (a whole
+        # day's replay around a decision), up to half a what-if's cost; the run is short, and
+        # its cycles are collected once it is back on
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             run = sim.run(plan, budget=budget)
         finally:
             sim.close()
+            if collecting:
+                gc.enable()
         if run.aborted and budget is not None:  # at least this many missed: at most the rest
             return (len(counted) - budget.misses) / len(counted)
         met = [r.meets(slo.ttft_s, slo.tpot_s) for r in run.records if str(r.index) in counted]
