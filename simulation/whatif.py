@@ -93,7 +93,9 @@ class WhatIfSimulator:
     def plan(self, replicas: int, rate: float, horizon_s: float) -> tuple[int, list[Planned]]:
         """The slice simulated for ``replicas`` engines over ``span(replicas, rate,
         horizon_s)``: its size, and its requests (the backlog's first, at 0)."""
-        horizon_s = self.span(replicas, rate, horizon_s)
+        return self._slice(replicas, rate, self.span(replicas, rate, horizon_s))
+
+    def _slice(self, replicas: int, rate: float, horizon_s: float) -> tuple[int, list[Planned]]:
         m = min(replicas, self.max_engines)
         if rate * horizon_s > 0:  # at most ``max_requests`` arrivals: a thinner slice
             m = max(1, min(m, int(self.max_requests * replicas / (rate * horizon_s))))
@@ -118,7 +120,8 @@ class WhatIfSimulator:
         self, replicas: int, rate: float, horizon_s: float, slo: Slo, goal: float | None = None
     ) -> float:
         self.calls += 1
-        m, plan = self.plan(replicas, rate, horizon_s)
+        span = self.span(replicas, rate, horizon_s)
+        m, plan = self._slice(replicas, rate, span)
         if not plan:
             return 1.0
         settings = replace(self.settings, instances=m)
@@ -126,7 +129,7 @@ class WhatIfSimulator:
         # earlier block cached: ``ideal_ttfts``) are left out: the policy's goal is over the
         # attainable ones, and the few in a small sample would swing it
         ideal = ideal_ttfts(plan, self.trace_block_size, self.profile, settings)
-        warm = self.warm_fraction * self.span(replicas, rate, horizon_s)
+        warm = self.warm_fraction * span
         counted = frozenset(
             str(p.index) for p in plan if not 0 < p.offset_s < warm and ideal[p.index] <= slo.ttft_s
         )
