@@ -119,18 +119,38 @@ class Slo:
 
 
 class ProfileLike(Protocol):
-    """The latency profile fields the capacity model reads (``engines.sim.profile``)."""
+    """The latency profile fields the capacity model reads (``engines.sim.profile``), read
+    only: a frozen profile satisfies it."""
 
-    base_ms: float
-    prefill_pass_ms: float
-    decode_pass_ms: float
-    prefill_token_ms: float
-    prefill_attn_ms: float
-    decode_seq_ms: float
-    decode_ctx_ms: float
-    kv_capacity_tokens: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
+    @property
+    def base_ms(self) -> float: ...
+
+    @property
+    def prefill_pass_ms(self) -> float: ...
+
+    @property
+    def decode_pass_ms(self) -> float: ...
+
+    @property
+    def prefill_token_ms(self) -> float: ...
+
+    @property
+    def prefill_attn_ms(self) -> float: ...
+
+    @property
+    def decode_seq_ms(self) -> float: ...
+
+    @property
+    def decode_ctx_ms(self) -> float: ...
+
+    @property
+    def kv_capacity_tokens(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def max_num_batched_tokens(self) -> int: ...
 
 
 def replica_capacity(

@@ -195,6 +195,25 @@ def test_a_what_if_asked_for_a_goal_stops_once_the_goal_is_out_of_reach(profile)
     assert whole_four >= goal and four == whole_four
 
 
+def test_a_shortened_what_if_fails_a_rate_over_one_engines_capacity(profile):
+    """A run shortened to its span hides an engine a little over its capacity (its batch and
+    queue build slowly): the same 20 s of traffic that passes as a 20 s horizon fails as a
+    60 s one shortened to 20 s, as the whole 60 s run does, while a rate within capacity
+    passes both ways."""
+    from router.autoscale import Slo
+
+    _, _, script = replay(profile, 2, [], plan=work(30.0))
+    w = next(o for o in script.seen if o.now >= 25.0).what_if
+    slo = Slo(2.0, 0.05, 0.99)
+    w.max_requests = 200  # one engine's 60 s at 18-21 req/s: shortened to 20 s
+    assert w.span(1, 21.0, 60.0) == w.span(1, 21.0, 20.0) == 20.0
+    assert w(1, 21.0, 20.0, slo) >= 0.99  # 20 s alone: no sign of the overload
+    assert w(1, 21.0, 60.0, slo) < 0.5  # the span of a 60 s horizon: over capacity
+    assert w(1, 18.0, 60.0, slo) == 1.0  # within capacity: passes shortened
+    w.max_requests = 10**6
+    assert w(1, 21.0, 60.0, slo) < 0.9  # the whole 60 s run fails too
+
+
 def test_a_fixed_run_without_what_if_matches_one_with(profile):
     """The what-if is built from the replay's state but never changes it: a policy that
     ignores it sees the same run with it switched off."""
