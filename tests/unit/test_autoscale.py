@@ -231,6 +231,35 @@ def test_predictive_policy_finds_the_smallest_pool_its_simulation_passes(profile
     assert m > 0 and "model" in why
 
 
+def test_predictive_policy_can_plan_its_headroom_on_traffic(profile):
+    """With ``traffic_headroom`` the simulation is asked about that many times the forecast
+    rate and says how many engines that needs: two engines that carry 1.4x the traffic stay
+    two, where the count's headroom (1.2) makes 2 engines' need 2.4, so 3."""
+    slo = Slo(2.0, 0.05, 0.99)
+    mix = {"arrivals": 100, "prompt_tokens": 100 * 2000, "output_tokens": 100 * 200}
+    spec = "kvroute@traffic_headroom=1.4+max_sims=8"
+    p = create_policy(spec, profile=profile, slo=slo, cold_start_s=45)
+    w = Threshold(per=7.5)  # one engine carries 7.5/s: 10/s x 1.4 = 14/s fits on 2
+    n, _ = p.desired(obs(0.0, 2, what_if=w, **mix), 1, 64)
+    assert n == 2 and {r for _, r in w.asked} == {14.0}
+    d = create_policy("kvroute@max_sims=8", profile=profile, slo=slo, cold_start_s=45)
+    assert d.desired(obs(0.0, 2, what_if=Threshold(per=7.5), **mix), 1, 64)[0] == 2.4
+    q = create_policy(spec, profile=profile, slo=slo, cold_start_s=45)
+    n, _ = q.desired(obs(0.0, 2, what_if=Threshold(per=4.0), **mix), 1, 64)
+    assert n == 4  # 14/s on 4/s engines; 10/s needs 3, and 3 x 1.4 would have been 5
+
+
+def test_predictive_policy_keeps_its_pool_until_the_forecast_has_its_windows(profile):
+    """The first decisions (fewer than ``points`` windows seen) never shrink the pool: one
+    quiet first window does not let go of engines a cold start away; then it follows."""
+    slo = Slo(2.0, 0.05, 0.99)
+    p = create_policy("kvroute@headroom=1", profile=profile, slo=slo, cold_start_s=45)
+    mix = {"arrivals": 20, "prompt_tokens": 20 * 2000, "output_tokens": 20 * 200}
+    w = Threshold(per=1.0)  # 2/s: 2 replicas
+    targets = [p.desired(obs(10.0 * k, 6, what_if=w, **mix), 1, 64)[0] for k in range(1, 6)]
+    assert targets == [6, 6, 6, 2, 2]  # points=4: the 4th window lets it go
+
+
 def test_predictive_policy_holds_through_a_short_lull_from_its_forecast(profile):
     """A burst one cycle back that falls within cold start + an interval of now keeps the pool
     up through the lull before it; a lull longer than that lets it go: no special rule."""
