@@ -267,28 +267,34 @@ class PredictivePolicy:
         if what_if is None:
             if model <= 0:
                 return hi, "TPOT SLO below the profile's step time"
-            n = self._held(rate * self.headroom * self._gain / model, obs)
-            return n, f"{source} forecast {rate:.2f}/s within {ahead:g} s, model {model:.2f}/s"
+            n, held = self._held(rate * self.headroom * self._gain / model, obs)
+            why = f"{source} forecast {rate:.2f}/s within {ahead:g} s, model {model:.2f}/s"
+            return n, why + held
         cap = self._cap or model or 1.0
         # the margin on traffic (``traffic_headroom``) replaces the one on the count
         planned = rate * (self.traffic_headroom or 1.0)
         need, sims = self._search(what_if, planned, cap, lo, hi)
         self._cap = planned / need
         n = need * (1.0 if self.traffic_headroom else self.headroom) * self._gain
+        at = f" at {planned:.2f}/s" if self.traffic_headroom else ""
         why = (
             f"{source} forecast {rate:.2f}/s within {ahead:g} s: {need} replicas meet "
-            f"{self.sim_goal:.3f} in simulation ({sims} runs){fb}"
+            f"{self.sim_goal:.3f}{at} in simulation ({sims} runs){fb}"
         )
-        return self._held(n, obs), why
+        n, held = self._held(n, obs)
+        return n, why + held
 
-    def _held(self, n: float, obs: Observation) -> float:
+    def _held(self, n: float, obs: Observation) -> tuple[float, str]:
         """``n``, but never under the pool while the forecast has fewer than ``points``
         windows behind it: a rate from one or two windows says little (the Azure conv trace
         ran at 8.9 req/s in its first 10 s and 40-80 after; without the count's headroom the
-        pool went on the first window, a cold start short for a minute)."""
-        if len(self._forecast.trend.history) < self.points:
-            return max(n, float(obs.replicas))
-        return n
+        pool went on the first window, a cold start short for a minute). With the reason's
+        note when it holds."""
+        seen = len(self._forecast.trend.history)
+        if seen < self.points and n < obs.replicas:
+            note = f"; held at {obs.replicas} ({seen} of {self.points} windows)"
+            return float(obs.replicas), note
+        return n, ""
 
     def _search(
         self, what_if: WhatIf, rate: float, cap: float, lo: int, hi: int

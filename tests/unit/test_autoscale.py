@@ -240,8 +240,8 @@ def test_predictive_policy_can_plan_its_headroom_on_traffic(profile):
     spec = "kvroute@traffic_headroom=1.4+max_sims=8"
     p = create_policy(spec, profile=profile, slo=slo, cold_start_s=45)
     w = Threshold(per=7.5)  # one engine carries 7.5/s: 10/s x 1.4 = 14/s fits on 2
-    n, _ = p.desired(obs(0.0, 2, what_if=w, **mix), 1, 64)
-    assert n == 2 and {r for _, r in w.asked} == {14.0}
+    n, why = p.desired(obs(0.0, 2, what_if=w, **mix), 1, 64)
+    assert n == 2 and {r for _, r in w.asked} == {14.0} and "at 14.00/s" in why
     d = create_policy("kvroute@max_sims=8", profile=profile, slo=slo, cold_start_s=45)
     assert d.desired(obs(0.0, 2, what_if=Threshold(per=7.5), **mix), 1, 64)[0] == 2.4
     q = create_policy(spec, profile=profile, slo=slo, cold_start_s=45)
@@ -256,8 +256,9 @@ def test_predictive_policy_keeps_its_pool_until_the_forecast_has_its_windows(pro
     p = create_policy("kvroute@headroom=1", profile=profile, slo=slo, cold_start_s=45)
     mix = {"arrivals": 20, "prompt_tokens": 20 * 2000, "output_tokens": 20 * 200}
     w = Threshold(per=1.0)  # 2/s: 2 replicas
-    targets = [p.desired(obs(10.0 * k, 6, what_if=w, **mix), 1, 64)[0] for k in range(1, 6)]
-    assert targets == [6, 6, 6, 2, 2]  # points=4: the 4th window lets it go
+    out = [p.desired(obs(10.0 * k, 6, what_if=w, **mix), 1, 64) for k in range(1, 6)]
+    assert [n for n, _ in out] == [6, 6, 6, 2, 2]  # points=4: the 4th window lets it go
+    assert "held at 6 (1 of 4 windows)" in out[0][1] and "held" not in out[3][1]
 
 
 def test_predictive_policy_holds_through_a_short_lull_from_its_forecast(profile):
