@@ -177,13 +177,13 @@ def _sustainable(
     engine a little over its capacity builds its batch and queue slowly, so 20 s pass what 60 s
     fail (one engine at 24.75 req/s of the Azure conv trace: 0.987 over 20 s, 0.004 over 60 s;
     the model said 21.2)."""
-    done = [r for r in records if r.prompt_tokens is not None]
-    if not done:
+    if not records:
         return True
-    n = len(done)
-    prompt = sum(r.prompt_tokens or 0 for r in done) / n
-    cached = sum(r.cached_tokens or 0 for r in done) / n
-    output = sum(r.output_tokens for r in done) / n
+    n = len(records)
+    # the simulator sets both on every record (None only over HTTP, where usage may be absent)
+    prompt = sum(r.prompt_tokens or 0 for r in records) / n
+    cached = sum(r.cached_tokens or 0 for r in records) / n
+    output = sum(r.output_tokens for r in records) / n
     cap = replica_capacity(profile, prompt, max(prompt - cached, 1.0), output, tpot_s)
     return rate <= cap
 

@@ -46,6 +46,11 @@ class SeasonalForecaster:
         # (window's start, window's end, rate), oldest first, at most ``periods`` cycles
         self.history: deque[tuple[float, float, float]] = deque()
 
+    @property
+    def windows(self) -> int:
+        """The windows the trend forecast stands on (at most ``max(2, points)``)."""
+        return len(self.trend.history)
+
     def add(self, now: float, window_s: float, rate: float) -> None:
         self.trend.add(now, rate)
         if self.period_s > 0:

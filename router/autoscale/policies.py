@@ -290,7 +290,7 @@ class PredictivePolicy:
         ran at 8.9 req/s in its first 10 s and 40-80 after; without the count's headroom the
         pool went on the first window, a cold start short for a minute). With the reason's
         note when it holds."""
-        seen = len(self._forecast.trend.history)
+        seen = self._forecast.windows
         if seen < self.points and n < obs.replicas:
             note = f"; held at {obs.replicas} ({seen} of {self.points} windows)"
             return float(obs.replicas), note
