@@ -420,26 +420,39 @@ class CacheMapIngestor:
             self.gaps += 1
             self.needs_resync.add(msg.instance)
         self._next[msg.instance] = msg.seq + 1
+        # a run of stores on one tier goes to the map in one pass (``CacheMap.store_chains``)
+        chains: list[tuple[Sequence[int], int | None, int]] = []
+        run_tier = ""
         for u in msg.updates:
-            self._apply_update(msg.instance, u)
+            if isinstance(u, Stored):
+                if chains and u.tier != run_tier:
+                    self.map.store_chains(msg.instance, as_tier(run_tier), chains)
+                    chains = []
+                run_tier = u.tier
+                chains.append((u.hashes, u.parent, u.depth))
+                continue
+            if chains:
+                self.map.store_chains(msg.instance, as_tier(run_tier), chains)
+                chains = []
+            if isinstance(u, Removed):
+                self.map.remove(msg.instance, as_tier(u.tier), u.hashes)
+            else:
+                self.map.clear(msg.instance, as_tier(u.tier) if u.tier is not None else None)
+        if chains:
+            self.map.store_chains(msg.instance, as_tier(run_tier), chains)
         return gap
-
-    def _apply_update(self, instance: str, u: Update) -> None:
-        if isinstance(u, Stored):
-            self.map.store(instance, as_tier(u.tier), u.hashes, u.parent, u.depth)
-        elif isinstance(u, Removed):
-            self.map.remove(instance, as_tier(u.tier), u.hashes)
-        else:
-            self.map.clear(instance, as_tier(u.tier) if u.tier is not None else None)
 
     def _apply_snapshot(self, snap: Snapshot) -> None:
         if snap.seq < self._next.get(snap.instance, 0) - 1:
             self.duplicates += 1  # older than what we have already applied
             return
         self.map.clear(snap.instance)
+        by_tier: dict[str, list[tuple[Sequence[int], int | None, int]]] = {}
         for b in snap.blocks:
             for t in b.tiers:
-                self.map.store(snap.instance, as_tier(t), [b.hash], b.parent, b.depth)
+                by_tier.setdefault(t, []).append(((b.hash,), b.parent, b.depth))
+        for t, chains in by_tier.items():
+            self.map.store_chains(snap.instance, as_tier(t), chains)
         self._next[snap.instance] = snap.seq + 1
         self.needs_resync.discard(snap.instance)
 

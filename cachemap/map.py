@@ -283,11 +283,35 @@ class CacheMap:
         (block index within the prompt) is ``depth``; each later hash is the child of the one
         before it. Returns how many (block, instance, tier) entries were new.
         """
-        if not hashes:
+        return self.store_chains(instance, tier, ((hashes, parent, depth),))
+
+    def store_chains(
+        self,
+        instance: str,
+        tier: Tier,
+        chains: Sequence[tuple[Sequence[int], int | None, int]],
+    ) -> int:
+        """``store`` of each ``(hashes, parent, depth)`` of ``chains`` in turn, in one pass:
+        the same map and count as the calls one after another (a hash in two chains is one
+        node, defined where it first stands). An engine's batch of KV events is mostly short
+        chains (a decoded block each); one pass costs the kernels' calls once for all."""
+        starts: list[int] = []
+        roots: list[int] = []
+        rooted: list[bool] = []
+        depths: list[int] = []
+        flat: list[int] = []
+        for hashes, parent, depth in chains:
+            if len(hashes):
+                starts.append(len(flat))
+                roots.append(parent if parent is not None else 0)
+                rooted.append(parent is not None)
+                depths.append(depth)
+                flat.extend(hashes)
+        if not flat:
             return 0
         tier = as_tier(tier)
         bit = self._bit(instance)
-        hs = np.asarray(hashes, np.uint64)
+        hs = np.asarray(flat, np.uint64)
         flag = _FLAG[tier]
         # NOTE: one kernel finds the hashes, adds the holder to the known ones and lists the
         # new ones (a hash may repeat within one call: its first position defines the node) and
@@ -310,9 +334,10 @@ class CacheMap:
                 at,
                 hs,
                 pos,
-                np.uint64(parent if parent is not None else 0),
-                parent is not None,
-                depth,
+                np.asarray(starts, np.int64),
+                np.asarray(roots, np.uint64),
+                np.asarray(rooted, np.bool_),
+                np.asarray(depths, np.int64),
                 bit << 2 | flag,
             )
         self._count[tier][instance] += added
@@ -849,18 +874,20 @@ def _promote(hold, wide, gpu, cpu, slots, rows, bit, flag):  # type: ignore[no-u
 
 
 @jit
-def _store_new(hash_, parent, has_parent, depth, hold, at, hs, pos, root, has_root, depth0, entry):  # type: ignore[no-untyped-def]
-    """Fill the columns of new slots ``at``, each the node of chain position ``pos`` (the chain
-    ``hs`` starts at ``depth0`` below ``root``, a parent only when ``has_root``), with the one
-    inline holder ``entry``. Returns how many slots got it."""
+def _store_new(hash_, parent, has_parent, depth, hold, at, hs, pos, starts, roots, has, d0, entry):  # type: ignore[no-untyped-def]
+    """Fill the columns of new slots ``at``, each the node of position ``pos`` of ``hs``:
+    chains laid end to end, chain ``c`` from ``starts[c]``, its first block at depth ``d0[c]``
+    below ``roots[c]`` (a parent only where ``has[c]``), with the one inline holder ``entry``.
+    Returns how many slots got it."""
     for j in range(at.shape[0]):
         s, p = at[j], pos[j]
+        c = np.searchsorted(starts, p, side="right") - 1
         hash_[s] = hs[p]
-        if p > 0:
+        if p > starts[c]:
             parent[s], has_parent[s] = hs[p - 1], True
         else:
-            parent[s], has_parent[s] = root, has_root
-        depth[s] = depth0 + p
+            parent[s], has_parent[s] = roots[c], has[c]
+        depth[s] = d0[c] + p - starts[c]
         hold[s, :] = 0
         hold[s, 0] = entry
     return at.shape[0]

@@ -57,6 +57,19 @@ class CacheMapMachine(RuleBasedStateMachine):
     @rule(
         inst=st.sampled_from(INSTANCES[:5] + INSTANCES[60:]),
         tier=st.sampled_from(Tier),
+        runs=st.lists(chains, max_size=4),
+    )
+    def store_chains(self, inst: str, tier: Tier, runs: list[list[int]]) -> None:
+        before = set(self.ref.res.get((inst, tier), set()))
+        added = self.map.store_chains(inst, tier, [(h, None, 0) for h in runs])
+        new = set().union(*runs) if runs else set()
+        if new:
+            self.ref.res.setdefault((inst, tier), set()).update(new)
+        assert added == len(new - before)
+
+    @rule(
+        inst=st.sampled_from(INSTANCES[:5] + INSTANCES[60:]),
+        tier=st.sampled_from(Tier),
         hashes=chains,
     )
     def remove(self, inst: str, tier: Tier, hashes: list[int]) -> None:
@@ -110,6 +123,38 @@ def test_parent_links_and_depth() -> None:
     assert m.node(13) == (12, 3)
     assert m.node(99) is None
     assert m.holders(12) == {"a": frozenset({Tier.GPU})}
+
+
+def test_chains_stored_in_one_pass_are_the_stores_one_after_another() -> None:
+    """``store_chains`` leaves the map ``store`` after ``store`` would: the same nodes (a hash
+    in two chains defined where it first stands), holders, counts and matches, through known
+    blocks, blocks whose inline holders are full and hashes that repeat."""
+    runs = [
+        ([1, 2, 3], None, 0),
+        ([4, 5], 3, 3),
+        ([], 9, 1),
+        ([5, 6, 2], 77, 7),  # 5 again (a child of 4 stays), 2 again
+        ([8], None, 0),
+        ([30, 31, 32, 1], 8, 1),
+    ]
+    one, many = CacheMap(initial_slots=4), CacheMap(initial_slots=4)
+    for m in (one, many):
+        for i in range(6):  # 30 and 31 held by more instances than fit inline
+            m.store(f"x{i}", Tier.GPU, [30, 31, 40])
+        m.store("a", Tier.CPU, [2, 40])
+    added = sum(one.store("a", Tier.GPU, h, p, d) for h, p, d in runs)
+    assert many.store_chains("a", Tier.GPU, runs) == added == 10
+    for m in (one, many):
+        m.check_integrity()
+    for block in (1, 2, 3, 4, 5, 6, 8, 30, 31, 32, 40, 77):
+        assert one.node(block) == many.node(block) and one.holders(block) == many.holders(block)
+    assert many.node(5) == (4, 4) and many.node(6) == (5, 8) and many.node(30) == (None, 0)
+    assert many.node(32) == (31, 3)
+    for tier in Tier:
+        assert one.counts(tier) == many.counts(tier)
+    for q in ([1, 2, 3, 4, 5, 6], [30, 31, 32, 1], [8]):
+        assert one.match(q) == many.match(q)
+    assert many.store_chains("a", Tier.GPU, []) == 0
 
 
 def test_match_counts_cpu_run_after_gpu_run() -> None:

@@ -12,6 +12,7 @@ from cachemap.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Cleared,
     InstanceEvents,
     InstanceGone,
     KVEventBatch,
@@ -20,6 +21,7 @@ from cachemap.events import (
     encode_message,
     encode_vllm_batch,
 )
+from cachemap.hashing import as_tier
 from cachemap.ingest import CacheMapIngestor, EngineEventTranslator
 
 BS = 4
@@ -282,3 +284,32 @@ def test_removal_runs_split_by_tier_and_skip_unsupported_media_per_event() -> No
     assert tr.skipped["unsupported medium 'DISK'"] == 1
     assert tr.skipped["removal of unknown block"] == 1
     assert len(tr) == 1  # only block 1, still on the CPU tier
+
+
+def test_a_batch_applies_in_order_with_its_store_runs_in_one_pass() -> None:
+    """Consecutive stores on one tier reach the map together (``CacheMap.store_chains``); a
+    removal, a clear or another tier ends the run, so the batch's order still decides."""
+    updates = [
+        Stored("GPU", [1, 2], None, 0),
+        Stored("GPU", [3], 2, 2),
+        Stored("CPU", [3], 2, 2),
+        Stored("GPU", [4], 3, 3),
+        Removed("GPU", [3, 4]),
+        Stored("GPU", [4], 3, 3),
+        Cleared(None),
+        Stored("CPU", [9], None, 0),
+        Stored("CPU", [10], 9, 1),
+    ]
+    cmap = CacheMap()
+    seq = CacheMap()
+    CacheMapIngestor(cmap).apply(InstanceEvents("e0", 0, 0.0, updates[:6]))
+    for u in updates[:6]:
+        if isinstance(u, Stored):
+            seq.store("e0", as_tier(u.tier), u.hashes, u.parent, u.depth)
+        else:
+            seq.remove("e0", as_tier(u.tier), u.hashes)
+    assert cmap.match([1, 2, 3, 4]) == seq.match([1, 2, 3, 4]) == {"e0": Match(2, 4)}
+    assert cmap.holders(4) == {"e0": frozenset({Tier.GPU})} and cmap.node(4) == (3, 3)
+    CacheMapIngestor(cmap).apply(InstanceEvents("e0", 0, 0.0, updates[6:]))
+    assert cmap.match([1]) == {} and cmap.match([9, 10]) == {"e0": Match(0, 2)}
+    cmap.check_integrity()
