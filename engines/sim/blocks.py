@@ -81,9 +81,15 @@ class KVBlockManager:
             raise ValueError(f"cpu_capacity_blocks must be >= 0, got {cpu_capacity_blocks}")
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
-        self.blocks = [Block(i) for i in range(num_gpu_blocks)]
-        # NOTE: an OrderedDict is the free queue: front = next to reuse; O(1) pop, remove, append.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_gpu_blocks))
+        # NOTE: the free queue, front = next to reuse, is three parts: blocks freed uncached
+        # (put at the front), the blocks never used yet (ids ``_fresh`` up, in order), and
+        # blocks freed cached (put at the back); OrderedDicts pop, remove and add in O(1). A
+        # block exists (``blocks[i]``) from its first use: a short run (a what-if) touches a
+        # fraction of an engine's tens of thousands of blocks
+        self.blocks = [Block(0)]
+        self._front: OrderedDict[int, None] = OrderedDict()
+        self._fresh = 1
+        self._back: OrderedDict[int, None] = OrderedDict()
         # hash -> the block a lookup returns; equal blocks cached later wait in _dups (rare).
         self._cached: dict[int, Block] = {}
         self._dups: dict[int, list[Block]] = {}
@@ -97,10 +103,10 @@ class KVBlockManager:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._front) + self.num_gpu_blocks - self._fresh + len(self._back)
 
     def gpu_usage(self) -> float:
-        return 1.0 - len(self._free) / (self.num_gpu_blocks - 1)
+        return 1.0 - self.num_free / (self.num_gpu_blocks - 1)
 
     def cpu_usage(self) -> float:
         return self.cpu.usage() if self.cpu is not None else 0.0
@@ -114,7 +120,9 @@ class KVBlockManager:
 
     def free_queue_hashes(self) -> list[int | None]:
         """Hashes of free blocks in eviction order (front = next evicted); for tests."""
-        return [self.blocks[i].block_hash for i in self._free]
+        fresh: list[int | None] = [None] * (self.num_gpu_blocks - self._fresh)
+        front = [self.blocks[i].block_hash for i in self._front]
+        return front + fresh + [self.blocks[i].block_hash for i in self._back]
 
     def begin_request(self, req: SimRequest) -> None:
         """A request arrives (its first admission attempt): the CPU-tier policy's request
@@ -144,7 +152,7 @@ class KVBlockManager:
         """vLLM's ``reset_prefix_cache`` with its connector's: forget every cached block on both
         tiers (and the CPU tier's pins), publishing ``AllBlocksCleared`` (for every tier, as
         vLLM does). False, changing nothing, while any request holds blocks."""
-        if len(self._free) < self.num_gpu_blocks - 1:
+        if self.num_free < self.num_gpu_blocks - 1:
             return False
         for h in self._cached:
             self._cached[h].block_hash = None
@@ -205,7 +213,7 @@ class KVBlockManager:
         (``cache_blocks``) when it completes, not now (vLLM's option of that name)."""
         bs, n_hit = self.block_size, len(hit)
         evictable = sum(1 for b in hit if b.ref_cnt == 0)
-        free = len(self._free)
+        free = self.num_free
         if full_sequence_must_fit:
             full = cdiv(min(req.num_tokens, max_model_len), bs)
             if max(full - n_hit, 0) + evictable > free:
@@ -214,10 +222,10 @@ class KVBlockManager:
         need_slot = min(computed + num_new_tokens, max_model_len)
         if max(cdiv(need_slot, bs) - n_hit, 0) + evictable > free:
             return False
-        free_q = self._free
+        front, back = self._front, self._back
         for b in hit:
-            if b.ref_cnt == 0:
-                del free_q[b.block_id]
+            if b.ref_cnt == 0:  # cached, so at the back (the front's blocks have no hash)
+                del (back if b.block_id in back else front)[b.block_id]
             b.ref_cnt += 1
             b.info = req.info
         req.blocks = list(hit)
@@ -248,7 +256,7 @@ class KVBlockManager:
     def allocate_running(self, req: SimRequest, num_new_tokens: int, max_model_len: int) -> bool:
         """Slots for a running request's next ``num_new_tokens`` (False: not enough blocks)."""
         need = self.blocks_needed(req, num_new_tokens, max_model_len)
-        if need > len(self._free):
+        if need > self.num_free:
             return False
         if need:
             req.blocks.extend(self._get_new_blocks(need))
@@ -263,20 +271,30 @@ class KVBlockManager:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 (first if b.block_hash is None else last).append(b)
-        free_q = self._free
+        front, back = self._front, self._back
         for b in reversed(first):
-            free_q[b.block_id] = None
-            free_q.move_to_end(b.block_id, last=False)
+            front[b.block_id] = None
+            front.move_to_end(b.block_id, last=False)
         for b in last:
-            free_q[b.block_id] = None
+            back[b.block_id] = None
         req.blocks = []
         req.num_cached_blocks = 0
 
     # -- internals ---------------------------------------------------------------------------
 
     def _get_new_blocks(self, n: int) -> list[Block]:
-        popitem, blocks = self._free.popitem, self.blocks
-        out = [blocks[popitem(last=False)[0]] for _ in range(n)]
+        front, back, blocks = self._front, self._back, self.blocks
+        out: list[Block] = []
+        for _ in range(n):
+            if front:
+                out.append(blocks[front.popitem(last=False)[0]])
+            elif self._fresh < self.num_gpu_blocks:
+                b = Block(self._fresh)
+                blocks.append(b)
+                self._fresh += 1
+                out.append(b)
+            else:
+                out.append(blocks[back.popitem(last=False)[0]])
         plain = self.events is None and self.cpu is None and not self._dups
         cached = self._cached
         for b in out:

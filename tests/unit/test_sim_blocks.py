@@ -88,6 +88,26 @@ def test_partial_blocks_are_reused_before_cached_ones():
     assert q[0] is None and q[-1] == a.block_hashes[0]
 
 
+def test_a_pool_makes_its_blocks_on_first_use_in_the_queue_order():
+    """Blocks never used exist only once taken, from the middle of the free queue: behind
+    the uncached blocks freed, ahead of the cached ones."""
+    bm = KVBlockManager(100_000, BS)
+    assert len(bm.blocks) == 1 and bm.num_free == 99_999 and bm.gpu_usage() == 0.0
+    a = req("a", toks(100, 6))  # 1 full block + a partial one
+    admit(bm, a)
+    partial = a.blocks[1].block_id
+    assert len(bm.blocks) == 3 and bm.num_free == 99_997
+    bm.free(a)
+    q = bm.free_queue_hashes()
+    assert len(q) == 99_999 and q[0] is None and q[-1] == a.block_hashes[0]
+    b = req("b", toks(500, 3))  # one partial block: a's, from the front
+    admit(bm, b)
+    assert [x.block_id for x in b.blocks] == [partial] and len(bm.blocks) == 3
+    c = req("c", toks(900, 8))  # two blocks never used before
+    admit(bm, c)
+    assert [x.block_id for x in c.blocks] == [3, 4] and bm.num_free == 99_996
+
+
 def test_equal_blocks_computed_twice_are_both_cached():
     # Two requests looked up before either stored: both miss, both store (as vLLM does).
     bm2 = KVBlockManager(16, BS, enable_events=True)
