@@ -261,3 +261,21 @@ def test_a_warmed_engine_holds_the_hot_prefixes_before_it_serves(profile):
     assert first.intended_s >= t_warm
     with pytest.raises(ValueError, match="--warm-prefixes"):
         SimSettings(warm_prefixes=-1).validate()
+
+
+def test_a_replay_inside_a_replay_keeps_the_outer_collector_settings():
+    """A what-if's replay runs inside the autoscaled one: it leaves the collector as the
+    outer replay set it (frozen heap, rare young collections), and the outer one restores the
+    process's settings at its end."""
+    import gc
+
+    from simulation.cluster import _replay_collector
+
+    before, frozen = gc.get_threshold(), gc.get_freeze_count()
+    with _replay_collector():
+        outer, outer_frozen = gc.get_threshold(), gc.get_freeze_count()
+        assert outer[0] > before[0] and outer_frozen >= frozen
+        with _replay_collector():
+            assert gc.get_threshold() == outer and gc.get_freeze_count() == outer_frozen
+        assert gc.get_threshold() == outer
+    assert gc.get_threshold() == before and gc.get_freeze_count() == frozen
