@@ -6,7 +6,7 @@ from policies.base import Key
 from policies.scored import ScoredPolicy
 
 
-class AgingLFUPolicy(ScoredPolicy):
+class AgingLFUPolicy(ScoredPolicy[int]):
     """Score ``accesses - age``, age counted in cache turnovers since the last access.
 
     NOTE: ``accesses - (clock - last_clock)`` orders blocks exactly like ``accesses + last_clock``
@@ -27,23 +27,14 @@ class AgingLFUPolicy(ScoredPolicy):
     def _reset(self) -> None:
         super()._reset()
         self._clock = 0.0
-        self._count: dict[Key, int] = {}
 
     def insert(self, key: Key, now_s: float, parent: Key | None = None, offset: int = 0) -> None:
         self._clock += 1.0 / self.age_blocks
-        self._count[key] = 1
+        self._state[key] = 1
         self._heap.push(key, 1 + self._clock)
 
     def touch(self, key: Key, now_s: float) -> None:
         self._clock += 1.0 / self.age_blocks
-        c = self._count[key] + 1
-        self._count[key] = c
+        c = self._state[key] + 1
+        self._state[key] = c
         self._heap.push(key, c + self._clock)
-
-    def remove(self, key: Key) -> None:
-        super().remove(key)
-        del self._count[key]
-
-    def _on_evicted(self, popped: list[tuple[Key, float]]) -> None:
-        for key, _ in popped:
-            del self._count[key]

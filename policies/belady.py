@@ -10,7 +10,7 @@ from policies.base import Key, OfflinePolicy, RequestInfo
 from policies.scored import ScoredPolicy
 
 
-class BeladyPolicy(ScoredPolicy, OfflinePolicy):
+class BeladyPolicy(ScoredPolicy[None], OfflinePolicy):
     """Furthest next use first, next use counted in requests; never-again blocks go first,
     ties oldest-access first. Needs ``load_future`` before the replay: an upper bound only.
 

@@ -6,7 +6,7 @@ from policies.base import Key
 from policies.scored import ScoredPolicy
 
 
-class GDSFPolicy(ScoredPolicy):
+class GDSFPolicy(ScoredPolicy[tuple[int, float]]):
     """Priority ``H = L + frequency * cost / size``; ``L`` inflates to each victim's ``H``.
 
     Blocks all have size 1; the cost of a miss is the prefill work to recompute the block,
@@ -26,8 +26,7 @@ class GDSFPolicy(ScoredPolicy):
 
     def _reset(self) -> None:
         super()._reset()
-        self._inflation = 0.0
-        self._state: dict[Key, tuple[int, float]] = {}  # key -> (frequency, cost)
+        self._inflation = 0.0  # each block's state: (frequency, cost)
 
     def insert(self, key: Key, now_s: float, parent: Key | None = None, offset: int = 0) -> None:
         cost = 1.0 + (offset / self.cost_depth_blocks if self.cost_depth_blocks > 0 else 0.0)
@@ -39,11 +38,5 @@ class GDSFPolicy(ScoredPolicy):
         self._state[key] = (freq + 1, cost)
         self._heap.push(key, self._inflation + (freq + 1) * cost)
 
-    def remove(self, key: Key) -> None:
-        super().remove(key)
-        del self._state[key]
-
     def _on_evicted(self, popped: list[tuple[Key, float]]) -> None:
-        for key, _ in popped:
-            del self._state[key]
         self._inflation = max(self._inflation, popped[-1][1])

@@ -6,7 +6,7 @@ from policies.base import Key
 from policies.scored import ScoredPolicy
 
 
-class LFUPolicy(ScoredPolicy):
+class LFUPolicy(ScoredPolicy[int]):
     """Evicts the block with the fewest accesses since it was stored; ties least recent first.
 
     Prefix semantics: every prompt that uses a child also used its parent, so a parent's count
@@ -15,23 +15,11 @@ class LFUPolicy(ScoredPolicy):
 
     name = "lfu"
 
-    def _reset(self) -> None:
-        super()._reset()
-        self._count: dict[Key, int] = {}
-
     def insert(self, key: Key, now_s: float, parent: Key | None = None, offset: int = 0) -> None:
-        self._count[key] = 1
+        self._state[key] = 1
         self._heap.push(key, 1)
 
     def touch(self, key: Key, now_s: float) -> None:
-        c = self._count[key] + 1
-        self._count[key] = c
+        c = self._state[key] + 1
+        self._state[key] = c
         self._heap.push(key, c)
-
-    def remove(self, key: Key) -> None:
-        super().remove(key)
-        del self._count[key]
-
-    def _on_evicted(self, popped: list[tuple[Key, float]]) -> None:
-        for key, _ in popped:
-            del self._count[key]

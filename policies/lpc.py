@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Set
 from typing import Protocol
 
-from policies.base import NO_PROTECTION, Key, RequestInfo
+from policies.base import Key, RequestInfo
 from policies.scored import ScoredPolicy
 
 
@@ -52,7 +51,7 @@ class HistoryPredictor:
         return (cont + self.prior * self.prior_weight) / (seen + self.prior_weight)
 
 
-class LPCPolicy(ScoredPolicy):
+class LPCPolicy(ScoredPolicy[int]):
     """Each request carries a continuation probability ``p`` (``RequestInfo.continuation``
     or the predictor's); a block's priority is ``p d / (p d + 1 - p)`` with
     ``d = exp(-decay_per_s * (now - last access))``, the max over the requests sharing it.
@@ -82,8 +81,7 @@ class LPCPolicy(ScoredPolicy):
 
     def _reset(self) -> None:
         super()._reset()
-        self._logit_p = 0.0
-        self._offset: dict[Key, int] = {}
+        self._logit_p = 0.0  # each block's state: its offset in its prompt
 
     def begin_request(self, request: RequestInfo, now_s: float) -> None:
         self.predictor.observe(request)
@@ -97,20 +95,10 @@ class LPCPolicy(ScoredPolicy):
         self._logit_p = math.log(p / (1.0 - p))
 
     def insert(self, key: Key, now_s: float, parent: Key | None = None, offset: int = 0) -> None:
-        self._offset[key] = offset
+        self._state[key] = offset
         self._heap.push(key, self._logit_p + self.decay_per_s * now_s, -offset)
 
     def touch(self, key: Key, now_s: float) -> None:
         score = self._logit_p + self.decay_per_s * now_s
         if score > self._heap.priority(key):
-            self._heap.push(key, score, -self._offset[key])
-
-    def remove(self, key: Key) -> None:
-        super().remove(key)
-        del self._offset[key]
-
-    def evict(self, n: int, protected: Set[Key] = NO_PROTECTION) -> list[Key] | None:
-        victims = super().evict(n, protected)
-        for key in victims or ():
-            del self._offset[key]
-        return victims
+            self._heap.push(key, score, -self._state[key])

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Sequence
 
-from policies.base import NO_PROTECTION, Key, RequestInfo
+from policies.base import Key, RequestInfo
 from policies.class_odds import ClassOdds
 from policies.ghost import GhostList
 from policies.scored import ScoredPolicy
 
 
-class PrefixReusePolicy(ScoredPolicy):
+class PrefixReusePolicy(ScoredPolicy[tuple[int, int, float, int]]):
     """Keeps the blocks most likely to be reused soon, with the likelihood learned online.
 
     Each access puts the block in a class: how many times it has been accessed (capped at
@@ -53,7 +53,7 @@ class PrefixReusePolicy(ScoredPolicy):
         n_classes = 2 * (self.max_count + 1)
         self._odds = ClassOdds(n_classes, self.prior_weight, self.memory_accesses)
         self._logit = [0.0] * n_classes
-        self._state: dict[Key, tuple[int, int, float, int]] = {}  # count, class, last, offset
+        # each block's state: (count, class, last access, offset)
         self._ghost: GhostList[tuple[int, int, float]] = GhostList(  # count, class, last
             int(self.ghost_factor * self.capacity_blocks)
         )
@@ -113,13 +113,7 @@ class PrefixReusePolicy(ScoredPolicy):
         self._reused(cls, now_s - last_s)
         self._access(key, count + 1, now_s, offset)
 
-    def remove(self, key: Key) -> None:
-        super().remove(key)
-        del self._state[key]
-
-    def evict(self, n: int, protected: Set[Key] = NO_PROTECTION) -> list[Key] | None:
-        victims = super().evict(n, protected)
-        for key in victims or ():
-            count, cls, last_s, _ = self._state.pop(key)
+    def _on_evicted(self, popped: list[tuple[Key, float]]) -> None:
+        for key, _ in popped:
+            count, cls, last_s, _ = self._state[key]
             self._ghost.add(key, (count, cls, last_s))
-        return victims

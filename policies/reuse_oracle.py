@@ -12,7 +12,7 @@ from policies.scored import ScoredPolicy
 _DEAD, _LIVE = 0.0, 1.0
 
 
-class ReuseOraclePolicy(ScoredPolicy, OfflinePolicy):
+class ReuseOraclePolicy(ScoredPolicy[None], OfflinePolicy):
     """Dead blocks (no use after the current request) first, then live ones, each class in LRU
     order. Needs ``load_future`` before the replay: an upper bound only.
 

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Set
+from typing import Generic, TypeVar
 
 from policies.base import NO_PROTECTION, EvictionPolicy, Key
 from policies.keyed_heap import KeyedMinHeap
 
+S = TypeVar("S")
 
-class ScoredPolicy(EvictionPolicy):
-    """Lowest priority is evicted first; ties go oldest-update first. Subclasses set priorities."""
+
+class ScoredPolicy(EvictionPolicy, Generic[S]):
+    """Lowest priority is evicted first; ties go oldest-update first. Subclasses set priorities,
+    and may keep one record per block in ``_state`` (a count, a cost): it leaves with the
+    block, on ``remove`` and on eviction once ``_on_evicted`` has seen it."""
 
     def __init__(self, capacity_blocks: int) -> None:
         super().__init__(capacity_blocks)
@@ -17,6 +22,7 @@ class ScoredPolicy(EvictionPolicy):
 
     def _reset(self) -> None:
         self._heap = KeyedMinHeap()
+        self._state: dict[Key, S] = {}
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -26,6 +32,7 @@ class ScoredPolicy(EvictionPolicy):
 
     def remove(self, key: Key) -> None:
         self._heap.discard(key)
+        self._state.pop(key, None)
 
     def evict(self, n: int, protected: Set[Key] = NO_PROTECTION) -> list[Key] | None:
         if n <= 0:
@@ -34,6 +41,10 @@ class ScoredPolicy(EvictionPolicy):
         if popped is None:
             return None
         self._on_evicted(popped)
+        state = self._state
+        if state:
+            for key, _ in popped:
+                state.pop(key, None)
         return [key for key, _ in popped]
 
     def _on_evicted(self, popped: list[tuple[Key, float]]) -> None:
