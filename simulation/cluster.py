@@ -521,8 +521,6 @@ class ClusterSimulator(WiredCluster):
 
 # the young generation's collection threshold during a replay (CPython's default: 700)
 _REPLAY_GC_THRESHOLD = 20_000
-
-
 # replays running in this process now: a what-if's replay runs inside the decision's own
 _replays_running = 0
 
@@ -531,35 +529,29 @@ _replays_running = 0
 def _replay_collector() -> Iterator[None]:
     """The garbage collector's settings for one replay. A replay allocates millions of small
     objects, most short-lived: with the default young-generation threshold (700) the collector
-    runs every few placements, and its full passes walk the whole heap again each time (the
-    plan alone: a million requests at scale). So the heap the replay starts with is frozen out
-    of collection (unless the process froze its own), and the young generation is collected
-    less often; both are restored afterwards. Cycles are still collected. A replay inside
-    another (a what-if in an autoscaled replay) keeps the outer one's settings: asking whether
-    the process froze its heap walks all of it, a whole day's replay for each what-if. NOTE:
-    nothing is collected before the freeze (a full pass over the heap, ~0.05 s with only the
-    Mooncake plan in it): ``simulate`` frees a finished replay's cluster by reference counting
-    (``ClusterSimulator.close``), and cyclic garbage a caller left is only kept through this
-    replay, then collected as usual once unfrozen."""
+    runs every few placements, and its full passes walk the whole heap each time. So the heap
+    the replay starts with is frozen out of collection (unless the process froze its own), and
+    the young generation is collected less often; both are restored afterwards, and cycles are
+    still collected. A replay inside another (a what-if in an autoscaled replay) keeps the
+    outer settings: asking whether the heap is frozen walks all of it. NOTE: nothing is
+    collected before the freeze (a full pass, ~0.05 s with only the Mooncake plan in the heap):
+    ``simulate`` frees a finished replay's cluster by reference counting
+    (``ClusterSimulator.close``); cyclic garbage a caller left waits for the unfreeze."""
     global _replays_running
-    if _replays_running:
-        _replays_running += 1
-        try:
-            yield
-        finally:
-            _replays_running -= 1
-        return
+    outer = _replays_running == 0
     thresholds = gc.get_threshold()
-    freeze = gc.get_freeze_count() == 0
+    freeze = outer and gc.get_freeze_count() == 0
     if freeze:
         gc.freeze()
-    gc.set_threshold(_REPLAY_GC_THRESHOLD, *thresholds[1:])
-    _replays_running = 1
+    if outer:
+        gc.set_threshold(_REPLAY_GC_THRESHOLD, *thresholds[1:])
+    _replays_running += 1
     try:
         yield
     finally:
-        _replays_running = 0
-        gc.set_threshold(*thresholds)
+        _replays_running -= 1
+        if outer:
+            gc.set_threshold(*thresholds)
         if freeze:
             gc.unfreeze()
 
