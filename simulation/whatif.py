@@ -32,10 +32,11 @@ class WhatIfSimulator:
     ``max_engines`` are simulated: a larger pool is simulated as a slice of that many engines
     given that share of the rate and of the backlog (the router spreads load evenly), so a
     decision at 64 instances costs what one at ``max_engines`` does; the slice is thinner
-    still where the forecast would bring more than ``max_requests`` arrivals (short prompts,
-    many requests a second per engine), down to one engine, and where one engine's share
-    alone would, the run is shorter than the horizon (``span``: at least ``min_horizon_s``),
-    so a decision's cost is bounded whatever the rate; such a run fails a rate over one
+    still where the forecast and the backlog would bring more than ``max_requests`` requests
+    (short prompts, many requests a second per engine), down to one engine, and where one
+    engine's share of the arrivals alone would, the run is shorter than the horizon
+    (``span``: at least ``min_horizon_s``), so a decision's cost is bounded whatever the rate
+    and the queue; such a run fails a rate over one
     engine's capacity by the closed-form model (``_sustainable``), which a short run cannot
     show. A request used again
     (a short history) gets fresh block ids for each lap. The engines start with empty caches,
@@ -100,8 +101,10 @@ class WhatIfSimulator:
 
     def _slice(self, replicas: int, rate: float, horizon_s: float) -> tuple[int, list[Planned]]:
         m = min(replicas, self.max_engines)
-        if rate * horizon_s > 0:  # at most ``max_requests`` arrivals: a thinner slice
-            m = max(1, min(m, int(self.max_requests * replicas / (rate * horizon_s))))
+        # one engine's arrivals and share of the backlog; at most ``max_requests`` in all
+        per = rate * horizon_s / replicas + self.waiting / self.ready
+        if per > 0:  # a thinner slice
+            m = max(1, min(m, int(self.max_requests / per)))
         share = m / replicas
         lam = rate * share
         backlog = round(self.waiting * m / self.ready)

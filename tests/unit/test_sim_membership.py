@@ -178,6 +178,16 @@ def test_the_policy_is_handed_a_what_if_of_the_recent_requests(profile):
     assert run.gpu_seconds_in(10.0, 20.0) == pytest.approx(2 * 10.0)
 
 
+def test_a_what_if_counts_the_backlog_in_its_request_cap(profile):
+    """The queue's share is part of the ``max_requests`` a slice may bring: a long queue thins
+    the slice, so a decision behind a backlog costs what one without does."""
+    _, _, script = replay(profile, 2, [], plan=work(30.0))
+    w = next(o for o in script.seen if o.now >= 25.0).what_if
+    w.waiting, w.ready = 300, 4
+    m, plan = w.plan(64, 100.0, 20.0)  # 8 engines: 250 arrivals and 600 of the queue
+    assert m == 3 and len(plan) == 94 + 225 <= w.max_requests
+
+
 def test_a_what_if_asked_for_a_goal_stops_once_the_goal_is_out_of_reach(profile):
     """With ``goal`` the what-if ends a run as soon as the requests it counts have missed too
     often: an overloaded pool answers just under the goal (the misses so far, not the whole
