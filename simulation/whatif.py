@@ -36,10 +36,9 @@ class WhatIfSimulator:
     (short prompts, many requests a second per engine), down to one engine, and where one
     engine's share of the arrivals alone would, the run is shorter than the horizon
     (``span``: at least ``min_horizon_s``), so a decision's cost is bounded whatever the rate
-    and the queue; such a run fails a rate over one
-    engine's capacity by the closed-form model (``_sustainable``), which a short run cannot
-    show. A request used again
-    (a short history) gets fresh block ids for each lap. The engines start with empty caches,
+    and the queue; such a run fails a rate over one engine's capacity by the closed-form
+    model (``_sustainable``), which a short run cannot show. A request used again (a short
+    history) gets fresh block ids for each lap. The engines start with empty caches,
     so the requests of the first ``warm_fraction`` of the horizon only warm them (the
     backlog's are always counted). The attainment returned is over the requests some pool
     could serve in time (their ``ideal_ttfts`` within the TTFT SLO): the policy's goal is set

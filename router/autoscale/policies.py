@@ -222,9 +222,9 @@ class PredictivePolicy:
     result; it decays back (x ``gain_decay``) while the target is met. With
     ``traffic_headroom`` (off: 0) the margin is on traffic instead: the simulation is asked
     about that many times the forecast rate and the count it finds is not multiplied, so a
-    small pool is not rounded up a whole engine (cheaper, see ``docs/autoscaling.md``; with
-    ``sim_goal`` 0.97 it cost 30% fewer GPU-hours on the conversation day but 0.7-0.9 point
-    of attainment, so it is not the default). Until the forecast has
+    small pool is not rounded up a whole engine (cheaper, see ``docs/autoscaling.md``: at 1.2
+    it cost 22-26% fewer GPU-hours on to-b and azure-conv but 0.2 point of the conversation
+    day's attainment, so it is not the default). Until the forecast has
     ``points`` windows behind it, the pool is not shrunk (``_held``). Without a what-if the
     policy sizes with the capacity model alone (the reactive ``kvroute_reactive``'s model)."""
 
