@@ -313,9 +313,18 @@ def test_killing_a_router_replica_under_load(served: tuple[str, ServeConfig]) ->
         ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
         killed_at = time.monotonic()
         outcomes = [f.result(timeout=120) for f in futures]
+    # the outcomes first: a request that hung on the killed replica shows as what it is, not as
+    # a window used up before the replacement was asked
+    served_in = time.monotonic() - killed_at
+    assert "connection" not in outcomes, (served_in, outcomes)
+    assert all(o == "ok" or o.startswith("error 5") for o in outcomes), outcomes
     answered = routed = None
-    while time.monotonic() - killed_at < 60:
-        r = httpx.post(f"{base}/v1/kv/lookup", json={"text": prompt}, headers=admin, timeout=60)
+    deadline = time.monotonic() + 60  # from when the load is over, each lookup well inside it
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.post(f"{base}/v1/kv/lookup", json={"text": prompt}, headers=admin, timeout=10)
+        except httpx.TimeoutException:
+            continue
         if r.status_code == 200 and r.headers["x-kvroute-router"] not in old:
             answered = answered or time.monotonic() - killed_at
             rows = {row["instance"]: row["cached_tokens"] for row in r.json()["instances"]}
@@ -323,7 +332,7 @@ def test_killing_a_router_replica_under_load(served: tuple[str, ServeConfig]) ->
                 routed = time.monotonic() - killed_at
                 break
         time.sleep(0.1)
-    assert answered is not None, "Serve did not replace the killed router replica in 60 s"
+    assert answered is not None, "no answer from a new router replica within 60 s of the load's end"
     assert routed is not None, "the new router replica never learned the warmed prefix"
     new_hit = None
     for _ in range(40):  # a completion placed by the new replica lands on the warmed engine
@@ -342,10 +351,9 @@ def test_killing_a_router_replica_under_load(served: tuple[str, ServeConfig]) ->
         f"{len(outcomes)} requests, "
         f"{outcomes.count('ok')} ok, others {sorted(o for o in outcomes if o != 'ok')}; "
         f"replacement answered after {answered:.1f} s, knew the warmed prefix after "
-        f"{routed:.1f} s; its completion found {new_hit} cached tokens"
+        f"{routed:.1f} s (the load was over after {served_in:.1f} s); its completion found "
+        f"{new_hit} cached tokens"
     )
-    assert "connection" not in outcomes
-    assert all(o == "ok" or o.startswith("error 5") for o in outcomes)
     assert outcomes.count("ok") >= 30
     assert new_hit is not None and new_hit > 0
 
