@@ -74,3 +74,15 @@ def authorized(request: Request, keys: frozenset[str]) -> bool:
     auth = request.headers.get("authorization", "")
     token = auth[7:] if auth.lower().startswith("bearer ") else ""
     return any(secrets.compare_digest(token, k) for k in keys)
+
+
+def require_key(request: Request, keys: frozenset[str], kind: str) -> None:
+    """401 unless the request's bearer token is one of ``keys`` (``kind``: "API" or "admin",
+    which names the error's message and code)."""
+    if not authorized(request, keys):
+        raise APIError(
+            401,
+            f"missing or invalid {kind} key",
+            type_="authentication_error",
+            code=f"invalid_{kind.lower()}_key",
+        )

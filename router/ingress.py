@@ -20,7 +20,7 @@ from router.api import ChatCompletionRequest, CompletionRequest
 from router.api_errors import APIError, validation_error
 from router.completion import Completions
 from router.dispatch import Dispatcher
-from router.http_checks import authorized, read_json_body
+from router.http_checks import read_json_body, require_key
 from router.ingress_config import IngressConfig
 from router.kv_control import KvControl, kv_routes
 from router.metrics import RouterMetrics
@@ -64,14 +64,8 @@ class Ingress:
     # -- client checks -------------------------------------------------------------------
 
     def check_auth(self, request: Request) -> None:
-        keys = self.config.api_keys
-        if keys and not authorized(request, keys):
-            raise APIError(
-                401,
-                "missing or invalid API key",
-                type_="authentication_error",
-                code="invalid_api_key",
-            )
+        if self.config.api_keys:
+            require_key(request, self.config.api_keys, "API")
 
     def check_rate(self, request: Request) -> None:
         """One request of this client's allowance (its key, or its address without keys)."""
@@ -97,13 +91,7 @@ class Ingress:
                 type_="permission_error",
                 code="admin_api_off",
             )
-        if not authorized(request, self.config.admin_keys):
-            raise APIError(
-                401,
-                "missing or invalid admin key",
-                type_="authentication_error",
-                code="invalid_admin_key",
-            )
+        require_key(request, self.config.admin_keys, "admin")
 
     def check_model(self, model: str) -> None:
         if model != self.config.model:
