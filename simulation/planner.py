@@ -140,12 +140,34 @@ class Planner:
         if self.on_outcome is not None:
             self.on_outcome(fidelity, out)
 
-    def _guided(self, search: Callable[[str, list[int], int], int | None], first: list[int],
-                hi: int, step: int = 1) -> int | None:  # fmt: skip
-        """``search(fidelity, first probes, gallop step)`` on the whole workload, first guided
-        by the same search on its head when there is one: the whole-workload search then
-        starts at the guess and the point below it (the two runs that prove an answer) and
-        gallops from there in single steps."""
+    def _guided(
+        self,
+        lo: int,
+        hi: int,
+        below: Callable[[dict[Candidate, Outcome], int], bool],
+        probe: Callable[[int], list[Candidate]],
+        first: list[int],
+        step: int = 1,
+    ) -> int | None:
+        """The smallest ``n`` in ``[lo, hi]`` not ``below`` the boundary (``below(priced, n)``,
+        true below some point and false from it on, reads the outcomes of ``probe(n)``'s
+        candidates), by ``find_boundary`` from the ``first`` probes, galloping by ``step``: on
+        the whole workload, first guided by the same search on its head when there is one, so
+        that the whole-workload search starts at the guess and the point below it (the two runs
+        that prove an answer) and gallops from there in single steps."""
+
+        def search(fidelity: str, first: list[int], step: int) -> int | None:
+            done = self.priced[fidelity]
+            return find_boundary(
+                lo,
+                hi,
+                first,
+                lambda n: below(done, n),
+                lambda ns: self.price([c for n in ns for c in probe(n)], fidelity),
+                self.jobs,
+                step,
+            )
+
         if GUIDE not in self.setups:
             return search(FULL, first, step)
         g = search(GUIDE, first, step)
@@ -198,20 +220,11 @@ class Planner:
                 for p in split(n)
             ]
 
-        def search(fidelity: str, first: list[int], step: int) -> int | None:
-            done = self.priced[fidelity]
-            return find_boundary(
-                lo,
-                hi,
-                first,
-                lambda n: not any(done[c].passes(self.slo) for c in strongest(n)),
-                lambda ns: self.price([c for n in ns for c in strongest(n)], fidelity),
-                self.jobs,
-                step,
-            )
+        def fails(done: dict[Candidate, Outcome], n: int) -> bool:
+            return not any(done[c].passes(self.slo) for c in strongest(n))
 
         # both ends first: a failing end stops early, so it is cheap
-        best = self._guided(search, [lo, hi], hi)
+        best = self._guided(lo, hi, fails, strongest, [lo, hi])
         if best is not None:
             self.price(at(best))  # the cheapest tier that meets it there
         if curve > 0:
@@ -256,20 +269,11 @@ class Planner:
         def at(i: int) -> Candidate:
             return replace(cand, rate_scale=scale(i))
 
-        # searched as "the smallest grid index that fails", i.e. passes(i) is "fails(i)"
-        def search(fidelity: str, first: list[int], step: int) -> int | None:
-            done = self.priced[fidelity]
-            return find_boundary(
-                ilo,
-                ihi,
-                first,
-                lambda i: done[at(i)].passes(self.slo),
-                lambda ns: self.price([at(i) for i in ns], fidelity),
-                self.jobs,
-                step,
-            )
+        # searched as "the smallest grid index that fails": below it, every index passes
+        def passes(done: dict[Candidate, Outcome], i: int) -> bool:
+            return done[at(i)].passes(self.slo)
 
-        brk = self._guided(search, [0, per], ihi, step=per)  # from 1x, in doublings
+        brk = self._guided(ilo, ihi, passes, lambda i: [at(i)], [0, per], step=per)  # from 1x
         first_fail = brk  # None: passes even at the highest scale
         last_pass = (ihi if brk is None else brk - 1) if brk != ilo else None
         base = replace(cand, rate_scale=1.0)
