@@ -142,7 +142,6 @@ def _cdf(ax: Any, values_ms: np.ndarray, label: str) -> None:
         ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=label)
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.01)
-    ax.grid(alpha=0.3)
 
 
 def _plots(
@@ -162,25 +161,33 @@ def _plots(
     t = np.array([row["t_s"] + row["width_s"] / 2 for row in series])
     paths = [out / name for name in PLOTS]
 
-    def save(fig: Any, path: Path, title: str) -> None:
-        fig.axes[0].set_title(title)
+    def save(
+        fig: Any, path: Path, title: str, x: str, y: str | None = None, legend: str | None = None
+    ) -> None:
+        """Label the plot's first axes (``legend``: where its legend goes), grid it, write it."""
+        ax = fig.axes[0]
+        ax.set_xlabel(x)
+        if y is not None:
+            ax.set_ylabel(y)
+        if legend is not None:
+            ax.legend(loc=legend)
+        ax.grid(alpha=0.3)
+        ax.set_title(title)
         fig.tight_layout()
         fig.savefig(path, dpi=100)
         plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     _cdf(ax, np.array([r.ttft_s * 1e3 for r in ok]), "TTFT")
-    ax.set_xlabel("TTFT from intended send (ms)")
     if summary.get("slo_ttft_ms"):
         ax.axvline(summary["slo_ttft_ms"], color="red", ls="--", label="SLO")
-    save(fig, paths[0], "Time to first token, CDF")
+    save(fig, paths[0], "Time to first token, CDF", "TTFT from intended send (ms)")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     _cdf(ax, np.array([g * 1e3 for r in ok for g in r.itl_s]), "ITL")
-    ax.set_xlabel("inter-token latency (ms)")
     if summary.get("slo_itl_ms"):
         ax.axvline(summary["slo_itl_ms"], color="red", ls="--", label="SLO")
-    save(fig, paths[1], "Inter-token latency, CDF")
+    save(fig, paths[1], "Inter-token latency, CDF", "inter-token latency (ms)")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(t, [row["sent_per_s"] for row in series], label="sent req/s")
@@ -188,11 +195,7 @@ def _plots(
     ax2 = ax.twinx()
     ax2.plot(t, [row["output_tokens_per_s"] for row in series], color="gray", alpha=0.6)
     ax2.set_ylabel("output tokens/s")
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("requests/s")
-    ax.legend(loc="upper left")
-    ax.grid(alpha=0.3)
-    save(fig, paths[2], "Throughput over time")
+    save(fig, paths[2], "Throughput over time", "time (s)", "requests/s", "upper left")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     hr = [row["server_hit_rate"] for row in series]
@@ -200,18 +203,13 @@ def _plots(
     if summary.get("ideal_hit_rate_tokens") is not None:
         ax.axhline(summary["ideal_hit_rate_tokens"], color="green", ls="--", label="trace ideal")
     ax.set_ylim(0, 1.01)
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("prompt tokens cached")
-    ax.legend(loc="lower right")
-    ax.grid(alpha=0.3)
-    save(fig, paths[3], "Cache hit rate over time")
+    save(
+        fig, paths[3], "Cache hit rate over time", "time (s)", "prompt tokens cached", "lower right"
+    )
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r.intended_s for r in sent], [r.send_lag_s * 1e3 for r in sent], ".", ms=2)
-    ax.set_xlabel("intended send time (s)")
-    ax.set_ylabel("send lag (ms)")
-    ax.grid(alpha=0.3)
-    save(fig, paths[4], "Send lag (actual - intended)")
+    save(fig, paths[4], "Send lag (actual - intended)", "intended send time (s)", "send lag (ms)")
     return paths
 
 
