@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ray
 
-from benchmarks.soak_bench import soak_config
+from benchmarks.soak_bench import soak_config, tiny_synth
 from cachemap.bus import InProcessBus
 from cachemap.events import InstanceEvents, Snapshot, decode_message, encode_message
 from cachemap.ingest import EngineEventTranslator
@@ -54,9 +54,7 @@ from engines.base import EngineRequest, SamplingParams
 from engines.bus_ray import RayEventBus
 from engines.deployment import build_engine
 from engines.forwarder import KvEventForwarder, decode_load, encode_load
-from engines.tiny_model import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
-from loadgen.prompts import PromptSynth
-from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
+from loadgen.synthetic import SynthParams, generate
 from router.state import BUS_POLL_S
 
 # one recorded bus call: (seconds since the recording began, KV-event payloads, load payloads)
@@ -106,13 +104,7 @@ async def _record(args: argparse.Namespace) -> tuple[list[Call], bytes]:
     fwd.start()
     rate = args.rate / args.engines
     reqs = generate("mix", SynthParams(rate=rate, duration_s=args.record_s, seed=args.seed))
-    offset = len(SPECIAL_TOKENS)
-    synth = PromptSynth(
-        SYNTH_BLOCK_SIZE,
-        seed=args.seed,
-        vocab_size=DEFAULT_VOCAB_SIZE - offset,
-        token_offset=offset,
-    )
+    synth = tiny_synth(args.seed)
     arrivals = np.cumsum(np.random.default_rng(args.seed).exponential(1 / rate, len(reqs)))
 
     async def one(i: int, at: float) -> None:

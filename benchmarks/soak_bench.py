@@ -96,20 +96,20 @@ def slope_mib_per_hour(ts: list[float], ys: list[float]) -> float:
     return float(np.polyfit(np.asarray(ts), np.asarray(ys), 1)[0] * 3600)
 
 
+def tiny_synth(seed: int) -> PromptSynth:
+    """Token-id prompts of the workload's exact lengths inside the tiny model's vocabulary, past
+    its special tokens (synthetic text would tokenize to ~4x as many tiny tokens and overflow
+    the context)."""
+    offset = len(SPECIAL_TOKENS)
+    return PromptSynth(
+        SYNTH_BLOCK_SIZE, seed=seed, vocab_size=DEFAULT_VOCAB_SIZE - offset, token_offset=offset
+    )
+
+
 def load(base: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
     params = SynthParams(rate=args.rate, duration_s=args.duration, seed=args.seed)
     plan = build_schedule(generate("mix", params), rate=args.rate, arrival="poisson")
-    # NOTE: token-id prompts of the trace's exact lengths inside the tiny model's vocabulary,
-    # past its special tokens: synthetic text would tokenize to ~4x as many tiny tokens and
-    # overflow the context
-    offset = len(SPECIAL_TOKENS)
-    synth = PromptSynth(
-        SYNTH_BLOCK_SIZE,
-        seed=args.seed,
-        vocab_size=DEFAULT_VOCAB_SIZE - offset,
-        token_offset=offset,
-    )
-    config = RunConfig(base, MODEL, synth, api="completions", timeout_s=120.0)
+    config = RunConfig(base, MODEL, tiny_synth(args.seed), api="completions", timeout_s=120.0)
     run = Runner(config, plan).run_blocking()
     s = summarize(run.records, duration_s=run.duration_s, requested_span_s=run.requested_span_s)
     result.update(
