@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Set
 
-from policies.base import NO_PROTECTION, EvictionPolicy, Key
+from policies.base import EvictionPolicy, Key
 
 _END = object()
 
@@ -20,10 +20,6 @@ class ARCPolicy(EvictionPolicy):
     """
 
     name = "arc"
-
-    def __init__(self, capacity_blocks: int) -> None:
-        super().__init__(capacity_blocks)
-        self._reset()
 
     def _reset(self) -> None:
         self._t1: OrderedDict[Key, None] = OrderedDict()
@@ -64,11 +60,7 @@ class ARCPolicy(EvictionPolicy):
         else:
             del self._t2[key]
 
-    def evict(self, n: int, protected: Set[Key] = NO_PROTECTION) -> list[Key] | None:
-        if n <= 0:
-            return []
-        if n > self.evictable_count(protected):
-            return None
+    def _victims(self, n: int, protected: Set[Key]) -> list[Key]:
         # NOTE: choose lazily from the LRU ends, then mutate: the lists are never copied.
         from_t1 = (k for k in self._t1 if k not in protected)
         from_t2 = (k for k in self._t2 if k not in protected)

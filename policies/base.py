@@ -56,6 +56,7 @@ class EvictionPolicy(ABC):
         if capacity_blocks <= 0:
             raise ValueError(f"capacity_blocks must be positive, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
+        self._reset()
 
     def begin_request(self, request: RequestInfo, now_s: float) -> None:  # noqa: B027
         """A request arrives; the ``touch``/``insert`` calls that follow are on its behalf."""
@@ -94,9 +95,19 @@ class EvictionPolicy(ABC):
     def remove(self, key: Key) -> None:
         """The cache dropped a resident block itself (failed store, invalidation)."""
 
-    @abstractmethod
     def evict(self, n: int, protected: Set[Key] = NO_PROTECTION) -> list[Key] | None:
-        """Choose and forget ``n`` unprotected keys, best victim first; None if impossible."""
+        """Choose and forget ``n`` unprotected keys, best victim first; None if impossible.
+        A policy implements ``_victims``, or overrides this whole for a faster path."""
+        if n <= 0:
+            return []
+        if n > self.evictable_count(protected):
+            return None
+        return self._victims(n, protected)
+
+    def _victims(self, n: int, protected: Set[Key]) -> list[Key]:
+        """``evict`` once it is possible: choose and forget ``n`` >= 1 unprotected keys (at
+        least that many are resident), best victim first."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither evict nor _victims")
 
     @abstractmethod
     def __len__(self) -> int:

@@ -42,10 +42,6 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def __init__(self, capacity_blocks: int) -> None:
-        super().__init__(capacity_blocks)
-        self._reset()
-
     def _reset(self) -> None:
         self._order: OrderedDict[Key, None] = OrderedDict()
 

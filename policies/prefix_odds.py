@@ -6,7 +6,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence, Set
 
-from policies.base import NO_PROTECTION, EvictionPolicy, Key, RequestInfo
+from policies.base import EvictionPolicy, Key, RequestInfo
 from policies.class_odds import ClassOdds
 from policies.ghost import GhostList
 
@@ -71,7 +71,6 @@ class PrefixOddsPolicy(EvictionPolicy):
         self.refit_every, self.prior_weight = refit_every, prior_weight
         self.memory_accesses = memory_accesses
         super().__init__(capacity_blocks)
-        self._reset()
 
     def _reset(self) -> None:
         d = self.depth_buckets  # classes: count 1 by depth, counts 2..max_count, the tail
@@ -173,11 +172,7 @@ class PrefixOddsPolicy(EvictionPolicy):
                 break
         return best
 
-    def evict(self, n: int, protected: Set[Key] = NO_PROTECTION) -> list[Key] | None:
-        if n <= 0:
-            return []
-        if n > self.evictable_count(protected):
-            return None
+    def _victims(self, n: int, protected: Set[Key]) -> list[Key]:
         victims: list[Key] = []
         for _ in range(n):
             key = self._victim(protected)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Set
 
-from policies.base import NO_PROTECTION, EvictionPolicy, Key
+from policies.base import EvictionPolicy, Key
 from policies.ghost import GhostList
 
 
@@ -26,7 +26,6 @@ class S3FIFOPolicy(EvictionPolicy):
             raise ValueError(f"small_fraction must lie in (0, 1), got {small_fraction}")
         self.small_fraction = small_fraction
         super().__init__(capacity_blocks)
-        self._reset()
 
     def _reset(self) -> None:
         self._small: OrderedDict[Key, None] = OrderedDict()
@@ -57,11 +56,7 @@ class S3FIFOPolicy(EvictionPolicy):
         if self._small.pop(key, _ABSENT) is _ABSENT:
             del self._main[key]
 
-    def evict(self, n: int, protected: Set[Key] = NO_PROTECTION) -> list[Key] | None:
-        if n <= 0:
-            return []
-        if n > self.evictable_count(protected):
-            return None
+    def _victims(self, n: int, protected: Set[Key]) -> list[Key]:
         victims: list[Key] = []
         while len(victims) < n:
             key = None

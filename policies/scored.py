@@ -18,7 +18,6 @@ class ScoredPolicy(EvictionPolicy, Generic[S]):
 
     def __init__(self, capacity_blocks: int) -> None:
         super().__init__(capacity_blocks)
-        self._reset()
 
     def _reset(self) -> None:
         self._heap = KeyedMinHeap()

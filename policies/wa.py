@@ -7,7 +7,7 @@ from collections import deque
 from collections.abc import Set
 from dataclasses import dataclass, field
 
-from policies.base import NO_PROTECTION, EvictionPolicy, Key, RequestInfo
+from policies.base import EvictionPolicy, Key, RequestInfo
 from policies.ghost import GhostList
 from policies.keyed_heap import KeyedMinHeap
 
@@ -61,7 +61,6 @@ class WAPolicy(EvictionPolicy):
         self.window, self.refit_every, self.min_samples = window, refit_every, min_samples
         self.max_turn, self.ghost_factor = max_turn, ghost_factor
         super().__init__(capacity_blocks)
-        self._reset()
 
     def _reset(self) -> None:
         self._cats: dict[str, _Category] = {}
@@ -175,11 +174,7 @@ class WAPolicy(EvictionPolicy):
         key, last_s, neg_offset = head
         return self._score(cat, last_s), neg_offset, key, last_s
 
-    def evict(self, n: int, protected: Set[Key] = NO_PROTECTION) -> list[Key] | None:
-        if n <= 0:
-            return []
-        if n > self.evictable_count(protected):
-            return None
+    def _victims(self, n: int, protected: Set[Key]) -> list[Key]:
         # NOTE: head scores depend on the time and on the category's oldest block only, so they
         # are cached until the clock moves or the category changes (O(categories) per request,
         # O(1) per further eviction); a protected set bypasses the cache.
