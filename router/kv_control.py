@@ -26,6 +26,7 @@ not), never all-or-nothing.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
@@ -326,51 +327,30 @@ def kv_routes(control: KvControl, check_admin: Any, read_body: Any) -> APIRouter
         extra = {int(k.removeprefix("e")): v for k, v in more.items()}
         return error_responses({**BODY_ERRORS, **ADMIN_ERRORS, **extra})
 
+    def post(path: str, body: type[_Body], response: type, act: Any, **errs: str) -> None:
+        """``POST /v1/kv/<path>``: the admin's ``body`` validated, then ``act(body)`` (a
+        coroutine's result is awaited) answers; ``errs``: ``e<status>="what it means"``."""
+
+        async def endpoint(request: Request) -> Any:
+            out = act(await body_of(request, body))
+            return await out if inspect.isawaitable(out) else out
+
+        api.add_api_route(
+            f"/{path}",
+            endpoint,
+            methods=["POST"],
+            name=path,
+            response_model=response,
+            openapi_extra=_schema(body),
+            responses=errors(**errs),
+        )
+
     unknown = "An instance named is not known"
-
-    @api.post(
-        "/lookup",
-        response_model=LookupResponse,
-        openapi_extra=_schema(LookupBody),
-        responses=errors(),
-    )
-    async def lookup(request: Request) -> LookupResponse:
-        return control.lookup(await body_of(request, LookupBody))
-
-    @api.post(
-        "/pin",
-        response_model=ActionResponse,
-        openapi_extra=_schema(PinBody),
-        responses=errors(e404=unknown, e409="These engines have no CPU tier to pin in"),
-    )
-    async def pin(request: Request) -> ActionResponse:
-        return await control.pin(await body_of(request, PinBody), True)
-
-    @api.post(
-        "/unpin",
-        response_model=ActionResponse,
-        openapi_extra=_schema(PinBody),
-        responses=errors(e404=unknown, e409="These engines have no CPU tier to pin in"),
-    )
-    async def unpin(request: Request) -> ActionResponse:
-        return await control.pin(await body_of(request, PinBody), False)
-
-    @api.post(
-        "/warm",
-        response_model=ActionResponse,
-        openapi_extra=_schema(WarmBody),
-        responses=errors(e404=unknown, e503="No healthy engine instance to warm"),
-    )
-    async def warm(request: Request) -> ActionResponse:
-        return await control.warm(await body_of(request, WarmBody))
-
-    @api.post(
-        "/clear",
-        response_model=ActionResponse,
-        openapi_extra=_schema(ClearBody),
-        responses=errors(e404=unknown),
-    )
-    async def clear(request: Request) -> ActionResponse:
-        return await control.clear(await body_of(request, ClearBody))
-
+    pins = {"e404": unknown, "e409": "These engines have no CPU tier to pin in"}
+    no_engine = "No healthy engine instance to warm"
+    post("lookup", LookupBody, LookupResponse, control.lookup)
+    post("pin", PinBody, ActionResponse, lambda b: control.pin(b, True), **pins)
+    post("unpin", PinBody, ActionResponse, lambda b: control.pin(b, False), **pins)
+    post("warm", WarmBody, ActionResponse, control.warm, e404=unknown, e503=no_engine)
+    post("clear", ClearBody, ActionResponse, control.clear, e404=unknown)
     return api
