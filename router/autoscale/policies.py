@@ -6,7 +6,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from router.autoscale.forecast import Forecaster, SeasonalForecaster
 from router.autoscale.model import (
@@ -114,43 +114,44 @@ class ThroughputPolicy:
         return n, f"rate {rate:.2f}/s over {cap:.2f}/s per replica (ISL {p:.0f}, OSL {o:.0f})"
 
 
-class _Feedback(Protocol):
-    """What kvroute's policies learn from each observation (``_feedback``)."""
-
-    slo: Slo
-    gain_up: float
-    gain_decay: float
-    max_gain: float
-    _mix: tuple[float, float, float]
-    _gain: float
-
-
-def _feedback(policy: _Feedback, obs: Observation) -> float | None:
-    """Learn from ``obs``: the token mix per request (prompt, cached, output) of its arrivals,
-    kept from the last window that had any, and the SLO gain (x ``gain_up`` while measured
-    attainment is under the target, at most ``max_gain``; decaying back by ``gain_decay`` to 1
-    otherwise). Returns the measured attainment (None: nothing measured)."""
-    if obs.arrivals:
-        a = obs.arrivals
-        policy._mix = (obs.prompt_tokens / a, obs.cached_tokens / a, obs.output_tokens / a)
-    met = policy.slo.met(obs.ttfts, obs.tpots)
-    if met is not None and met < policy.slo.attainment:
-        policy._gain = min(policy.max_gain, policy._gain * policy.gain_up)
-    else:
-        policy._gain = max(1.0, policy._gain * policy.gain_decay)
-    return met
-
-
 @dataclass
-class KvroutePolicy:
-    """kvroute's policy: profile capacity with KV hits, cold-start-ahead forecast, backlog and
-    SLO feedback (see the module docstring)."""
+class _SloFeedback:
+    """What kvroute's policies share: the profile and SLO they size for, the cold start they
+    look ahead over, and what they learn from each observation (``_learn``)."""
 
     profile: Any
     slo: Slo
     cold_start_s: float = DEFAULT_COLD_START_S
-    headroom: float = 1.05
     points: int = 4
+    gain_up: float = 1.1
+    gain_decay: float = 0.95
+    max_gain: float = 2.0
+    _mix: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    _gain: float = 1.0
+
+    def _learn(self, obs: Observation) -> float | None:
+        """Learn from ``obs``: the token mix per request (prompt, cached, output) of its
+        arrivals, kept from the last window that had any, and the SLO gain (x ``gain_up``
+        while measured attainment is under the target, at most ``max_gain``; decaying back by
+        ``gain_decay`` to 1 otherwise). Returns the measured attainment (None: nothing
+        measured)."""
+        if obs.arrivals:
+            a = obs.arrivals
+            self._mix = (obs.prompt_tokens / a, obs.cached_tokens / a, obs.output_tokens / a)
+        met = self.slo.met(obs.ttfts, obs.tpots)
+        if met is not None and met < self.slo.attainment:
+            self._gain = min(self.max_gain, self._gain * self.gain_up)
+        else:
+            self._gain = max(1.0, self._gain * self.gain_decay)
+        return met
+
+
+@dataclass
+class KvroutePolicy(_SloFeedback):
+    """kvroute's policy: profile capacity with KV hits, cold-start-ahead forecast, backlog and
+    SLO feedback (see the module docstring)."""
+
+    headroom: float = 1.05
     down_delay_s: float = 60.0
     down_step: float = 0.25
     gain_up: float = 1.25
@@ -158,8 +159,6 @@ class KvroutePolicy:
     max_gain: float = 4.0
     name: str = "kvroute"
     _forecast: Forecaster = field(default_factory=Forecaster, repr=False)
-    _mix: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    _gain: float = 1.0
     _low_since: float | None = None
 
     def __post_init__(self) -> None:
@@ -167,7 +166,7 @@ class KvroutePolicy:
 
     def desired(self, obs: Observation, lo: int, hi: int) -> tuple[float, str]:
         self._forecast.add(obs.now, obs.rate)
-        met = _feedback(self, obs)
+        met = self._learn(obs)
         p, c, o = self._mix
         if not p and not o:
             return obs.replicas, "no traffic seen yet"
@@ -202,7 +201,7 @@ class KvroutePolicy:
 
 
 @dataclass
-class PredictivePolicy:
+class PredictivePolicy(_SloFeedback):
     """kvroute's model-predictive policy (``kvroute``): every decision, forecast the highest
     arrival rate until a replica removed now could be back (``cold_start_s`` plus one
     interval: ``SeasonalForecaster``), and search the smallest pool whose simulation
@@ -228,32 +227,23 @@ class PredictivePolicy:
     ``points`` windows behind it, the pool is not shrunk (``_held``). Without a what-if the
     policy sizes with the capacity model alone (the reactive ``kvroute_reactive``'s model)."""
 
-    profile: Any
-    slo: Slo
-    cold_start_s: float = DEFAULT_COLD_START_S
     period_s: float = 0.0
     periods: int = 2
     horizon_s: float = 60.0
     sim_goal: float = 0.99
-    points: int = 4
     max_sims: int = 4
     headroom: float = 1.2
     traffic_headroom: float = 0.0
-    gain_up: float = 1.1
-    gain_decay: float = 0.95
-    max_gain: float = 2.0
     name: str = "kvroute"
     _forecast: SeasonalForecaster = field(default_factory=SeasonalForecaster, repr=False)
-    _mix: tuple[float, float, float] = (0.0, 0.0, 0.0)
     _cap: float = 0.0  # requests/s per replica the last search found
-    _gain: float = 1.0
 
     def __post_init__(self) -> None:
         self._forecast = SeasonalForecaster(self.period_s, self.points, self.periods)
 
     def desired(self, obs: Observation, lo: int, hi: int) -> tuple[float, str]:
         self._forecast.add(obs.now, obs.window_s, obs.rate)
-        met = _feedback(self, obs)
+        met = self._learn(obs)
         p, c, o = self._mix
         if not p and not o:
             return obs.replicas, "no traffic seen yet"
