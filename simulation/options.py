@@ -24,6 +24,14 @@ def add_jobs_argument(g: argparse._ArgumentGroup, what: str = "simulations") -> 
     )
 
 
+def add_output_arguments(o: argparse._ArgumentGroup, result: str, report: str) -> None:
+    """``--json`` (print the ``result`` as JSON), ``--report`` (a directory for ``report``) and
+    ``--no-progress``."""
+    o.add_argument("--json", action="store_true", help=f"print the {result} as JSON")
+    o.add_argument("--report", help=f"directory for {report}")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
     """The engines' flags ``simulate`` and ``plan`` share (``sim_settings`` reads them)."""
     from simulation.settings import ENGINE_OPTIONS

@@ -18,6 +18,7 @@ from loadgen.cli import add_workload_arguments, check_output_dir, check_positive
 from simulation.options import (
     add_engine_arguments,
     add_jobs_argument,
+    add_output_arguments,
     add_truth_arguments,
     load_profile,
     parse_floats,
@@ -111,9 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also price N instance counts spread over [--min-instances, --max-instances] for "
         "the attainment curve [0]",
     )
-    o.add_argument("--json", action="store_true", help="print the result as JSON")
-    o.add_argument("--report", help="directory for plan.json, curve.csv and attainment.png")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_arguments(o, "result", "plan.json, curve.csv and attainment.png")
 
 
 def _fractions(raw: str) -> list[float]:

@@ -19,6 +19,7 @@ from loadgen.cli import add_workload_arguments, check_output_dir, check_positive
 from simulation.options import (
     add_engine_arguments,
     add_jobs_argument,
+    add_output_arguments,
     add_truth_arguments,
     load_profile,
     parse_routers,
@@ -107,9 +108,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="reject (429) requests whose best "
         "estimate breaks --slo-ttft-ms, as the router's admission does",
     )
-    o.add_argument("--json", action="store_true", help="print the results as JSON")
-    o.add_argument("--report", help="directory for summary.json, CSV files and PNG plots")
-    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_arguments(o, "results", "summary.json, CSV files and PNG plots")
     add_jobs_argument(o, "routers")
 
 
