@@ -132,7 +132,8 @@ class Scorer(ABC):
         instances: Sequence[InstanceView],
         match: Mapping[str, Match],
     ) -> Placement:
-        """Pick one of ``instances`` (all healthy, non-empty)."""
+        """Pick one of the healthy ``instances`` (non-empty; unhealthy ones may be among them:
+        ``healthy`` filters them and raises ``NoInstanceError`` when none is left)."""
 
     def attach(self, cache_map: CacheMap) -> None:  # noqa: B027
         """The routing core's cache map, for scorers that read more of it than a request's
