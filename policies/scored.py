@@ -16,9 +16,6 @@ class ScoredPolicy(EvictionPolicy, Generic[S]):
     and may keep one record per block in ``_state`` (a count, a cost): it leaves with the
     block, on ``remove`` and on eviction once ``_on_evicted`` has seen it."""
 
-    def __init__(self, capacity_blocks: int) -> None:
-        super().__init__(capacity_blocks)
-
     def _reset(self) -> None:
         self._heap = KeyedMinHeap()
         self._state: dict[Key, S] = {}
