@@ -129,11 +129,16 @@ def scored(records: list, since: float) -> list:
 def one_run(
     plan: list, block: int, truth: LatencyProfile, seed: int, n: int, spec: Any, hi: int,
     lo: int, target: float, since: float, period: float = 0.0, records: bool = False,
-    warm: int = 0,
+    warm: int = 0, handover: int = 0,
 ) -> Any:  # fmt: skip
     """One run from ``n`` engines: fixed (``spec`` None), a policy spec, or a ``Policy``; its
     figures (and its records, with ``records``)."""
-    settings = SimSettings(instances=n, perturbation=Perturbation(seed=seed), warm_prefixes=warm)
+    settings = SimSettings(
+        instances=n,
+        perturbation=Perturbation(seed=seed),
+        warm_prefixes=warm,
+        handover_prefixes=handover,
+    )
     scaler = None
     if spec is not None:
         slo = Slo(SLO_TTFT_S, SLO_TPOT_S, target)
@@ -345,6 +350,11 @@ def cell(
                 plan, block, truth, seed, peak, "kvroute", hi, args.min_instances, target, since,
                 period, warm=args.warm_prefixes,
             )  # fmt: skip
+        elif spec == "kvroute_handover":  # kvroute, a leaving engine's prompts handed over
+            r = one_run(
+                plan, block, truth, seed, peak, "kvroute", hi, args.min_instances, target, since,
+                period, handover=args.handover_prefixes,
+            )  # fmt: skip
         elif spec == "oracle":
             r = oracle_run(plan, block, truth, seed, target, hi, since)
         else:
@@ -410,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join((*POLICIES, "oracle")),
         help="specs, separated by ',' (';' when a spec has commas); ray_default is swept, "
         "oracle is the hindsight oracle, kvroute_warm is kvroute with warming "
-        "(--warm-prefixes)",
+        "(--warm-prefixes), kvroute_handover with hand-over on scale-down (--handover-prefixes)",
     )
     ap.add_argument(
         "--rate-scale",
@@ -424,6 +434,13 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=8,
         help="kvroute_warm: hot prefixes a new engine prefills before it serves [8]",
+    )
+    ap.add_argument(
+        "--handover-prefixes",
+        type=int,
+        default=16,
+        help="kvroute_handover: a leaving engine's longest recent prompts prefilled on the "
+        "survivors [16]",
     )
     ap.add_argument("--min-instances", type=int, default=1)
     ap.add_argument("--max-instances", type=int, default=48)

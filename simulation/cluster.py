@@ -41,6 +41,7 @@ import gc
 import heapq
 import math
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -58,45 +59,9 @@ from router.placement import PlacementRequest, create_scorer
 from router.recorder import PlacementRecorder
 from simulation.cachesim import request_info
 from simulation.settings import WARM_PREFIX, ProgressFn, SimRun, SimSettings, SloBudget
+from simulation.warming import handover_prefixes, hot_prefixes, warm_request
 from simulation.whatif import WhatIfSimulator
 from simulation.wiring import WiredCluster
-
-
-def hot_prefixes(recent: Sequence[Planned], k: int) -> list[tuple[Any, tuple[int, ...]]]:
-    """The ``k`` prefixes (trace block ids) of ``recent`` whose caching saves the most prefill:
-    per first block, the prefix length maximising length x the requests sharing it (at least
-    two), ranked by that; each with one request that carries it (its category and info)."""
-    groups: dict[int, list[tuple[int, ...]]] = {}
-    carrier: dict[int, Any] = {}
-    for p in recent:
-        h = p.req.hash_ids
-        if h:
-            groups.setdefault(h[0], []).append(h)
-            carrier.setdefault(h[0], p.req)
-    ranked = []
-    for first, hs in groups.items():
-        if len(hs) < 2:
-            continue
-        best, best_len, prefix = 0, 0, hs[0][:1]
-        length = 1
-        while True:
-            counts: dict[tuple[int, ...], int] = {}
-            for h in hs:
-                if len(h) >= length:
-                    key = h[:length]
-                    counts[key] = counts.get(key, 0) + 1
-            if not counts:
-                break
-            key, c = max(counts.items(), key=lambda kv: kv[1])
-            if c < 2:
-                break
-            if c * length > best:
-                best, best_len, prefix = c * length, length, key
-            length = length * 2 if length < 8 else length + max(1, length // 4)
-        if best_len:
-            ranked.append((best, first, prefix))
-    ranked.sort(key=lambda x: (-x[0], x[1]))
-    return [(carrier[first], prefix) for _, first, prefix in ranked[:k]]
 
 
 class ClusterSimulator(WiredCluster):
@@ -126,8 +91,9 @@ class ClusterSimulator(WiredCluster):
         in the router's map, then fewest requests in flight): removed from routing at once,
         they stop sampling, finish what they run, and on the last finish publish
         ``InstanceGone`` on the KV bus (the forwarder's clean scale-down), which takes their
-        blocks out of the map; their billing ends there. After the last arrival the decisions
-        go on until every request has finished."""
+        blocks out of the map; their billing ends there. With ``handover_prefixes`` their
+        longest recent prompts are first prefilled on the survivors (``_hand_over_cache``).
+        After the last arrival the decisions go on until every request has finished."""
         wall0 = time.perf_counter()  # the collector's set-up counts too
         self._budget = budget
         if autoscaler is not None and self.settings.prefill_instances:
@@ -271,6 +237,11 @@ class ClusterSimulator(WiredCluster):
                 (t, tr.input_length, tr.output_length, core.cached_tokens(preq, placement))
             )
             self._recent.append(p)
+            if self.settings.handover_prefixes:
+                served = self._served.setdefault(i, deque())
+                served.append(p)
+                while served[0].offset_s < t - self.settings.handover_history_s:
+                    served.popleft()
         preqs = self._preqs
         preqs[rid] = (preq, p)
         if leg is req:
@@ -380,22 +351,12 @@ class ClusterSimulator(WiredCluster):
         self._recent_since(at)
         inst = self.instances[i]
         n = 0
+        sizes = self.trace_block_size, self.block_size, inst.max_model_len
         for j, (tr, blocks) in enumerate(hot_prefixes(self._recent, k)):
-            length = min(len(blocks) * self.trace_block_size, inst.max_model_len - 1)
-            if length < self.block_size:
+            req = warm_request(f"{WARM_PREFIX}{i}-{j}", at, tr, blocks, *sizes)
+            if req is None:
                 continue
             try:
-                _, req = trace_arrival(
-                    f"{WARM_PREFIX}{i}-{j}",
-                    at,
-                    length,
-                    1,
-                    blocks,
-                    self.trace_block_size,
-                    self.block_size,
-                    inst.max_model_len,
-                    request_info(tr, -1),
-                )
                 inst.submit(req, at)
             except ValueError:
                 continue
@@ -404,6 +365,33 @@ class ClusterSimulator(WiredCluster):
             return at
         inst.drain()
         return max(at, inst.clock)
+
+    def _hand_over_cache(self, i: int, now: float) -> None:
+        """Engine ``i`` left at ``now``: the longest prompts it served lately
+        (``handover_prefixes``) that no survivor holds half of are prefilled, one token each
+        (``warm-h<i>-<j>``), where the router places them among the survivors, so that a
+        session's next turn finds its prefix there (the KV control API's warm path)."""
+        served = self._served.pop(i, None)
+        if not served:
+            return
+        s, bs = self.settings, self.block_size
+        sizes = self.trace_block_size, bs, self.instances[i].max_model_len
+        recent = [p for p in served if p.offset_s >= now - s.handover_history_s]
+        for j, (tr, blocks) in enumerate(handover_prefixes(recent, s.handover_prefixes)):
+            req = warm_request(f"{WARM_PREFIX}h{i}-{j}", now, tr, blocks, *sizes)
+            if req is None:
+                continue
+            n = req.prompt_len // bs
+            preq = PlacementRequest(req.request_id, req.prompt_len, req.block_hashes[:n], 1)
+            held = self.core.cache_map.match(preq.block_hashes)
+            if 2 * max((m.total_blocks for m in held.values()), default=0) >= n:
+                continue  # a survivor holds half of it or more
+            k = self._index[self.core.place(preq, now).instance_id]
+            self.instances[k].submit(req, now)
+            w = self.instances[k].wake_s()
+            if w != self._wake[k]:
+                self._wake[k] = w
+                heapq.heappush(self._due_heap, (w, k))
 
     def _recent_since(self, now: float) -> None:
         recent = self._recent
@@ -507,10 +495,13 @@ class ClusterSimulator(WiredCluster):
                 busy = v.waiting + v.running if v is not None else 0
                 return (cmap.count(iid, Tier.GPU), busy, -i)
 
-            for i in sorted(serving, key=worth)[: n - target]:
+            leaving = sorted(serving, key=worth)[: n - target]
+            for i in leaving:
                 self._publishing[i] = False
                 self._leaving[i] = now
                 self.core.remove_instance(self.instances[i].instance_id)
+            for i in leaving:
+                self._hand_over_cache(i, now)
             n = target
         self._target = n
 

@@ -29,6 +29,9 @@ ENGINE_OPTIONS: tuple[str, ...] = tuple(
     if f.name not in ("block_size", "vocab_size", "token_offset")
 )
 
+# how far back a leaving engine's requests are handed over (``SimSettings.handover_prefixes``):
+# a conversation's next turn came 150-670 s after its last on the Mooncake trace's day
+DEFAULT_HANDOVER_HISTORY_S = 600.0
 # the request ids of warming prefills (``SimSettings.warm_prefixes``)
 WARM_PREFIX = "warm-"
 
@@ -114,6 +117,12 @@ class SimSettings:
     # it is routable, prefills the ``warm_prefixes`` hottest prefixes of the requests placed
     # in the last ``what_if_history_s`` (``hot_prefixes``); 0: it joins cold
     warm_prefixes: int = 0
+    # hand-over (KV-aware scale-down): when an engine leaves, the ``handover_prefixes`` longest
+    # prompts it served in the last ``handover_history_s`` that no survivor holds half of are
+    # prefilled where the router places them among the survivors (``handover_prefixes``); 0:
+    # its cache leaves with it
+    handover_prefixes: int = 0
+    handover_history_s: float = DEFAULT_HANDOVER_HISTORY_S
 
     def gpu_blocks(self, truth: LatencyProfile, block_size: int) -> int:
         """Each engine's GPU KV blocks: ``num_gpu_blocks`` when set, else the profile's
@@ -132,6 +141,10 @@ class SimSettings:
             raise ValueError(f"--event-stride must be >= 1, got {self.event_stride}")
         if self.warm_prefixes < 0:
             raise ValueError(f"--warm-prefixes must be >= 0, got {self.warm_prefixes}")
+        if self.handover_prefixes < 0:
+            raise ValueError(f"--handover-prefixes must be >= 0, got {self.handover_prefixes}")
+        if not self.handover_history_s > 0:
+            raise ValueError(f"handover_history_s must be > 0, got {self.handover_history_s}")
         if not 0 <= self.cold_start_s < 86_400:
             raise ValueError(f"--cold-start-s must be in [0, 86400), got {self.cold_start_s}")
         if not self.load_interval_s > 0:

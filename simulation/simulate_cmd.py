@@ -30,6 +30,7 @@ from simulation.options import (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from router.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_OVERLOAD_FACTOR
+    from simulation.settings import DEFAULT_HANDOVER_HISTORY_S
 
     add_workload_arguments(p)
     c = p.add_argument_group("cluster")
@@ -93,6 +94,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "end of its cold start, before it takes traffic (0: joins cold) [0]",
     )
     a.add_argument(
+        "--handover-prefixes",
+        type=int,
+        default=0,
+        help="a leaving engine's longest prompts of the last "
+        f"{DEFAULT_HANDOVER_HISTORY_S:g} s, this many, that no survivor holds half of are "
+        "prefilled where the router places them among the survivors (0: its cache leaves with "
+        "it) [0]",
+    )
+    a.add_argument(
         "--attainment",
         type=float,
         default=0.99,
@@ -133,6 +143,7 @@ def autoscaler_factory(
     if args.cold_start_s is not None:
         settings.cold_start_s = args.cold_start_s
     settings.warm_prefixes = args.warm_prefixes
+    settings.handover_prefixes = args.handover_prefixes
     settings.validate()
     slo = Slo(
         args.slo_ttft_ms / 1e3,
@@ -155,6 +166,7 @@ def autoscaler_factory(
         "interval_s": args.autoscale_interval_s,
         "cold_start_s": settings.cold_start_s,
         "warm_prefixes": settings.warm_prefixes,
+        "handover_prefixes": settings.handover_prefixes,
         "attainment_target": args.attainment,
     }
     return make, meta

@@ -94,6 +94,7 @@ class WiredCluster:
         self._decision_cpu: list[float] = []
         self._joins: list[tuple[float, str, bool]] = []
         self._warmed: set[int] = set()
+        self._served: dict[int, deque[Planned]] = {}  # hand-over: each engine's recent requests
         self._belief = belief
         self.translators: dict[str, EngineEventTranslator] = {}
         self.instances: list[VirtualInstance] = []

@@ -45,9 +45,15 @@ def work(duration: float = 60.0, rate: float = 20.0, seed: int = 0):
     return build_schedule(generate("to-b", SynthParams(rate=rate, duration_s=duration, seed=seed)))
 
 
-def replay(profile, instances, steps, *, cold=20.0, interval=5.0, seed=0, plan=None, warm=0):
+def replay(
+    profile, instances, steps, *, cold=20.0, interval=5.0, seed=0, plan=None, warm=0, handover=0
+):
     settings = SimSettings(
-        instances=instances, perturbation=EXACT, cold_start_s=cold, warm_prefixes=warm
+        instances=instances,
+        perturbation=EXACT,
+        cold_start_s=cold,
+        warm_prefixes=warm,
+        handover_prefixes=handover,
     )
     settings.perturbation = Perturbation(speed_sigma=0.1, jitter=0.05, seed=seed)
     sim = ClusterSimulator(profile, "kv_ttft", settings, SYNTH_BLOCK_SIZE)
@@ -239,7 +245,7 @@ def test_a_fixed_run_without_what_if_matches_one_with(profile):
 def test_hot_prefixes_rank_the_shared_prefixes_by_the_prefill_they_save():
     from loadgen.traces import TraceRequest
     from loadgen.workloads import Planned
-    from simulation.cluster import hot_prefixes
+    from simulation.warming import hot_prefixes
 
     def req(k, ids):
         return Planned(k, float(k), TraceRequest(float(k), 16 * len(ids), 8, tuple(ids)))
@@ -271,6 +277,53 @@ def test_a_warmed_engine_holds_the_hot_prefixes_before_it_serves(profile):
     assert first.intended_s >= t_warm
     with pytest.raises(ValueError, match="--warm-prefixes"):
         SimSettings(warm_prefixes=-1).validate()
+
+
+def test_handover_prefixes_take_the_longest_prompts_none_a_prefix_of_another():
+    from loadgen.traces import TraceRequest
+    from loadgen.workloads import Planned
+    from simulation.warming import handover_prefixes
+
+    def req(k, ids):
+        return Planned(k, float(k), TraceRequest(float(k), 16 * len(ids), 8, tuple(ids)))
+
+    served = [
+        req(0, [1, 2]), req(1, [1, 2, 3, 4]),  # one conversation: its later turn carries both
+        req(2, [5, 6, 7]), req(3, [8]), req(4, [1, 2, 9]),
+    ]  # fmt: skip
+    got = [prefix for _, prefix in handover_prefixes(served, 5)]
+    assert got == [(1, 2, 3, 4), (1, 2, 9), (5, 6, 7), (8,)]
+    assert [p for _, p in handover_prefixes(served, 2)] == [(1, 2, 3, 4), (1, 2, 9)]
+
+
+def test_a_leaving_engine_hands_its_longest_prompts_to_a_survivor(profile):
+    """With hand-over, an engine scaled down has its longest recent prompts prefilled on the
+    survivors (where the router places them) before its blocks leave the map; without it,
+    nothing is; either way every client request is served and the hand-over is no client's."""
+    plan = work(40.0)
+    sims = {}
+    for k in (0, 3):
+        sim, run, _ = replay(profile, 2, [(20.0, 1)], plan=plan, handover=k)
+        assert len(run.records) == len(plan) and all(r.ok for r in run.records)
+        sims[k] = sim, run
+
+    def handed(sim):
+        return [
+            r for inst in sim.instances for r in inst.finished if r.request_id.startswith("warm-h")
+        ]
+
+    assert handed(sims[0][0]) == []
+    got = handed(sims[3][0])
+    assert 1 <= len(got) <= 3
+    (left,) = [i for i, inst in enumerate(sims[3][0].instances) if not sims[3][0]._publishing[i]]
+    survivor = sims[3][0].instances[1 - left].instance_id
+    assert all(r.request_id.startswith(f"warm-h{left}-") for r in got)
+    assert all(r in sims[3][0].by_id[survivor].finished for r in got)
+    # the survivor holds the handed prompts in the router's map
+    held = sims[3][0].core.cache_map.match(got[0].block_hashes)
+    assert held[survivor].total_blocks >= len(got[0].block_hashes) - 1
+    with pytest.raises(ValueError, match="--handover-prefixes"):
+        SimSettings(handover_prefixes=-1).validate()
 
 
 def test_a_replay_inside_a_replay_keeps_the_outer_collector_settings():
