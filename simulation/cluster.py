@@ -59,7 +59,7 @@ from router.placement import PlacementRequest, create_scorer
 from router.recorder import PlacementRecorder
 from simulation.cachesim import request_info
 from simulation.settings import WARM_PREFIX, ProgressFn, SimRun, SimSettings, SloBudget
-from simulation.warming import handover_prefixes, hot_prefixes, warm_request
+from simulation.warming import hot_prefixes, longest_prompts, warm_request
 from simulation.whatif import WhatIfSimulator
 from simulation.wiring import WiredCluster
 
@@ -377,7 +377,7 @@ class ClusterSimulator(WiredCluster):
         s, bs = self.settings, self.block_size
         sizes = self.trace_block_size, bs, self.instances[i].max_model_len
         recent = [p for p in served if p.offset_s >= now - s.handover_history_s]
-        for j, (tr, blocks) in enumerate(handover_prefixes(recent, s.handover_prefixes)):
+        for j, (tr, blocks) in enumerate(longest_prompts(recent, s.handover_prefixes)):
             req = warm_request(f"{WARM_PREFIX}h{i}-{j}", now, tr, blocks, *sizes)
             if req is None:
                 continue

@@ -119,7 +119,7 @@ class SimSettings:
     warm_prefixes: int = 0
     # hand-over (KV-aware scale-down): when an engine leaves, the ``handover_prefixes`` longest
     # prompts it served in the last ``handover_history_s`` that no survivor holds half of are
-    # prefilled where the router places them among the survivors (``handover_prefixes``); 0:
+    # prefilled where the router places them among the survivors (``warming.longest_prompts``); 0:
     # its cache leaves with it
     handover_prefixes: int = 0
     handover_history_s: float = DEFAULT_HANDOVER_HISTORY_S

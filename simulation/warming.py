@@ -50,7 +50,7 @@ def hot_prefixes(recent: Sequence[Planned], k: int) -> list[tuple[Any, tuple[int
     return [(carrier[first], prefix) for _, first, prefix in ranked[:k]]
 
 
-def handover_prefixes(served: Sequence[Planned], k: int) -> list[tuple[Any, tuple[int, ...]]]:
+def longest_prompts(served: Sequence[Planned], k: int) -> list[tuple[Any, tuple[int, ...]]]:
     """The ``k`` longest prompts (trace block ids) among ``served`` (a leaving engine's recent
     requests), none a prefix of another taken (a conversation's later turn carries its earlier
     ones), longest first; each with its request (its category and info). A session's next

@@ -279,10 +279,10 @@ def test_a_warmed_engine_holds_the_hot_prefixes_before_it_serves(profile):
         SimSettings(warm_prefixes=-1).validate()
 
 
-def test_handover_prefixes_take_the_longest_prompts_none_a_prefix_of_another():
+def test_longest_prompts_are_taken_none_a_prefix_of_another():
     from loadgen.traces import TraceRequest
     from loadgen.workloads import Planned
-    from simulation.warming import handover_prefixes
+    from simulation.warming import longest_prompts
 
     def req(k, ids):
         return Planned(k, float(k), TraceRequest(float(k), 16 * len(ids), 8, tuple(ids)))
@@ -291,9 +291,9 @@ def test_handover_prefixes_take_the_longest_prompts_none_a_prefix_of_another():
         req(0, [1, 2]), req(1, [1, 2, 3, 4]),  # one conversation: its later turn carries both
         req(2, [5, 6, 7]), req(3, [8]), req(4, [1, 2, 9]),
     ]  # fmt: skip
-    got = [prefix for _, prefix in handover_prefixes(served, 5)]
+    got = [prefix for _, prefix in longest_prompts(served, 5)]
     assert got == [(1, 2, 3, 4), (1, 2, 9), (5, 6, 7), (8,)]
-    assert [p for _, p in handover_prefixes(served, 2)] == [(1, 2, 3, 4), (1, 2, 9)]
+    assert [p for _, p in longest_prompts(served, 2)] == [(1, 2, 3, 4), (1, 2, 9)]
 
 
 def test_a_leaving_engine_hands_its_longest_prompts_to_a_survivor(profile):
