@@ -55,7 +55,7 @@ from loadgen.workloads import Planned
 from router import lifecycle
 from router.admission import Rejected
 from router.autoscale import Autoscaler, EngineLoad, Observation
-from router.placement import PlacementRequest, create_scorer
+from router.placement import NoInstanceError, PlacementRequest, create_scorer
 from router.recorder import PlacementRecorder
 from simulation.cachesim import request_info
 from simulation.settings import WARM_PREFIX, ProgressFn, SimRun, SimSettings, SloBudget
@@ -386,8 +386,13 @@ class ClusterSimulator(WiredCluster):
             held = self.core.cache_map.match(preq.block_hashes)
             if 2 * max((m.total_blocks for m in held.values()), default=0) >= n:
                 continue  # a survivor holds half of it or more
-            k = self._index[self.core.place(preq, now).instance_id]
-            self.instances[k].submit(req, now)
+            try:
+                k = self._index[self.core.place(preq, now).instance_id]
+                self.instances[k].submit(req, now)
+            except NoInstanceError:
+                return  # no survivor can take it
+            except ValueError:
+                continue  # not on that engine (its context or KV)
             w = self.instances[k].wake_s()
             if w != self._wake[k]:
                 self._wake[k] = w
