@@ -222,10 +222,10 @@ class KVBlockManager:
         need_slot = min(computed + num_new_tokens, max_model_len)
         if max(cdiv(need_slot, bs) - n_hit, 0) + evictable > free:
             return False
-        front, back = self._front, self._back
+        back = self._back
         for b in hit:
             if b.ref_cnt == 0:  # cached, so at the back (the front's blocks have no hash)
-                del (back if b.block_id in back else front)[b.block_id]
+                del back[b.block_id]
             b.ref_cnt += 1
             b.info = req.info
         req.blocks = list(hit)
