@@ -240,8 +240,7 @@ class ClusterSimulator(WiredCluster):
             if self.settings.handover_prefixes:
                 served = self._served.setdefault(i, deque())
                 served.append(p)
-                while served[0].offset_s < t - self.settings.handover_history_s:
-                    served.popleft()
+                _drop_before(served, t - self.settings.handover_history_s)
         preqs = self._preqs
         preqs[rid] = (preq, p)
         if leg is req:
@@ -371,13 +370,11 @@ class ClusterSimulator(WiredCluster):
         (``handover_prefixes``) that no survivor holds half of are prefilled, one token each
         (``warm-h<i>-<j>``), where the router places them among the survivors, so that a
         session's next turn finds its prefix there (the KV control API's warm path)."""
-        served = self._served.pop(i, None)
-        if not served:
-            return
         s, bs = self.settings, self.block_size
+        served = self._served.pop(i, deque())
+        _drop_before(served, now - s.handover_history_s)
         sizes = self.trace_block_size, bs, self.instances[i].max_model_len
-        recent = [p for p in served if p.offset_s >= now - s.handover_history_s]
-        for j, (tr, blocks) in enumerate(longest_prompts(recent, s.handover_prefixes)):
+        for j, (tr, blocks) in enumerate(longest_prompts(served, s.handover_prefixes)):
             req = warm_request(f"{WARM_PREFIX}h{i}-{j}", now, tr, blocks, *sizes)
             if req is None:
                 continue
@@ -399,9 +396,7 @@ class ClusterSimulator(WiredCluster):
                 heapq.heappush(self._due_heap, (w, k))
 
     def _recent_since(self, now: float) -> None:
-        recent = self._recent
-        while recent and recent[0].offset_s < now - self.settings.what_if_history_s:
-            recent.popleft()
+        _drop_before(self._recent, now - self.settings.what_if_history_s)
 
     def _tick(self, now: float) -> None:
         """One autoscaling decision at ``now``: bring the cluster up to ``now`` as the
@@ -550,6 +545,13 @@ def _replay_collector() -> Iterator[None]:
             gc.set_threshold(*thresholds)
         if freeze:
             gc.unfreeze()
+
+
+def _drop_before(planned: deque[Planned], t: float) -> None:
+    """Drop from the front of ``planned`` (in arrival order) the requests that arrived before
+    ``t``."""
+    while planned and planned[0].offset_s < t:
+        planned.popleft()
 
 
 def _session_key(chat_id: int | None, parent: int | None, roots: dict[int, int]) -> str | None:
