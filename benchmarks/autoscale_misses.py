@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 from collections import Counter
@@ -35,11 +34,12 @@ from benchmarks.autoscale_suite import (
     SLO_TPOT_S,
     SLO_TTFT_S,
     WORKLOADS,
+    ceiling_and_target,
+    ideal_ttfts_of,
     make_plan,
     one_run,
 )
 from engines.sim.profile import LatencyProfile
-from simulation.settings import SimSettings, ideal_ttfts
 
 
 def predecessors(plan: list) -> dict[int, int | None]:
@@ -122,9 +122,8 @@ def main() -> None:
     truth = LatencyProfile.load("h100-llama3.1-8b")
     plan, block = make_plan(args.workload, args.seed, args.rate_scale, args.duration)
     period = PERIOD_S if args.workload in PERIODIC else 0.0
-    ideal = ideal_ttfts(plan, block, truth, SimSettings(instances=1))
-    sc = [x for p, x in zip(plan, ideal, strict=True) if p.offset_s >= period]
-    target = min(0.99, sum(1 for x in sc if not math.isnan(x) and x <= SLO_TTFT_S) / len(sc) - 0.01)
+    ideal = ideal_ttfts_of(plan, block, truth)
+    _, target = ceiling_and_target(plan, ideal, period)
     out: dict[str, Any] = {"workload": args.workload, "seed": args.seed, "target": round(target, 4)}
     n, hi = args.static, args.max_instances
     for name, spec, lo in (("static", None, n), (args.policy, args.policy, 1)):

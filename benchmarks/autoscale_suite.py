@@ -122,6 +122,19 @@ def make_plan(workload: str, seed: int, rate_scale: float, duration: float) -> t
     return burst_and_lull(build_schedule(generate(workload, p))), SYNTH_BLOCK_SIZE
 
 
+def ideal_ttfts_of(plan: list, block: int, truth: LatencyProfile) -> list[float]:
+    """Each request's ideal TTFT (``simulation.settings.ideal_ttfts``) on the suite's engines."""
+    return ideal_ttfts(plan, block, truth, SimSettings(instances=1))
+
+
+def ceiling_and_target(plan: list, ideal: list[float], since: float) -> tuple[float, float]:
+    """The workload's ceiling (the share of the requests from ``since`` whose ideal TTFT is
+    within the SLO) and its attainment target: 99%, or one point under the ceiling."""
+    sc = [x for p, x in zip(plan, ideal, strict=True) if p.offset_s >= since]
+    ceiling = sum(1 for x in sc if not math.isnan(x) and x <= SLO_TTFT_S) / len(sc)
+    return ceiling, min(0.99, ceiling - 0.01)
+
+
 def scored(records: list, since: float) -> list:
     return [r for r in records if r.intended_s >= since]
 
@@ -244,7 +257,7 @@ def oracle_schedule(
             continue
         base = window[0].offset_s
         sub = [Planned(j, p.offset_s - base, p.req) for j, p in enumerate(window)]
-        ideal = ideal_ttfts(sub, block, truth, SimSettings(instances=1))
+        ideal = ideal_ttfts_of(sub, block, truth)
         count = [j for j, p in enumerate(window) if p.offset_s >= t0 and ideal[j] <= SLO_TTFT_S]
 
         def ok(n: int, sub: list = sub, count: list = count) -> bool:
@@ -281,7 +294,7 @@ def oracle_run(
     one), the minute before them too (its queue is theirs), and the day is replayed again,
     at most ``ORACLE_REPAIRS`` times (the repairs, in ``repairs``)."""
     sched = oracle_schedule(plan, block, truth, seed, hi)
-    ideal = ideal_ttfts(plan, block, truth, SimSettings(instances=1))
+    ideal = ideal_ttfts_of(plan, block, truth)
     cold = SimSettings().cold_start_s
     counts = [n for _, n in sched]
     r: dict[str, Any] = {}
@@ -316,11 +329,7 @@ def cell(
     plan, block = make_plan(workload, seed, args.rate_scale, args.duration)
     period = PERIOD_S if workload in PERIODIC else 0.0
     since = period  # scored after the first cycle (the whole day is reported too)
-    settings = SimSettings(instances=1)
-    ideal = ideal_ttfts(plan, block, truth, settings)
-    sc = [x for p, x in zip(plan, ideal, strict=True) if p.offset_s >= since]
-    ceiling = sum(1 for x in sc if not math.isnan(x) and x <= SLO_TTFT_S) / len(sc)
-    target = min(0.99, ceiling - 0.01)
+    ceiling, target = ceiling_and_target(plan, ideal_ttfts_of(plan, block, truth), since)
     hi = args.max_instances
     peak, static = static_peak(plan, block, truth, seed, target, hi, since)
     out: dict[str, Any] = {
@@ -345,15 +354,14 @@ def cell(
             )
             r = {**runs[best], "setting": best}
             r["sweep"] = {s: [x["attainment"], x["gpu_hours"]] for s, x in runs.items()}
-        elif spec == "kvroute_warm":  # kvroute, its new engines warmed before they serve
+        elif spec in ("kvroute_warm", "kvroute_handover"):
+            # kvroute, its new engines warmed before they serve, or its leaving ones' prompts
+            # handed over to the survivors
+            warm = args.warm_prefixes if spec == "kvroute_warm" else 0
+            handover = args.handover_prefixes if spec == "kvroute_handover" else 0
             r = one_run(
                 plan, block, truth, seed, peak, "kvroute", hi, args.min_instances, target, since,
-                period, warm=args.warm_prefixes,
-            )  # fmt: skip
-        elif spec == "kvroute_handover":  # kvroute, a leaving engine's prompts handed over
-            r = one_run(
-                plan, block, truth, seed, peak, "kvroute", hi, args.min_instances, target, since,
-                period, handover=args.handover_prefixes,
+                period, warm=warm, handover=handover,
             )  # fmt: skip
         elif spec == "oracle":
             r = oracle_run(plan, block, truth, seed, target, hi, since)
