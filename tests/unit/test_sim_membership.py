@@ -12,7 +12,8 @@ import pytest
 from cachemap.hashing import Tier
 from engines.sim.profile import LatencyProfile
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
-from loadgen.workloads import build_schedule
+from loadgen.traces import TraceRequest
+from loadgen.workloads import Planned, build_schedule
 from router.autoscale import Autoscaler, Observation
 from simulation.cluster import ClusterSimulator
 from simulation.settings import EXACT, Perturbation, SimSettings
@@ -43,6 +44,11 @@ class Script:
 
 def work(duration: float = 60.0, rate: float = 20.0, seed: int = 0):
     return build_schedule(generate("to-b", SynthParams(rate=rate, duration_s=duration, seed=seed)))
+
+
+def req(k, ids):
+    """Request ``k`` of a plan, arriving at ``k`` s, carrying the trace block ids ``ids``."""
+    return Planned(k, float(k), TraceRequest(float(k), 16 * len(ids), 8, tuple(ids)))
 
 
 def replay(
@@ -243,12 +249,7 @@ def test_a_fixed_run_without_what_if_matches_one_with(profile):
 
 
 def test_hot_prefixes_rank_the_shared_prefixes_by_the_prefill_they_save():
-    from loadgen.traces import TraceRequest
-    from loadgen.workloads import Planned
     from simulation.warming import hot_prefixes
-
-    def req(k, ids):
-        return Planned(k, float(k), TraceRequest(float(k), 16 * len(ids), 8, tuple(ids)))
 
     recent = [
         req(0, [1, 2, 3, 4, 50]), req(1, [1, 2, 3, 4, 51]), req(2, [1, 2, 3, 4, 52]),
@@ -280,12 +281,7 @@ def test_a_warmed_engine_holds_the_hot_prefixes_before_it_serves(profile):
 
 
 def test_longest_prompts_are_taken_none_a_prefix_of_another():
-    from loadgen.traces import TraceRequest
-    from loadgen.workloads import Planned
     from simulation.warming import longest_prompts
-
-    def req(k, ids):
-        return Planned(k, float(k), TraceRequest(float(k), 16 * len(ids), 8, tuple(ids)))
 
     served = [
         req(0, [1, 2]), req(1, [1, 2, 3, 4]),  # one conversation: its later turn carries both
@@ -303,24 +299,24 @@ def test_a_leaving_engine_hands_its_longest_prompts_to_a_survivor(profile):
     plan = work(40.0)
     sims = {}
     for k in (0, 3):
-        sim, run, _ = replay(profile, 2, [(20.0, 1)], plan=plan, handover=k)
+        sims[k], run, _ = replay(profile, 2, [(20.0, 1)], plan=plan, handover=k)
         assert len(run.records) == len(plan) and all(r.ok for r in run.records)
-        sims[k] = sim, run
 
     def handed(sim):
         return [
             r for inst in sim.instances for r in inst.finished if r.request_id.startswith("warm-h")
         ]
 
-    assert handed(sims[0][0]) == []
-    got = handed(sims[3][0])
+    assert handed(sims[0]) == []
+    sim = sims[3]
+    got = handed(sim)
     assert 1 <= len(got) <= 3
-    (left,) = [i for i, inst in enumerate(sims[3][0].instances) if not sims[3][0]._publishing[i]]
-    survivor = sims[3][0].instances[1 - left].instance_id
+    (left,) = [i for i in range(len(sim.instances)) if not sim._publishing[i]]
+    survivor = sim.instances[1 - left].instance_id
     assert all(r.request_id.startswith(f"warm-h{left}-") for r in got)
-    assert all(r in sims[3][0].by_id[survivor].finished for r in got)
+    assert all(r in sim.by_id[survivor].finished for r in got)
     # the survivor holds the handed prompts in the router's map
-    held = sims[3][0].core.cache_map.match(got[0].block_hashes)
+    held = sim.core.cache_map.match(got[0].block_hashes)
     assert held[survivor].total_blocks >= len(got[0].block_hashes) - 1
     with pytest.raises(ValueError, match="--handover-prefixes"):
         SimSettings(handover_prefixes=-1).validate()
