@@ -163,7 +163,17 @@ class InstanceGone(msgspec.Struct, array_like=True, gc=False, tag="gone"):
     instance: str
 
 
-BusMessage = InstanceEvents | Snapshot | InstanceGone
+class LastSeq(msgspec.Struct, array_like=True, gc=False, tag="last"):
+    """``instance``'s last stamped batch is ``seq`` (-1: none yet). Its forwarder sends one after
+    each quiet spell that follows a batch: a consumer that lost the trailing batches of a burst
+    sees the gap here, where it would otherwise see it only at the instance's next batch. It
+    stamps nothing itself, so it can be repeated."""
+
+    instance: str
+    seq: int
+
+
+BusMessage = InstanceEvents | Snapshot | InstanceGone | LastSeq
 
 _bus_encoder = msgspec.msgpack.Encoder()
 _bus_decoder = msgspec.msgpack.Decoder(BusMessage)

@@ -32,6 +32,7 @@ from cachemap.events import (
     EngineHash,
     InstanceEvents,
     InstanceGone,
+    LastSeq,
     Removed,
     Snapshot,
     SnapshotBlock,
@@ -410,15 +411,16 @@ class CacheMapIngestor:
             self._apply_snapshot(msg)
             return None
         expected = self._next.get(msg.instance, 0)
+        if isinstance(msg, LastSeq):
+            if msg.seq < expected:
+                return None  # we have every batch up to it
+            # the batches expected..seq were lost and nothing came after them
+            return self._gap(msg.instance, expected, msg.seq + 1)
         if msg.seq < expected:
             self.duplicates += 1
             return None
-        gap = None
-        if msg.seq > expected:
-            # Apply anyway (best effort) and ask for a snapshot, which replaces it all.
-            gap = Gap(msg.instance, expected, msg.seq)
-            self.gaps += 1
-            self.needs_resync.add(msg.instance)
+        # Apply anyway (best effort) and ask for a snapshot, which replaces it all.
+        gap = self._gap(msg.instance, expected, msg.seq) if msg.seq > expected else None
         self._next[msg.instance] = msg.seq + 1
         # a run of stores on one tier goes to the map in one pass (``CacheMap.store_chains``)
         chains: list[tuple[Sequence[int], int | None, int]] = []
@@ -441,6 +443,11 @@ class CacheMapIngestor:
         if chains:
             self.map.store_chains(msg.instance, as_tier(run_tier), chains)
         return gap
+
+    def _gap(self, instance: str, expected: int, got: int) -> Gap:
+        self.gaps += 1
+        self.needs_resync.add(instance)
+        return Gap(instance, expected, got)
 
     def _apply_snapshot(self, snap: Snapshot) -> None:
         if snap.seq < self._next.get(snap.instance, 0) - 1:

@@ -9,8 +9,10 @@ sequence skips (a slow-joining subscriber, a full high-water mark), it asks the 
 ROUTER for the missing batches (vLLM's protocol: send ``(b"", start seq)``, receive
 ``(b"", topic, seq, payload)`` per buffered batch and ``(b"", b"", -1, b"")`` at the end). It
 publishes a ``Snapshot`` of the instance's residency on demand (a router's resync), the engine's
-``LoadSnapshot`` every ``load_interval_s`` on a separate load bus, and ``InstanceGone`` when it is
-stopped cleanly.
+``LoadSnapshot`` every ``load_interval_s`` on a separate load bus, a ``LastSeq`` mark on the event
+bus with the first sample after a quiet spell that follows a batch (a router that lost the last
+batches of a burst sees the gap then, not at the instance's next batch, which may be hours
+away), and ``InstanceGone`` when it is stopped cleanly.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import msgspec
 import zmq
 
 from cachemap.bus import EventBus
-from cachemap.events import InstanceGone, Snapshot, encode_message
+from cachemap.events import InstanceGone, LastSeq, Snapshot, encode_message
 from cachemap.ingest import EngineEventTranslator
 from engines.base import LOAD_INTERVAL_S, PUBLISH_INTERVAL_S, LoadSnapshot
 
@@ -95,6 +97,8 @@ class KvEventForwarder:
         self.published = 0  # bus messages published (events, snapshots)
         self.publish_calls = 0  # bus calls that carried them
         self.load_samples = 0
+        self.marks = 0  # LastSeq marks published
+        self._marked = -1  # the sequence number the last mark carried
         self.errors = 0
         self._lock = threading.Lock()  # translator + bus publish order
         self._pending: list[bytes] = []  # encoded batches waiting for the interval's end
@@ -187,7 +191,7 @@ class KvEventForwarder:
                         self._guard(self.publish_snapshot)
                 if self.load_fn is not None and now >= next_load:
                     next_load = now + self.load_interval_s
-                    self._guard(self._publish_load)
+                    self._guard(self._publish_quiet_load)
         finally:
             sub.close(0)
 
@@ -211,6 +215,25 @@ class KvEventForwarder:
     def _load_payload(self) -> bytes:
         assert self.load_fn is not None
         return encode_load(self.load_fn())
+
+    def _publish_quiet_load(self) -> None:
+        """A load sample due while no batch waits: with the ``LastSeq`` mark, in one bus call,
+        when a batch was published since the last mark."""
+        payload = self._load_payload()
+        with self._lock:
+            seq = self.translator.seq
+            if seq == self._marked or self._pending:  # nothing new, or batches follow anyway
+                self._publish_load(payload)
+                return
+            assert self.load_bus is not None
+            self.bus.publish_pair(
+                [encode_message(LastSeq(self.instance, seq))], self.load_bus, [payload]
+            )
+            self._marked = seq
+            self.marks += 1
+            self.published += 1
+            self.publish_calls += 1
+            self.load_samples += 1
 
     def _publish_load(self, payload: bytes | None = None) -> None:
         """Publish the load sample ``payload`` (encoded), or a fresh one, on its own."""

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from cachemap import BlockHasher, Tier
+from cachemap.events import InstanceEvents, decode_message
 from deploy.local import LocalStack
 from engines.bus_redis import RedisStreamBus
 from engines.sim import LatencyProfile
@@ -30,7 +31,7 @@ from engines.sim.scheduler import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from router.placement import PlacementRequest
 from router.tokenizer import PromptTokenizer
-from tests.support import Server, free_port, redis_server
+from tests.support import Server, free_port, redis_server, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -267,6 +268,42 @@ def test_dropped_events_are_detected_and_repaired(
         assert seen[holder] > 0
         assert cluster.a.state.place(placement_request(cluster, text)).instance_id == holder
     print(f"\nevent gap: 3 batches dropped, detected and repaired by a snapshot in {took:.2f} s")
+
+
+def test_a_lost_last_batch_is_seen_by_the_mark_that_follows_it(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every event batch published while one request runs is lost, and none follows it: only
+    the forwarder's ``LastSeq`` mark after the quiet spell tells the routers that they missed
+    the end of the instance's sequence (a gap is otherwise seen at the next batch only)."""
+    cluster.converged()
+    bus = cluster.a.kv_bus
+    lost: list[int] = []
+    dropping = [True]
+
+    def kept(payloads: Sequence[bytes]) -> list[bytes]:
+        out = []
+        for payload in payloads:
+            msg = decode_message(payload)
+            if dropping[0] and isinstance(msg, InstanceEvents):
+                lost.append(msg.seq)
+            else:
+                out.append(payload)
+        return out
+
+    many, pair = bus.publish_many, bus.publish_pair
+    monkeypatch.setattr(bus, "publish_many", lambda payloads: many(kept(payloads)))
+    monkeypatch.setattr(
+        bus, "publish_pair", lambda payloads, other, load: pair(kept(payloads), other, load)
+    )
+    gaps = cluster.a.state.core.ingestor.gaps
+    assert complete(cluster.base_a, prompts(1, "tail")[0]) == 200  # type: ignore[attr-defined]
+    assert wait_for(lambda: lost and not any(f._pending for f in cluster.a.forwarders))
+    dropping[0] = False
+    assert lost, "the request's batches were published after it returned"
+    took = cluster.converged()
+    assert cluster.a.state.core.ingestor.gaps > gaps
+    print(f"\nlast {len(lost)} batches lost: seen and repaired by a snapshot in {took:.2f} s")
 
 
 def test_a_new_router_replica_bootstraps_from_the_bus(cluster: Cluster) -> None:

@@ -18,6 +18,7 @@ from cachemap.events import (
     InstanceEvents,
     InstanceGone,
     KVEventBatch,
+    LastSeq,
     Snapshot,
     decode_message,
     encode_vllm_batch,
@@ -170,6 +171,8 @@ class PairBus(InProcessBus):
 
 
 def test_a_busy_engines_load_samples_ride_in_its_event_calls_and_a_quiet_ones_go_alone() -> None:
+    """Busy, samples ride the event calls; quiet, the first one carries the ``LastSeq`` mark of
+    the last batch (one call for both) and the rest go alone."""
     calls: list[str] = []
     events, loads = PairBus("events", calls), PairBus("loads", calls)
     engine = Engine()
@@ -194,13 +197,20 @@ def test_a_busy_engines_load_samples_ride_in_its_event_calls_and_a_quiet_ones_go
         assert during.count("loads") < during.count("pair"), during  # most of them rode
         # quiet: once every batch sent is published, samples go alone on their own schedule
         assert wait_for(
-            lambda: fwd.next_engine_seq == engine.seq and events.end() == fwd.batches
-        ), "the last batches were never flushed"
-        quiet_start, quiet_samples = len(calls), loads.end()
+            lambda: (
+                fwd.next_engine_seq == engine.seq
+                and events.end() == fwd.batches + fwd.marks
+                and fwd._marked == fwd.translator.seq
+            )
+        ), "the last batches were never flushed, or no mark followed them"
+        mark = decode_message(events.read(0).items[-1])
+        assert mark == LastSeq("e0", fwd.translator.seq)
+        quiet_start, quiet_samples, marks = len(calls), loads.end(), fwd.marks
         assert wait_for(lambda: calls[quiet_start:].count("loads") >= 2), "no sample alone"
         quiet = calls[quiet_start:]
         assert "pair" not in quiet and "events" not in quiet, quiet
         assert quiet.count("loads") == loads.end() - quiet_samples  # one call each
+        assert fwd.marks == marks  # nothing new since: no second mark
         assert fwd.load_samples == loads.end() == calls.count("pair") + calls.count("loads")
         for payload in loads.read(0).items:
             assert decode_load(payload).instance_id == "e0"

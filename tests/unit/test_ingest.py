@@ -16,6 +16,7 @@ from cachemap.events import (
     InstanceEvents,
     InstanceGone,
     KVEventBatch,
+    LastSeq,
     Removed,
     Stored,
     encode_message,
@@ -180,6 +181,25 @@ def test_router_side_gap_is_reported_and_snapshot_resyncs() -> None:
     cpu_child = block_hashes([9, 9, 9, 9], BS, OURS[0])
     assert cmap.match([OURS[0], *cpu_child]) == {"e0": Match(1, 2)}
     cmap.check_integrity()
+
+
+def test_a_mark_after_lost_trailing_batches_is_a_gap_and_a_repeated_one_is_not() -> None:
+    tr = EngineEventTranslator("e0", MODEL, BS)
+    m1 = tr.feed(batch(stored([b"e1", b"e2"], None, TOKENS[:8])), 0, 0.0)
+    m2 = tr.feed(batch(BlockRemoved(block_hashes=[b"e2"], medium="GPU")), 1, 0.0)
+    assert m1 and m2
+    ing = CacheMapIngestor(CacheMap())
+    assert ing.apply(LastSeq("e0", -1)) is None  # an instance with no batch yet
+    assert ing.apply(m1) is None and ing.apply(LastSeq("e0", 0)) is None
+    assert ing.apply(LastSeq("e0", 0)) is None and ing.gaps == 0  # repeated: still whole
+    gap = ing.apply(LastSeq("e0", 1))  # m2 was lost and nothing followed it
+    assert gap is not None and (gap.expected, gap.got) == (1, 2)
+    assert ing.needs_resync == {"e0"} and ing.gaps == 1
+    assert ing.apply(LastSeq("e1", 3)) is not None  # every batch of an instance never seen
+    assert ing.needs_resync == {"e0", "e1"}
+    ing.apply(tr.snapshot())
+    assert ing.needs_resync == {"e1"} and ing.apply(LastSeq("e0", 1)) is None
+    assert ing.map.match(OURS) == {"e0": Match(1, 1)}
 
 
 def test_bus_trimming_reports_loss_and_instance_gone_drops() -> None:
