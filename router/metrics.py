@@ -301,6 +301,12 @@ class RouterMetrics:
         self.resync_pending = Gauge(
             "kvroute_resync_pending", "Instances awaiting resync", registry=r
         )
+        self.kv_event_gaps = Gauge(
+            "kvroute_kv_event_gaps",
+            "Gaps seen in the engines' KV event sequences since start (each asks the engine "
+            "for a snapshot; a gap at a burst's end is seen by the LastSeq mark after it)",
+            registry=r,
+        )
         self.kv_event_lag = Gauge(
             "kvroute_kv_event_lag_seconds",
             "Age of the oldest KV event batch the latest bus read applied (engine stamp to "
@@ -405,6 +411,7 @@ class RouterMetrics:
         self.admission_rejected.labels("queue").set(admission.rejected_queue)
         self.bus_errors.set(state.bus_errors)
         self.resync_pending.set(len(state.needs_resync()))
+        self.kv_event_gaps.set(state.core.ingestor.gaps)
         watcher = state.core.watcher
         if watcher is not None:
             self.kv_event_lag.set(watcher.event_lag_s)

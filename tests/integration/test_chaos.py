@@ -303,6 +303,11 @@ def test_a_lost_last_batch_is_seen_by_the_mark_that_follows_it(
     assert lost, "the request's batches were published after it returned"
     took = cluster.converged()
     assert cluster.a.state.core.ingestor.gaps > gaps
+    metrics = httpx.get(f"{cluster.base_a}/metrics", timeout=30).text  # type: ignore[attr-defined]
+    exported = [line for line in metrics.splitlines() if line.startswith("kvroute_kv_event_gaps{")]
+    assert [float(line.rsplit(" ", 1)[1]) for line in exported] == [
+        cluster.a.state.core.ingestor.gaps
+    ]
     print(f"\nlast {len(lost)} batches lost: seen and repaired by a snapshot in {took:.2f} s")
 
 
