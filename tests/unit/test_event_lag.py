@@ -39,7 +39,11 @@ def test_event_age_at_apply_and_the_behind_flag() -> None:
     kv.publish(batch(1, 100.4))
     core.pump(100.5)
     assert abs(watcher.event_lag_s - 0.5) < 1e-9 and not watcher.behind  # the oldest one's age
-    assert gauges(state) == {"kvroute_kv_event_lag_seconds": 0.5, "kvroute_kv_events_behind": 0.0}
+    assert gauges(state) == {
+        "kvroute_kv_event_lag_seconds": 0.5,
+        "kvroute_kv_events_behind": 0.0,
+        "kvroute_kv_event_gaps": 0.0,
+    }
     kv.publish(batch(2, 101.0))
     core.pump(101.0 + LAG_WARN_S + 0.5)  # applied late: the map was routing on stale state
     assert watcher.behind and watcher.event_lag_s == LAG_WARN_S + 0.5
