@@ -55,6 +55,7 @@ from loadgen.metrics import summarize
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate_count
 from loadgen.traces import PrefixModel, TraceRequest, load_trace
 from loadgen.workloads import Planned, build_schedule, ideal_hit_rate
+from router.inflight import DEFAULT_INFLIGHT_PROMPTS
 from router.placement import scorer_names
 from simulation.cluster import simulate
 from simulation.jobs import DEFAULT_JOBS, run_each
@@ -117,7 +118,9 @@ def make_plan(
     return build_schedule(reqs), SYNTH_BLOCK_SIZE
 
 
-def settings_for(seed: int, instances: int, inflight_prompts: bool = False) -> SimSettings:
+def settings_for(
+    seed: int, instances: int, inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS
+) -> SimSettings:
     return SimSettings(
         instances=instances,
         perturbation=Perturbation(seed=seed),
@@ -245,7 +248,7 @@ def run_suite(
     instances: int = 16,
     profile: str = "h100-llama3.1-8b",
     log: Callable[[str], None] = lambda _m: None,
-    inflight_prompts: bool = False,
+    inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS,
 ) -> dict[str, Any]:
     """The suite's JSON document (see the module)."""
     q = int(quick)
@@ -409,8 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="h100-llama3.1-8b", help="latency profile")
     ap.add_argument(
         "--inflight-prompts",
-        action="store_true",
-        help="routers count the prompts they sent that no KV event shows yet (router.inflight)",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_INFLIGHT_PROMPTS,
+        help="routers count the prompts they sent that no KV event shows yet (router.inflight; "
+        "on by default)",
     )
     args = ap.parse_args(argv)
     try:

@@ -25,6 +25,7 @@ from router.autoscale import (
     Slo,
     create_policy,
 )
+from router.inflight import DEFAULT_INFLIGHT_PROMPTS
 from router.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_OVERLOAD_FACTOR
 from router.placement import create_scorer, scorer_names
 from router.pools import Pool, check_pools
@@ -68,10 +69,11 @@ class RouterConfig(StrictModel):
     max_queue: int = Field(1024, ge=0)
     max_wait_s: float = Field(30.0, gt=0)
     inflight_prompts: bool = Field(
-        False,
+        DEFAULT_INFLIGHT_PROMPTS,
         description="count the prompts this router sent that no KV event shows yet as cached "
-        "where they went (router.inflight): on the routing suite it helps RAG-like and bursty "
-        "loads and costs agentic bursts at light load, so it is off by default",
+        "where they went, on engines where more prefill waits than one step computes "
+        "(router.inflight): on the routing suite it lowers the heavier load's TTFT on "
+        "agentic, RAG-like and conversation traffic and leaves the lighter load's as it was",
     )
     api_keys: list[str] = Field(
         default_factory=list,

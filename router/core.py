@@ -19,7 +19,7 @@ from cachemap.bus import BusRead, EventBus
 from cachemap.ingest import CacheMapIngestor
 from engines.liveness import STALE_AFTER_S, EngineWatcher
 from router.admission import Admission
-from router.inflight import InFlightPrompts
+from router.inflight import DEFAULT_INFLIGHT_PROMPTS, InFlightPrompts, queued_past_a_step
 from router.load import LoadTracker
 from router.pd import PdPlanner
 from router.placement import (
@@ -49,7 +49,7 @@ class RouterCore:
         pools: Sequence[Pool] | None = None,
         planner: PdPlanner | None = None,
         event_stride: int = 1,
-        inflight_prompts: bool = False,
+        inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS,
     ) -> None:
         """``kv_bus`` and ``load_bus`` come together (or neither: the caller then drives the
         core by hand); an instance silent on the load bus for ``stale_after_s`` is dropped.
@@ -63,7 +63,8 @@ class RouterCore:
         (``router.pd``; ``place`` then plans both). ``event_stride``: the engines' KV events
         keep every ``event_stride``-th block (``EngineConfig.event_stride``; the map's
         ``stride``). ``inflight_prompts``: a request's match also counts the prompts this core
-        sent that no KV event shows yet (``router.inflight.InFlightPrompts``)."""
+        sent that no KV event shows yet, where more prefill waits than one engine step takes
+        (``router.inflight``)."""
         self.cache_map = CacheMap(stride=event_stride)
         self._scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
         self._scorer.attach(self.cache_map)
@@ -79,7 +80,7 @@ class RouterCore:
         self.disaggregated = any(p.role != "both" for p in pools)
         self.ingestor = CacheMapIngestor(self.cache_map)
         self.load = LoadTracker(stale_after_s)
-        # prompts sent whose KV the map does not show yet (``router.inflight``): off by default
+        # prompts sent whose KV the map does not show yet (``router.inflight``)
         self.inflight = InFlightPrompts() if inflight_prompts else None
         self.admission = admission or Admission()
         self.recorder = recorder
@@ -242,7 +243,7 @@ class RouterCore:
             ]
         match = self.cache_map.match(request.block_hashes)
         if self.inflight is not None:
-            match = self.inflight.extend(request.block_hashes, match)
+            match = self.inflight.extend(request.block_hashes, match, queued_past_a_step(views))
         plan = None
         if self.disaggregated and candidates is None:
             if self.planner is None:

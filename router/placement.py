@@ -22,6 +22,11 @@ class LatencyModel(Protocol):
     """An engine's latency profile, as the router needs it (``engines.sim.profile.
     LatencyProfile`` satisfies it; ``kvroute profile`` measures one from a real engine)."""
 
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """Prompt tokens one engine step computes at most (vLLM's option of that name)."""
+        ...
+
     def ttft_s(
         self,
         prompt_tokens: int,

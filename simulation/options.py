@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from loadgen.cli import check_positive
+from router.inflight import DEFAULT_INFLIGHT_PROMPTS
 from simulation.jobs import DEFAULT_JOBS
 
 
@@ -58,9 +59,11 @@ def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
     )
     c.add_argument(
         "--inflight-prompts",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT_INFLIGHT_PROMPTS,
         help="the router counts the prompts it sent that no KV event shows yet as cached where "
-        "it sent them (router.inflight; off by default)",
+        "it sent them, on engines where more prefill waits than one step computes "
+        "(router.inflight; on by default)",
     )
 
 

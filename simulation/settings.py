@@ -19,6 +19,7 @@ from engines.sim.scheduler import SimEngineOptions
 from loadgen.records import RequestRecord
 from loadgen.workloads import Planned, ideal_hits
 from router.autoscale import DEFAULT_COLD_START_S
+from router.inflight import DEFAULT_INFLIGHT_PROMPTS
 from router.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_OVERLOAD_FACTOR
 
 # the engines' options (``SimEngineOptions``) an ``--engine key=value`` may set: all but the
@@ -108,7 +109,7 @@ class SimSettings:
     # the engines' KV events keep every event_stride-th block (EngineConfig.event_stride)
     event_stride: int = 1
     # the router counts the prompts it sent that no KV event shows yet (RouterCore's option)
-    inflight_prompts: bool = False
+    inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS
     # the autoscaler's simulator (``Observation.what_if``: a ``WhatIfSimulator`` every
     # decision), sampling the requests of the last ``what_if_history_s`` seconds
     what_if: bool = True

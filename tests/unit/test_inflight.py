@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from cachemap import Match
 from router.core import RouterCore
-from router.inflight import InFlightPrompts
-from router.placement import Placement, PlacementRequest
+from router.inflight import InFlightPrompts, queued_past_a_step
+from router.placement import InstanceView, Placement, PlacementRequest
 from tests.unit.test_placement import BS, Linear
 
 
@@ -33,8 +33,9 @@ def test_the_core_sends_a_shared_prompt_after_its_first_copy() -> None:
     behind another queue); without, every engine looks cold and the first one's queue is the
     longest. At the first token the map speaks again."""
 
-    def placed(inflight: bool) -> tuple[str, str, int, int]:
-        core = RouterCore("kv_ttft", Linear(), block_size=BS, inflight_prompts=inflight)
+    def placed(inflight: bool, step: int = 0) -> tuple[str, str, int, int]:
+        model = Linear(max_num_batched_tokens=step)
+        core = RouterCore("kv_ttft", model, block_size=BS, inflight_prompts=inflight)
         for iid in ("a", "b", "c"):
             core.add_instance(iid)
         first = PlacementRequest("r1", 64 * BS, list(range(1, 65)))
@@ -54,3 +55,22 @@ def test_the_core_sends_a_shared_prompt_after_its_first_copy() -> None:
     assert after == 0  # no KV event came: after the first token nothing counts as cached
     one, two, cached, _ = placed(False)
     assert two != one and cached == 0
+    # the first copy's 64 blocks fit one engine step: the second would be admitted beside it
+    # and compute them again, so they count for nothing there
+    one, two, cached, _ = placed(True, step=64 * BS)
+    assert two != one and cached == 0
+    one, two, cached, _ = placed(True, step=64 * BS - 1)  # one token more than a step
+    assert (two, cached) == (one, 64)
+
+
+def test_in_flight_prompts_count_only_behind_more_than_a_step_of_prefill() -> None:
+    f = InFlightPrompts()
+    f.sent("r1", "a", [1, 2, 3])
+    f.sent("r2", "b", [1, 2])
+    views = [
+        InstanceView("a", BS, Linear(max_num_batched_tokens=100), pending_prefill_tokens=101),
+        InstanceView("b", BS, Linear(max_num_batched_tokens=100), pending_prefill_tokens=100),
+    ]
+    assert queued_past_a_step(views) == {"a"}
+    got = f.extend([1, 2, 3], {"b": Match(1, 1)}, queued_past_a_step(views))
+    assert got == {"a": Match(3, 3), "b": Match(1, 1)}

@@ -28,6 +28,7 @@ class Linear:
 
     tok_s: float = 10_000.0
     load_tok_s: float = 200_000.0
+    max_num_batched_tokens: int = 0  # one step takes any prefill
 
     def ttft_s(
         self,
