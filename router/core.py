@@ -19,7 +19,7 @@ from cachemap.bus import BusRead, EventBus
 from cachemap.ingest import CacheMapIngestor
 from engines.liveness import STALE_AFTER_S, EngineWatcher
 from router.admission import Admission
-from router.inflight import DEFAULT_INFLIGHT_PROMPTS, InFlightPrompts, queued_past_a_step
+from router.inflight import DEFAULT_INFLIGHT_PROMPTS, InFlightPrompts
 from router.load import LoadTracker
 from router.pd import PdPlanner
 from router.placement import (
@@ -243,7 +243,7 @@ class RouterCore:
             ]
         match = self.cache_map.match(request.block_hashes)
         if self.inflight is not None:
-            match = self.inflight.extend(request.block_hashes, match, queued_past_a_step(views))
+            match = self.inflight.extend(request.block_hashes, match, views)
         plan = None
         if self.disaggregated and candidates is None:
             if self.planner is None:

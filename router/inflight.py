@@ -11,7 +11,7 @@ first token: the engine's events carry the blocks from then on; or its end), and
 lengthens a request's match with them.
 
 An in-flight prompt counts only on an instance where more prefill waits than one engine step
-computes (``queued_past_a_step``). vLLM's prefix cache gives a request the blocks computed when
+computes (``extend`` with the views). vLLM's prefix cache gives a request the blocks computed when
 it is admitted; a request that comes while the work ahead of it fits one step is admitted
 beside its prompt's first copy and computes it again, so counting the copy there sends a burst
 of parallel calls after the first one onto one engine while others sit idle. Behind a longer
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from cachemap import CacheMap, Match, Tier
+from cachemap import Match
 from router.placement import InstanceView
 
 # whether a router counts its in-flight prompts (``RouterCore``, the simulator's
@@ -36,18 +36,11 @@ from router.placement import InstanceView
 DEFAULT_INFLIGHT_PROMPTS = True
 
 
-def queued_past_a_step(views: Sequence[InstanceView]) -> set[str]:
-    """The instances where more prefill waits than one step of theirs computes."""
-    return {
-        v.instance_id for v in views if v.pending_prefill_tokens > v.latency.max_num_batched_tokens
-    }
-
-
 class InFlightPrompts:
     def __init__(self) -> None:
-        self._map = CacheMap()  # the in-flight blocks, as GPU blocks of their instances
         self._sent: dict[str, tuple[str, tuple[int, ...]]] = {}  # request id -> its blocks
-        self._refs: dict[tuple[str, int], int] = {}  # requests in flight holding a block
+        # block -> instance -> requests in flight to it holding the block
+        self._refs: dict[int, dict[str, int]] = {}
 
     def __len__(self) -> int:
         return len(self._sent)
@@ -59,15 +52,13 @@ class InFlightPrompts:
         blocks = tuple(hashes)
         if not blocks:
             return
-        refs, new = self._refs, []
+        refs = self._refs
         for h in blocks:
-            key = (instance, h)
-            n = refs.get(key, 0)
-            if n == 0:
-                new.append(h)
-            refs[key] = n + 1
-        if new:
-            self._map.store(instance, Tier.GPU, new)
+            holders = refs.get(h)
+            if holders is None:
+                refs[h] = {instance: 1}
+            else:
+                holders[instance] = holders.get(instance, 0) + 1
         self._sent[request_id] = (instance, blocks)
 
     def done(self, request_id: str) -> None:
@@ -76,41 +67,62 @@ class InFlightPrompts:
         if got is None:
             return
         instance, blocks = got
-        refs, gone = self._refs, []
+        refs = self._refs
         for h in blocks:
-            key = (instance, h)
-            n = refs[key] - 1
+            holders = refs[h]
+            n = holders[instance] - 1
             if n:
-                refs[key] = n
+                holders[instance] = n
+            elif len(holders) == 1:
+                del refs[h]
             else:
-                del refs[key]
-                gone.append(h)
-        if gone:
-            self._map.remove(instance, Tier.GPU, gone)
+                del holders[instance]
 
     def drop_instance(self, instance: str) -> None:
         for rid in [r for r, (iid, _) in self._sent.items() if iid == instance]:
             self.done(rid)
 
     def extend(
-        self, hashes: Sequence[int], match: Mapping[str, Match], only: set[str] | None = None
+        self,
+        hashes: Sequence[int],
+        match: Mapping[str, Match],
+        views: Sequence[InstanceView] | None = None,
     ) -> Mapping[str, Match]:
         """``match`` (the cache map's answer for ``hashes``) with each instance's leading run
-        lengthened to the in-flight prompts it will hold first; only on the instances in
-        ``only`` where given."""
-        if not self._sent:
+        lengthened to the in-flight prompts it will hold first; with ``views``, only on the
+        instances where more prefill waits than one step of theirs computes."""
+        refs = self._refs
+        first = refs.get(hashes[0]) if refs and hashes else None
+        if not first:
             return match
-        pending = self._map.match(hashes)
-        if not len(pending):
-            return match
-        out = dict(match.items())
-        for iid, p in pending.items():
-            if only is not None and iid not in only:
-                continue
-            g = p.gpu_blocks
-            m = out.get(iid)
+        runs = dict.fromkeys(first, 1)
+        alive = list(first)
+        for i in range(1, len(hashes)):
+            holders = refs.get(hashes[i])
+            if holders is None:
+                break
+            alive = [iid for iid in alive if iid in holders]
+            if not alive:
+                break
+            for iid in alive:
+                runs[iid] = i + 1
+        if views is not None:
+            past = {
+                v.instance_id
+                for v in views
+                if v.instance_id in runs
+                and v.pending_prefill_tokens > v.latency.max_num_batched_tokens
+            }
+            runs = {iid: g for iid, g in runs.items() if iid in past}
+        longer: dict[str, Match] = {}
+        for iid, g in runs.items():
+            m = match.get(iid)
             if m is None:
-                out[iid] = Match(g, g)
+                longer[iid] = Match(g, g)
             elif g > m.gpu_blocks:
-                out[iid] = Match(g, max(m.total_blocks, g))
+                longer[iid] = Match(g, max(m.total_blocks, g))
+        if not longer:
+            return match  # NOTE: the map's own answer, uncopied, where nothing is longer
+        out = dict(match.items())
+        out.update(longer)
         return out

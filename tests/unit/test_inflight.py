@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cachemap import Match
 from router.core import RouterCore
-from router.inflight import InFlightPrompts, queued_past_a_step
+from router.inflight import InFlightPrompts
 from router.placement import InstanceView, Placement, PlacementRequest
 from tests.unit.test_placement import BS, Linear
 
@@ -71,6 +71,6 @@ def test_in_flight_prompts_count_only_behind_more_than_a_step_of_prefill() -> No
         InstanceView("a", BS, Linear(max_num_batched_tokens=100), pending_prefill_tokens=101),
         InstanceView("b", BS, Linear(max_num_batched_tokens=100), pending_prefill_tokens=100),
     ]
-    assert queued_past_a_step(views) == {"a"}
-    got = f.extend([1, 2, 3], {"b": Match(1, 1)}, queued_past_a_step(views))
-    assert got == {"a": Match(3, 3), "b": Match(1, 1)}
+    got = f.extend([1, 2, 3], {"b": Match(1, 1)}, views)
+    assert got == {"a": Match(3, 3), "b": Match(1, 1)}  # b's 2 in-flight blocks: not counted
+    assert f.extend([1, 2, 3], {"b": Match(1, 1)}) == {"a": Match(3, 3), "b": Match(2, 2)}
