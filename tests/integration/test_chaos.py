@@ -297,12 +297,13 @@ def test_a_lost_last_batch_is_seen_by_the_mark_that_follows_it(
         bus, "publish_pair", lambda payloads, other, load: pair(kept(payloads), other, load)
     )
     gaps = cluster.a.state.core.ingestor.gaps
+    marks = sum(f.marks for f in cluster.a.forwarders)
     assert complete(cluster.base_a, prompts(1, "tail")[0]) == 200  # type: ignore[attr-defined]
     assert wait_for(lambda: lost and not any(f._pending for f in cluster.a.forwarders))
     dropping[0] = False
-    assert lost, "the request's batches were published after it returned"
     took = cluster.converged()
     assert cluster.a.state.core.ingestor.gaps > gaps
+    assert sum(f.marks for f in cluster.a.forwarders) > marks  # a mark followed the lost batches
     metrics = httpx.get(f"{cluster.base_a}/metrics", timeout=30).text  # type: ignore[attr-defined]
     exported = [line for line in metrics.splitlines() if line.startswith("kvroute_kv_event_gaps{")]
     assert [float(line.rsplit(" ", 1)[1]) for line in exported] == [
