@@ -225,15 +225,11 @@ class KvEventForwarder:
             if seq == self._marked or self._pending:  # nothing new, or batches follow anyway
                 self._publish_load(payload)
                 return
-            assert self.load_bus is not None
-            self.bus.publish_pair(
-                [encode_message(LastSeq(self.instance, seq))], self.load_bus, [payload]
-            )
-            self._marked = seq
-            self.marks += 1
-            self.published += 1
-            self.publish_calls += 1
-            self.load_samples += 1
+            self._pending.append(encode_message(LastSeq(self.instance, seq)))
+            # the mark is no batch: the next one is not held back a publish interval for it
+            if self._flush(payload, hold=False):
+                self._marked = seq
+                self.marks += 1
 
     def _publish_load(self, payload: bytes | None = None) -> None:
         """Publish the load sample ``payload`` (encoded), or a fresh one, on its own."""
@@ -262,16 +258,18 @@ class KvEventForwarder:
             if not self.publish_interval_s:  # 0: one bus call per batch
                 self._flush()
 
-    def _flush(self, load: bytes | None = None) -> None:
+    def _flush(self, load: bytes | None = None, hold: bool = True) -> bool:
         """Publish the pending batches in one bus call, with the encoded load sample ``load``
-        when given (the caller holds ``_lock``)."""
+        when given (the caller holds ``_lock``); ``hold``: the next flush waits a publish
+        interval from now. True when the batches reached the bus."""
         if not self._pending:
             # the batches went with a snapshot published from another thread since the caller
             # looked (the engine replica's ``publish_snapshot``): the sample goes alone
             if load is not None:
                 self._guard(lambda: self._publish_load(load))
-            return
-        self._next_flush = time.monotonic() + self.publish_interval_s
+            return False
+        if hold:
+            self._next_flush = time.monotonic() + self.publish_interval_s
         data, self._pending = self._pending, []
         self.publish_calls += 1
         # NOTE: a bus that is down (Redis restarting) loses these messages, not the thread:
@@ -283,8 +281,10 @@ class KvEventForwarder:
             self.load_samples += sent is not None
         else:
             sent = self._guard(lambda: self.bus.publish_many(data))
-        if sent is not None:
-            self.published += len(data)
+        if sent is None:
+            return False
+        self.published += len(data)
+        return True
 
     def _replay(self, start: int, timeout_ms: int = 1000) -> None:
         assert self.replay_endpoint is not None
