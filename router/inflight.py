@@ -15,13 +15,9 @@ computes (``extend`` with the views). vLLM's prefix cache gives a request the bl
 it is admitted; a request that comes while the work ahead of it fits one step is admitted
 beside its prompt's first copy and computes it again, so counting the copy there sends a burst
 of parallel calls after the first one onto one engine while others sit idle. Behind a longer
-queue it is admitted after the copy's blocks are computed. On the routing suite (6 seeds,
-kv_ttft, mean excess TTFT over ideal, against not counting in-flight prompts) the rule lowered
-L2 on agentic (174 -> 131 ms), rag (683 -> 624) and conversation (991 -> 942), and left L1
-where it was (agentic 71 -> 68; rag, mix, to-b and azure-conv unchanged to the byte); mix L2
-moved 150 -> 151 (one seed of six). Counted everywhere instead, it cost agentic L1 (71 -> 80).
-The whole shared Mooncake trace (16 engines, 3 seeds) is unchanged at 1.5x and 2x and within
-0.5% of mean excess at 3x. On by default (``DEFAULT_INFLIGHT_PROMPTS``).
+queue it is admitted after the copy's blocks are computed. On by default
+(``DEFAULT_INFLIGHT_PROMPTS``); what the rule measured on the routing suite, against not
+counting and against counting everywhere, is in ``docs/simulation.md``.
 """
 
 from __future__ import annotations
