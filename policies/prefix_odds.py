@@ -6,15 +6,14 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence, Set
 
-from policies.base import EvictionPolicy, Key, RequestInfo
-from policies.class_odds import ClassOdds
-from policies.ghost import GhostList
+from policies.base import Key, RequestInfo
+from policies.learned import ClassOddsPolicy, OddsTuning
 
 # Per key: [class, last access s, access count, prefix offset].
 _State = list[float]
 
 
-class PrefixOddsPolicy(EvictionPolicy):
+class PrefixOddsPolicy(ClassOddsPolicy):
     """Keeps the blocks with the best odds of being reused, each class on its own time scale.
 
     A block's class is its access count (capped at ``max_count``), or ``tail`` for the last
@@ -57,20 +56,18 @@ class PrefixOddsPolicy(EvictionPolicy):
         max_count: int = 2,
         depth_buckets: int = 3,
         scale: float = 1.0,
-        ghost_factor: float = 8.0,
-        refit_every: int = 2000,
-        prior_weight: float = 20.0,
-        memory_accesses: int = 200_000,
+        ghost_factor: float = OddsTuning.ghost_factor,
+        refit_every: int = OddsTuning.refit_every,
+        prior_weight: float = OddsTuning.prior_weight,
+        memory_accesses: int = OddsTuning.memory_accesses,
     ) -> None:
         if min(max_count, depth_buckets, refit_every) < 1 or scale <= 0.0 or ghost_factor < 0.0:
             raise ValueError(
                 "max_count, depth_buckets, scale, refit_every must be positive, ghost_factor >= 0"
             )
-        self.max_count, self.depth_buckets = max_count, depth_buckets
-        self.scale, self.ghost_factor = scale, ghost_factor
-        self.refit_every, self.prior_weight = refit_every, prior_weight
-        self.memory_accesses = memory_accesses
-        super().__init__(capacity_blocks)
+        self.depth_buckets, self.scale = depth_buckets, scale
+        tuning = OddsTuning(ghost_factor, refit_every, prior_weight, memory_accesses)
+        super().__init__(capacity_blocks, max_count, tuning)
 
     def _reset(self) -> None:
         d = self.depth_buckets  # classes: count 1 by depth, counts 2..max_count, the tail
@@ -78,14 +75,9 @@ class PrefixOddsPolicy(EvictionPolicy):
         self._tail = n - 1
         self._lists: list[OrderedDict[Key, None]] = [OrderedDict() for _ in range(n)]
         self._state: dict[Key, _State] = {}
-        # class, last access s, access count
-        self._ghost: GhostList[tuple[int, float, int]] = GhostList(
-            int(self.ghost_factor * self.capacity_blocks)
-        )
-        self._odds = ClassOdds(n, self.prior_weight, self.memory_accesses)
+        self._reset_odds(n)
         self._offset = [0.0] * n  # scale * tau * logit(p), seconds
         self._tie_order = [n - 1, *range(d - 1, -1, -1), *range(d, n - 1)]
-        self._since_fit = 0
 
     def __len__(self) -> int:
         return len(self._state)
@@ -104,33 +96,20 @@ class PrefixOddsPolicy(EvictionPolicy):
 
     def _access(self, key: Key, count: int, now_s: float, offset: int) -> None:
         cls = self._class(count, offset)
-        self._odds.accesses[cls] += 1.0
         self._state[key] = [cls, now_s, count, offset]
         self._lists[cls][key] = None
-        self._since_fit += 1
-        if self._since_fit >= self.refit_every:
-            self._refit()
+        self._accessed(cls)
 
     def _refit(self) -> None:
-        self._since_fit = 0
         odds = self._odds
         self._offset = [
             self.scale * tau * logit
             for tau, logit in zip(odds.mean_gaps(), odds.logits(), strict=True)
         ]
-        odds.age()
-
-    def insert(self, key: Key, now_s: float, parent: Key | None = None, offset: int = 0) -> None:
-        count = 1
-        ghost = self._ghost.pop(key, None)
-        if ghost is not None:
-            self._odds.reused(ghost[0], now_s - ghost[1])
-            count = ghost[2] + 1
-        self._access(key, count, now_s, offset)
 
     def touch(self, key: Key, now_s: float) -> None:
         cls, last, count, offset = self._state[key]
-        self._odds.reused(int(cls), now_s - last)
+        self._reused(int(cls), now_s - last)
         del self._lists[int(cls)][key]
         self._access(key, int(count) + 1, now_s, int(offset))
 
@@ -145,11 +124,9 @@ class PrefixOddsPolicy(EvictionPolicy):
             lists[int(state[key][0])].move_to_end(key)
         st = state[keys[-1]]
         cls, tail = int(st[0]), self._tail
-        if cls == tail or (request.num_blocks and st[3] != request.num_blocks - 1):
+        if cls == tail or not self._ends_prompt(request, int(st[3])):
             return
-        acc = self._odds.accesses
-        acc[cls] = max(0.0, acc[cls] - 1.0)
-        acc[tail] += 1.0
+        self._count_as_tail(cls, tail)
         del lists[cls][keys[-1]]
         lists[tail][keys[-1]] = None
         st[0] = tail
