@@ -191,6 +191,13 @@ def check_positive(value: float | None, flag: str) -> None:
         raise ValueError(f"{flag} must be > 0, got {value}")
 
 
+def check_positives(args: argparse.Namespace, *flags: str) -> None:
+    """``check_positive`` for each of ``flags``, read from ``args`` under the name argparse gives
+    it (``--timeout-s``: ``args.timeout_s``); raises naming the first that is not."""
+    for flag in flags:
+        check_positive(getattr(args, flag.removeprefix("--").replace("-", "_")), flag)
+
+
 def _time_scale(args: argparse.Namespace) -> float:
     if args.time_scale is not None and args.rate_scale is not None:
         raise ValueError("give --time-scale or --rate-scale, not both")
@@ -264,16 +271,16 @@ def run(args: argparse.Namespace) -> int:
 
     api = _choice(args.api, "--api", ("completions", "chat"))
     sessions = _choice(args.sessions, "--sessions", ("recorded", "live"))
-    for value, flag in (
-        (args.timeout_s, "--timeout-s"),
-        (args.slo_ttft_ms, "--slo-ttft-ms"),
-        (args.slo_itl_ms, "--slo-itl-ms"),
-        (args.concurrency, "--concurrency"),
-        (args.max_inflight, "--max-inflight"),
-        (args.vocab_size, "--vocab-size"),
-        (args.max_connections, "--max-connections"),
-    ):
-        check_positive(value, flag)
+    check_positives(
+        args,
+        "--timeout-s",
+        "--slo-ttft-ms",
+        "--slo-itl-ms",
+        "--concurrency",
+        "--max-inflight",
+        "--vocab-size",
+        "--max-connections",
+    )
     if args.token_offset is not None and args.token_offset < 0:
         raise ValueError(f"--token-offset must be >= 0, got {args.token_offset}")
     api_key = args.api_key if args.api_key is not None else os.environ.get("OPENAI_API_KEY")

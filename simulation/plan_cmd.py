@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadgen.cli import add_workload_arguments, check_output_dir, check_positive, plan_workload
+from loadgen.cli import add_workload_arguments, check_output_dir, check_positives, plan_workload
 from simulation.options import (
     add_engine_arguments,
     add_jobs_argument,
@@ -264,14 +264,7 @@ def _search(
 def _check(args: argparse.Namespace, scales: int, tiers: int, splits: int) -> None:
     """The flags ``run`` cannot plan with, refused before anything runs (``scales``, ``tiers``,
     ``splits``: how many rate scales, CPU tiers and prefill fractions were given)."""
-    for value, flag in (
-        (args.min_instances, "--min-instances"),
-        (args.max_instances, "--max-instances"),
-        (args.instances, "--instances"),
-        (args.jobs, "--jobs"),
-        (args.seeds, "--seeds"),
-    ):
-        check_positive(value, flag)
+    check_positives(args, "--min-instances", "--max-instances", "--instances", "--jobs", "--seeds")
     if args.curve < 0:
         raise ValueError(f"--curve must be >= 0, got {args.curve}")
     if args.find_max_rate:

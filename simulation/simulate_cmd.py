@@ -15,7 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from loadgen.cli import add_workload_arguments, check_output_dir, check_positive, plan_workload
+from loadgen.cli import add_workload_arguments, check_output_dir, check_positives, plan_workload
 from simulation.options import (
     add_engine_arguments,
     add_jobs_argument,
@@ -139,7 +139,7 @@ def autoscaler_factory(
         raise ValueError("--autoscale: prefill/decode pools are not autoscaled yet")
     if not 0 < args.attainment <= 1:
         raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
-    check_positive(args.autoscale_interval_s, "--autoscale-interval-s")
+    check_positives(args, "--autoscale-interval-s")
     if args.cold_start_s is not None:
         settings.cold_start_s = args.cold_start_s
     settings.warm_prefixes = args.warm_prefixes
@@ -303,12 +303,7 @@ def _check(args: argparse.Namespace) -> None:
     """The flags ``run`` cannot simulate with, refused before anything runs."""
     from simulation.jobs import check_jobs
 
-    for value, flag in (
-        (args.slo_ttft_ms, "--slo-ttft-ms"),
-        (args.slo_tpot_ms, "--slo-tpot-ms"),
-        (args.instances, "--instances"),
-    ):
-        check_positive(value, flag)
+    check_positives(args, "--slo-ttft-ms", "--slo-tpot-ms", "--instances")
     check_jobs(args.jobs)
     if args.admit and args.slo_ttft_ms is None:
         raise ValueError("--admit needs --slo-ttft-ms")
