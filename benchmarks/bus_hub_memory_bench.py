@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ray
 
+from benchmarks.common import Positive
 from benchmarks.soak_bench import soak_config, tiny_synth
 from cachemap.bus import InProcessBus
 from cachemap.events import InstanceEvents, Snapshot, decode_message, encode_message
@@ -302,20 +303,33 @@ def _summarize_recording(calls: list[Call], snapshot: bytes, seconds: float) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--record-s", type=float, default=40.0, help="seconds of recorded traffic")
-    ap.add_argument("--rate", type=float, default=4.0, help="the soak's requests/s (all engines)")
-    ap.add_argument("--engines", type=int, default=2, help="engines live at once")
-    ap.add_argument("--speedup", type=float, default=40.0, help="replay this many times faster")
-    ap.add_argument("--wall-s", type=float, default=200.0, help="wall seconds of replay")
-    ap.add_argument("--churn-s", type=float, default=300.0, help="soak seconds between kills")
-    ap.add_argument("--sample-s", type=float, default=5.0, help="wall seconds between samples")
+    ap.add_argument(
+        "--record-s", type=float, default=40.0, action=Positive, help="seconds of recorded traffic"
+    )
+    ap.add_argument(
+        "--rate",
+        type=float,
+        default=4.0,
+        action=Positive,
+        help="the soak's requests/s (all engines)",
+    )
+    ap.add_argument("--engines", type=int, default=2, action=Positive, help="engines live at once")
+    ap.add_argument(
+        "--speedup", type=float, default=40.0, action=Positive, help="replay this many times faster"
+    )
+    ap.add_argument(
+        "--wall-s", type=float, default=200.0, action=Positive, help="wall seconds of replay"
+    )
+    ap.add_argument(
+        "--churn-s", type=float, default=300.0, action=Positive, help="soak seconds between kills"
+    )
+    ap.add_argument(
+        "--sample-s", type=float, default=5.0, action=Positive, help="wall seconds between samples"
+    )
     ap.add_argument("--maxlen", type=int, default=100_000, help="KV-event log length")
     ap.add_argument("--load-maxlen", type=int, default=10_000, help="load log length")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    for flag in ("record_s", "rate", "engines", "speedup", "wall_s", "churn_s", "sample_s"):
-        if getattr(args, flag) <= 0:
-            ap.error(f"--{flag.replace('_', '-')} must be > 0")
     calls, snapshot = asyncio.run(_record(args))
     if not calls:
         sys.exit("bus_hub_memory_bench: the recording holds no bus call")

@@ -69,6 +69,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
 
+from benchmarks.common import AtLeastOne
 from deploy.app import build_serve_app, delete_app, wait_until_ready
 from engines.base import EngineOutput
 from loadgen.metrics import percentiles_ms, summarize
@@ -215,13 +216,21 @@ def cpu_by_role() -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=3000, help="requests per run")
-    ap.add_argument("--concurrency", type=int, default=32, help="closed-loop workers")
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
-        "--input-tokens", type=int, default=260, help="synthetic length (x3.9 tiny tokens)"
+        "--requests", type=int, default=3000, action=AtLeastOne, help="requests per run"
     )
-    ap.add_argument("--output-tokens", type=int, default=8)
+    ap.add_argument(
+        "--concurrency", type=int, default=32, action=AtLeastOne, help="closed-loop workers"
+    )
+    ap.add_argument("--repeats", type=int, default=3, action=AtLeastOne)
+    ap.add_argument(
+        "--input-tokens",
+        type=int,
+        default=260,
+        action=AtLeastOne,
+        help="synthetic length (x3.9 tiny tokens)",
+    )
+    ap.add_argument("--output-tokens", type=int, default=8, action=AtLeastOne)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--bus",
@@ -236,9 +245,6 @@ def main() -> None:
         "a fresh Ray session per run",
     )
     args = ap.parse_args()
-    for flag in ("requests", "concurrency", "repeats", "input_tokens", "output_tokens"):
-        if getattr(args, flag) < 1:
-            ap.error(f"--{flag.replace('_', '-')} must be >= 1")
     with contextlib.ExitStack() as stack:
         redis_url = None
         if args.bus == "redis":

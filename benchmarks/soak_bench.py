@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ray
 
+from benchmarks.common import Positive
 from deploy.config import ServeConfig
 from engines.tiny_model import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS
 from loadgen.metrics import summarize
@@ -119,16 +120,17 @@ def load(base: str, args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--duration", type=float, default=1800.0, help="seconds of load")
-    ap.add_argument("--rate", type=float, default=4.0, help="requests/s (Poisson)")
-    ap.add_argument("--churn-s", type=float, default=300.0, help="kill an engine this often")
-    ap.add_argument("--sample-s", type=float, default=30.0)
+    ap.add_argument(
+        "--duration", type=float, default=1800.0, action=Positive, help="seconds of load"
+    )
+    ap.add_argument("--rate", type=float, default=4.0, action=Positive, help="requests/s (Poisson)")
+    ap.add_argument(
+        "--churn-s", type=float, default=300.0, action=Positive, help="kill an engine this often"
+    )
+    ap.add_argument("--sample-s", type=float, default=30.0, action=Positive)
     ap.add_argument("--warmup-s", type=float, default=120.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    for flag in ("duration", "rate", "churn_s", "sample_s"):
-        if getattr(args, flag) <= 0:
-            ap.error(f"--{flag.replace('_', '-')} must be > 0")
     cfg = soak_config(free_port())
     samples: list[dict[str, Any]] = []
     killed: list[tuple[float, str]] = []
