@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -44,6 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import TRACES, print_json
 from engines.sim.profile import LatencyProfile
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.traces import PrefixModel, load_trace
@@ -54,7 +54,6 @@ from simulation.jobs import DEFAULT_JOBS, run_each
 from simulation.settings import Perturbation, SimSettings, ideal_ttfts
 from simulation.simulate_cmd import slo_attainment
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 WORKLOADS = ("conversation", "to-b", "mix", "azure-conv")
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.05
 PERIOD_S, LOW, HIGH = 600.0, 0.5, 2.0  # a lull at half the mean rate, a burst at twice it
@@ -486,10 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": {f"{w}/seed{s}": c for (w, s), c in zip(keys, cells, strict=True)},
         "summary": summary(workloads, seeds, cells, args.policies),
     }
-    text = json.dumps(doc, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_json(doc, args.out)
     return 0
 
 

@@ -1,12 +1,27 @@
 """What several benchmark scripts share (they import it as ``benchmarks.common``, the
-repository root on ``sys.path`` as they put it there): flag actions that refuse an out-of-range
-value as the flag is parsed, naming it, so the range is stated once, where the flag is."""
+repository root on ``sys.path`` as they put it there): where the shared traces are, printing the
+JSON result (and writing it to ``--out``), and flag actions that refuse an out-of-range value as
+the flag is parsed, naming it, so the range is stated once, where the flag is."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+# the traces beside the repository (``shared/traces`` in the directory above it)
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+MOONCAKE_TRACE = TRACES / "mooncake_conversation.jsonl"
+
+
+def print_json(doc: Any, out: str | None = None, indent: int = 1) -> None:
+    """``doc`` as JSON on stdout, and into the file ``out`` too when one is given."""
+    text = json.dumps(doc, indent=indent)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
 
 
 def _checked(ok: Callable[[Any], bool], rule: str) -> type[argparse.Action]:

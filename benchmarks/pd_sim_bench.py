@@ -22,16 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import MOONCAKE_TRACE
 from engines.sim.profile import LatencyProfile
 from loadgen.metrics import summarize
 from loadgen.traces import load_trace
 from loadgen.workloads import Planned, build_schedule
 from simulation.cluster import simulate
 from simulation.settings import SimSettings
-
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
-)
 
 
 def one(
@@ -69,7 +66,7 @@ def one(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", default=str(DEFAULT_TRACE))
+    ap.add_argument("--trace", default=str(MOONCAKE_TRACE))
     ap.add_argument("--profile", default="h100-llama3.1-8b")
     ap.add_argument("--instances", type=int, default=16)
     ap.add_argument("--rate-scales", default="1,2,3,4")

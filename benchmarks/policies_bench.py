@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import MOONCAKE_TRACE  # noqa: E402
 from loadgen.synthetic import synthetic_bailian  # noqa: E402
 from loadgen.traces import TraceRequest, load_trace  # noqa: E402
 from policies import (  # noqa: E402
@@ -31,7 +32,6 @@ from policies import (  # noqa: E402
 )
 from simulation.cachesim import infinite_hit_rate, replay, simulate  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 CAPACITIES = [1000, 3000, 6000, 10000]
 
 
@@ -111,7 +111,7 @@ def wa_vs_lru(sessions: int, seeds: list[int], capacities: list[int]) -> list[di
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, default=MOONCAKE_TRACE)
     parser.add_argument("--quick", action="store_true", help="fewer workloads and decisions")
     args = parser.parse_args()
     reqs = load_trace(args.trace).requests

@@ -37,11 +37,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import MOONCAKE_TRACE  # noqa: E402
 from loadgen.traces import TraceRequest, load_trace  # noqa: E402
 from policies import create_policy  # noqa: E402
 from simulation.cachesim import infinite_hit_rate, replay, simulate  # noqa: E402
 
-TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation.jsonl"
 CAPACITIES = [1000, 3000, 6000, 10000]
 REFERENCE_POLICIES = ["lru", "prefix-odds", "belady", "reuse-oracle"]
 LABEL_ERRORS = [0.0, 0.05, 0.1, 0.15, 0.2, 0.3]
@@ -230,7 +230,7 @@ def continuation_predictability(reqs: Sequence[TraceRequest]) -> dict[str, objec
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, default=MOONCAKE_TRACE)
     parser.add_argument(
         "--seeds", type=int, default=1, help="label-error draws per point (median reported)"
     )

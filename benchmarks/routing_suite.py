@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
+from benchmarks.common import TRACES, print_json
 from engines.sim.profile import LatencyProfile
 from loadgen.metrics import summarize
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate_count
@@ -70,7 +71,6 @@ from simulation.options import parse_router, parse_routers
 from simulation.settings import Perturbation, SimSettings, ideal_ttfts
 from simulation.simulate_cmd import excess_ttfts
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 WORKLOADS: dict[str, str] = {
     # name: a trace file under TRACES, or a ``loadgen.synthetic`` workload
     "conversation": "mooncake_conversation.jsonl",
@@ -468,10 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         log=lambda m: print(m, file=sys.stderr, flush=True),
         inflight_prompts=args.inflight_prompts,
     )
-    text = json.dumps(doc, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    print_json(doc, args.out)
     print(table(doc), file=sys.stderr)
     return 0
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import MOONCAKE_TRACE
 from engines.sim.profile import LatencyProfile
 from loadgen.metrics import summarize
 from loadgen.traces import TraceRequest, load_trace
@@ -40,10 +41,6 @@ from loadgen.workloads import Planned, build_schedule
 from simulation.cluster import simulate
 from simulation.jobs import DEFAULT_JOBS, run_each
 from simulation.settings import SimSettings
-
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation.jsonl"
-)
 
 
 def tiled(requests: list[TraceRequest], copies: int, time_copies: int) -> list[TraceRequest]:
@@ -90,7 +87,7 @@ def one_run(plan: list[Planned], block_size: int, profile, router: str, args) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--trace", default=str(DEFAULT_TRACE))
+    ap.add_argument("--trace", default=str(MOONCAKE_TRACE))
     ap.add_argument("--profile", default="h100-llama3.1-8b")
     ap.add_argument("--instances", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3)
