@@ -31,8 +31,9 @@ tokenisation, streaming and Python work in the same cores), ``c`` the fixed path
 Serve transit) that matters only to SLO admission. Coefficients are clipped to sane ranges
 so a burst of outliers cannot invert the ranking.
 
-Three rules look past the request at hand, each measured on the routing suite
-(``benchmarks/routing_suite.py``: six workloads, two loads, three seeds):
+Four rules look past the request at hand, each measured on the routing suite
+(``benchmarks/routing_suite.py``) and the whole Mooncake trace; the figures, and the variants
+measured and not kept, are in ``docs/simulation.md`` ("kv_ttft's rules, measured"):
 
 - ``externality`` (4 by default): a request's own prefill delays the requests that queue
   behind it, so each instance's estimate is charged the engine time the request would take
@@ -45,40 +46,30 @@ Three rules look past the request at hand, each measured on the routing suite
   work added anywhere delays nobody and the toll stays near 0; once requests cannot avoid
   queues, the work a cache hit saves is capacity for everyone, and going cold to save a little
   wait costs the cluster more than it saves the request. It adapts to the load online, with
-  no per-workload setting. On the suite (mean excess TTFT over ideal, mean of 3 seeds, against
-  ``externality=0``) it lowered L2 on every workload (conversation 1,459 -> 1,101 ms, to-b
-  146 -> 100, mix 170 -> 136, agentic 176 -> 153, rag 949 -> 676, azure-conv 125 -> 78) and
-  kept L1 within the seeds' spread or lower (rag 119 -> 104, azure-conv 39 -> 32). Without the
-  ``queued_share`` factor (the toll on whenever requests wait) it did as well on the suite but
-  cost the whole Mooncake trace 5% of mean excess at 1.5-3x, where requests rarely need to
-  queue; with it, the whole trace is within 1-2% (3 seeds).
-
+  no per-workload setting.
+- ``interference`` (0.02 by default): where more prefill already waits on an instance than
+  one step computes (``max_num_batched_tokens``), every step there is a full prefill chunk
+  shared with its decoding sequences, and a request's prefill added to that queue lengthens
+  as many of their steps again: each of its running sequences is charged the request's own
+  engine time (as the toll prices it) times ``interference``. Behind a queue that fits one
+  step it costs them one step, and nothing is charged.
 - ``affinity_s`` (off by default): among the instances whose estimate is within it of the
   best, the one with the longest cached prefix wins. Going cold elsewhere to save a few ms
   copies the prefix into a second cache (evicting something there) and leaves the next request
-  sharing it no better off. At 20 ms it lowered the mean excess TTFT over ideal on the suite's
-  synthetic workloads (800-request windows, 3 seeds: to-b L2 144 -> 109 ms, mix L2 172 -> 151,
-  azure-conv L2 123 -> 98, rag L2 940 -> 893) but raised it on the Mooncake conversation trace
-  (L2 1,283 -> 1,433; the whole trace at 3x 127 -> 135, p50 195 -> 203 ms): it helps one
-  workload and hurts another, so it stays off until it adapts online.
+  sharing it no better off; it helped the suite's synthetic workloads and hurt the Mooncake
+  trace, so it stays off until it adapts online.
 - ``spread_cold``: near-ties (within ``tie_s``: a cold prefix between idle engines, most often)
   go to the least decode load, then the longest cached prefix, then the emptiest cache by the
   map, then the lowest estimate, so that cold prefixes spread over the whole cluster's cache
-  instead of filling (and evicting on) the first engines in view order. On the whole Mooncake
-  trace (seed 0) it evens the requests per engine at 1x (max/min 1.26/0.69 -> 1.14/0.86 of the
-  mean) and moves the mean excess TTFT over ideal 115 -> 109 ms at 2x and 126 -> 126 at 3x
-  (p50 194 -> 199 ms there); on the suite it is within each cell's seed spread.
+  instead of filling (and evicting on) the first engines in view order.
 
 Without ``spread_cold``, decode load breaks near-ties toward fewer running sequences. With
 ``kv_veto`` set (off by default), an instance whose GPU KV usage is at or above it, or that
 could not fit the request's blocks, is passed over (unless every instance is). It was on by
 default, to spare running decodes from preemption, until the cluster simulator showed it doing
-the opposite under load: on the Mooncake trace (16 H100s) the instances it passed over are the
-busy ones holding the prefixes, so requests went cold elsewhere, the hit rate fell from .22 to
-.08, and the extra prefill tipped the cluster over. At 6x rate p50 TTFT was 27 s with the veto
-and 1.2 s without, with fewer preemptions (226 against 281); with 2 of 16 engines 3x slower at
-5.25x, 6.4 s against 332 ms (19 preemptions against 257). vLLM queues a request that does not
-fit rather than preempting for it, and the estimate prices the queue.
+the opposite under load (the instances it passed over are the busy ones holding the prefixes).
+vLLM queues a request that does not fit rather than preempting for it, and the estimate prices
+the queue.
 """
 
 from __future__ import annotations
@@ -169,6 +160,7 @@ class KvTtftScorer(Scorer):
         spread_cold: bool = True,
         affinity_s: float = 0.0,
         externality: float = 4.0,
+        interference: float = 0.02,
     ) -> None:
         if kv_veto is not None and not 0 < kv_veto <= 1:
             raise ValueError(f"kv_veto must be in (0, 1], got {kv_veto}")
@@ -183,6 +175,9 @@ class KvTtftScorer(Scorer):
         if externality < 0:
             raise ValueError(f"externality must be >= 0, got {externality}")
         self.externality = externality
+        if interference < 0:
+            raise ValueError(f"interference must be >= 0, got {interference}")
+        self.interference = interference
         self._cache_map: CacheMap | None = None
         # the share of recent placements whose own best instance already had requests waiting
         self.queued_share = 0.0
@@ -230,9 +225,12 @@ class KvTtftScorer(Scorer):
         # (calibrated like the estimate) times the cluster's waiting requests per instance,
         # as far as requests lately could not avoid a queue
         toll = share * queue * (cal.a if cal else 1.0)
-        scored = self._scored(request, pool, toll)
+        # the cost of its prefill to each sequence decoding beside it, where a queue already
+        # fills every step: their steps lengthen by its engine time (their TPOT)
+        stall = self.interference * (cal.a if cal else 1.0)
+        scored = self._scored(request, pool, toll, stall)
         s, cached, base, inst = self._choose(scored, filler)
-        if toll > 0:  # the estimate itself, for admission
+        if toll > 0 or stall > 0:  # the estimate itself, for admission
             s = cal.correct(base, inst.running, inst.waiting) if cal else base
         return Placement(
             inst.instance_id,
@@ -269,6 +267,7 @@ class KvTtftScorer(Scorer):
         request: PlacementRequest,
         pool: list[tuple[InstanceView, Match | None]],
         toll: float,
+        stall: float = 0.0,
     ) -> list[tuple[float, int, float, InstanceView]]:
         """(estimate with its toll, cached blocks, profile estimate, instance) per candidate;
         updates ``queued_share`` with whether the best own estimate met a queue."""
@@ -294,7 +293,11 @@ class KvTtftScorer(Scorer):
                 own, own_waiting = est, waiting
             elif est == own and waiting < own_waiting:  # any best without a queue
                 own_waiting = waiting
-            if toll > 0:
+            # the running sequences' steps the request's prefill lengthens (their TPOT)
+            charge = toll
+            if stall > 0 and inst.pending_prefill_tokens > inst.latency.max_num_batched_tokens:
+                charge += stall * inst.running
+            if charge > 0:
                 if inst.pending_prefill_tokens == 0:  # nothing queued: the walk just priced it
                     w = base
                 else:
@@ -303,7 +306,7 @@ class KvTtftScorer(Scorer):
                     if idle is None:
                         idle = work[wkey] = profile_ttft(request, inst, m, idle=True)[0]
                     w = idle
-                est += toll * w
+                est += charge * w
             scored.append((est, cached, base, inst))
         self.queued_share += ((own_waiting > 0) - self.queued_share) / _SHARE_WINDOW
         return scored
@@ -389,14 +392,14 @@ class _CandidateIndex:
 
     Two healthy instances without a cached prefix and with the same profile key (latency model,
     block size, queued prefill tokens, waiting requests) have the same profile estimate, and
-    the calibrated estimate only grows with running sequences (its coefficient is >= 0, and
-    float products and sums are monotonic). So among them, the first (in view order) of those
-    with the fewest running sequences has the lowest estimate and the lowest tie-break key
-    (running + waiting, estimate, position): none of the others can be chosen, and none sets the
-    best estimate that decides which are near-ties. The same holds for instances with a cached
-    prefix of the same length (GPU and all tiers) and profile key. The candidates are that one
-    per key, in view order: the choice among them is the choice among all, tie-breaks
-    included.
+    the calibrated estimate and the ``interference`` charge only grow with running sequences
+    (their coefficients are >= 0, and float products and sums are monotonic). So among them,
+    the first (in view order) of those with the fewest running sequences has the lowest
+    estimate and the lowest tie-break key (running + waiting, estimate, position): none of the
+    others can be chosen, and none sets the best estimate that decides which are near-ties.
+    The same holds for instances with a cached prefix of the same length (GPU and all tiers)
+    and profile key. The candidates are that one per key, in view order: the choice among
+    them is the choice among all, tie-breaks included.
 
     The groups are kept across placements: views arrive as the same objects while unchanged
     (``LoadTracker.views``), so only the positions whose view is a new object are regrouped.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -537,16 +537,20 @@ def test_router_core_apply_registers_and_refreshes_from_the_load_bus() -> None:
     assert core.load.views(1.2)[0].waiting == 2
 
 
-@pytest.mark.parametrize(("with_map", "vector_from"), [(False, None), (True, None), (True, 1)])
+@pytest.mark.parametrize(
+    ("with_map", "vector_from", "interference"),
+    [(False, None, 0.02), (True, None, 0.02), (True, 1, 0.02), (True, None, 0.0)],
+)
 def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one(
-    with_map: bool, vector_from: int | None, monkeypatch: pytest.MonkeyPatch
+    with_map: bool, vector_from: int | None, interference: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """From ``_INDEXED_FROM`` instances on, kv_ttft prices only those that can win; through
     views that change a few at a time (others kept, as LoadTracker keeps them), rosters that
     change, unhealthy instances and calibrations, it chooses what pricing all of them chooses,
     with the same estimate, tie-breaks included (with a cache map attached: the emptiest cache
     among near-ties too, weighed in numpy for every group with ``vector_from`` 1), and the
-    same toll for the work a request adds once requests meet queues."""
+    same toll for the work a request adds once requests meet queues (and, with
+    ``interference``, the same charge for the sequences it stalls behind a queue)."""
     import random
 
     from router.scorers import kv_ttft
@@ -554,7 +558,8 @@ def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one(
     if vector_from is not None:
         monkeypatch.setattr(kv_ttft, "_VECTOR_FROM", vector_from)
     rng = random.Random(3)
-    fast, full = create_scorer("kv_ttft"), create_scorer("kv_ttft")
+    fast = create_scorer("kv_ttft", interference=interference)
+    full = create_scorer("kv_ttft", interference=interference)
     cache = CacheMap()
     if with_map:
         fast.attach(cache)
@@ -615,6 +620,29 @@ def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one(
     # two with the same GPU run, the first with more of it on CPU: the second one wins
     got = fast.place(req(8), same, {"s0": Match(2, 7), "s1": Match(2, 2)})
     assert got.instance_id == "s1"
+
+
+def test_kv_ttft_interference_charges_the_sequences_a_prefill_stalls_behind_a_queue() -> None:
+    """With ``interference``, an instance whose queued prefill already fills a step is charged,
+    per running sequence, the request's own engine time: its prefill lengthens the steps those
+    sequences decode in. Behind a queue that fits one step nothing is charged."""
+    deep = Linear(max_num_batched_tokens=100)
+    busy = InstanceView("busy", BS, deep, running=50, pending_prefill_tokens=200)
+    quiet = InstanceView("quiet", BS, deep, running=0, pending_prefill_tokens=300)
+    r = req(8)  # 128 tokens: 12.8 ms of prefill; busy's queue is 10 ms shorter
+    assert (
+        create_scorer("kv_ttft", interference=0).place(r, [busy, quiet], {}).instance_id == "busy"
+    )
+    placed = create_scorer("kv_ttft").place(r, [busy, quiet], {})  # 0.02 by default
+    # busy costs 0.02 x 50 x 12.8 ms more: quiet wins, and admission sees its plain estimate
+    assert placed.instance_id == "quiet"
+    assert placed.estimated_ttft_s == pytest.approx((300 + 128) / 10_000.0)
+    one_step = Linear(max_num_batched_tokens=1000)
+    shallow = [replace(v, latency=one_step) for v in (busy, quiet)]
+    placed = create_scorer("kv_ttft").place(r, shallow, {})
+    assert placed.instance_id == "busy"
+    with pytest.raises(ValueError, match="interference"):
+        create_scorer("kv_ttft", interference=-1)
 
 
 def test_kv_ttft_spreads_cold_prefixes_over_the_emptiest_caches() -> None:
