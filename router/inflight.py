@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from cachemap import Match
-from router.placement import InstanceView
+from router.placement import InstanceView, queued_past_a_step
 
 # whether a router counts its in-flight prompts (``RouterCore``, the simulator's
 # ``SimSettings``, a deployment's ``router.inflight_prompts``)
@@ -86,7 +86,7 @@ class InFlightPrompts:
     ) -> Mapping[str, Match]:
         """``match`` (the cache map's answer for ``hashes``) with each instance's leading run
         lengthened to the in-flight prompts it will hold first; with ``views``, only on the
-        instances where more prefill waits than one step of theirs computes."""
+        instances ``queued_past_a_step``."""
         refs = self._refs
         first = refs.get(hashes[0]) if refs and hashes else None
         if not first:
@@ -103,12 +103,7 @@ class InFlightPrompts:
             for iid in alive:
                 runs[iid] = i + 1
         if views is not None:
-            past = {
-                v.instance_id
-                for v in views
-                if v.instance_id in runs
-                and v.pending_prefill_tokens > v.latency.max_num_batched_tokens
-            }
+            past = {v.instance_id for v in views if v.instance_id in runs and queued_past_a_step(v)}
             runs = {iid: g for iid, g in runs.items() if iid in past}
         longer: dict[str, Match] = {}
         for iid, g in runs.items():

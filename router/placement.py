@@ -205,6 +205,14 @@ def create_scorer(name: str, **options: Any) -> Scorer:
     return scorer
 
 
+def queued_past_a_step(view: InstanceView) -> bool:
+    """More prefill waits on ``view``'s instance than one engine step of its computes: every
+    step there is a full prefill chunk, shared with its decoding sequences, and a request sent
+    now is admitted after the work ahead of it is computed (``router.inflight`` counts an
+    in-flight prompt there, ``kv_ttft``'s ``interference`` charges the sequences it stalls)."""
+    return view.pending_prefill_tokens > view.latency.max_num_batched_tokens
+
+
 def healthy(instances: Sequence[InstanceView]) -> list[InstanceView]:
     alive = [i for i in instances if i.healthy]
     if not alive:

@@ -92,6 +92,7 @@ from router.placement import (
     healthy,
     kv_fits,
     profile_ttft,
+    queued_past_a_step,
 )
 
 
@@ -295,7 +296,7 @@ class KvTtftScorer(Scorer):
                 own_waiting = waiting
             # the running sequences' steps the request's prefill lengthens (their TPOT)
             charge = toll
-            if stall > 0 and inst.pending_prefill_tokens > inst.latency.max_num_batched_tokens:
+            if stall > 0 and queued_past_a_step(inst):
                 charge += stall * inst.running
             if charge > 0:
                 if inst.pending_prefill_tokens == 0:  # nothing queued: the walk just priced it
