@@ -50,11 +50,14 @@ prometheus:
 
 # The whole suite: lint, types, then every test tier.
 # The unit tier runs on two workers (pytest-xdist): its tests are CPU-bound and independent.
-# The engine and integration tiers start Ray clusters, Redis servers and vLLM engines that each
-# use both cores, so they run one test at a time.
+# The engine and integration tiers run on two workers too, a module at a time (its fixtures start
+# engines and servers once), and every module that starts Ray on one worker, one after the other
+# (tests/conftest.py: pytest_xdist_make_scheduler). Their tests mostly wait on engine start-ups,
+# Ray and HTTP: run one at a time they kept one core of two busy 71% of the time (Ray daemons
+# aside).
 test: native redis ssh prometheus lint typecheck
 	$(PY) -m pytest --durations=10 -n 2 tests/unit
-	$(PY) -m pytest --durations=30 tests/engine tests/integration
+	$(PY) -m pytest --durations=30 -n 2 --dist loadgroup tests/engine tests/integration
 
 test-unit: native
 	$(PY) -m pytest -n 2 tests/unit

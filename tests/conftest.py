@@ -4,12 +4,15 @@ engine (also marked explicitly in those modules). `make test-*` selects by folde
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import secrets
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -82,7 +85,53 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tier markers from the folder; then the order ``--dist loadgroup`` (below) hands units out
+    in: modules marked ``ray``, the engine tier, the integration tier, the unit tier (longest
+    first, so that the short ones fill the end)."""
     for item in items:
         tier = Path(str(item.fspath)).parent.name
         if tier in _TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+    items.sort(
+        key=lambda it: (
+            it.get_closest_marker("ray") is None,
+            "engine" not in it.keywords,
+            "integration" not in it.keywords,
+        )
+    )
+
+
+@functools.cache
+def _is_ray_module(root: Path, file: str) -> bool:
+    return "pytest.mark.ray" in (root / file).read_text(encoding="utf-8")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``, in units of our own: a module (its fixtures start engines and servers
+    once), except that every module marked ``ray`` is one unit, run on one worker one after the
+    other. Two Ray clusters on one machine do not stay apart: ``ray.init()`` joins the one
+    ``ray up`` started, and a test's ``ray.shutdown()`` ends the other's. (xdist 3.8's own
+    ``xdist_group`` suffix does not reach pytest 9's node ids.) Units go out in collection order."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+
+    class ModuleUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "ray" if _is_ray_module(root, file) else file
+
+    config.option.loadscopereorder = False
+    return ModuleUnits(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _ray_only_where_marked(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A module that starts Ray without the ``ray`` marker would run beside another Ray module
+    under xdist: fail it here instead of flaking there."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and request.node.get_closest_marker("ray") is None and ray.is_initialized():
+        pytest.fail("this test runs with Ray started: mark its module pytest.mark.ray")

@@ -24,7 +24,7 @@ from engines.config import EngineDeploymentConfig
 from engines.deployment import build_engine_app, open_buses
 from engines.liveness import EngineWatcher
 
-pytestmark = [pytest.mark.engine, pytest.mark.slow]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.ray]
 
 APP = "kvroute-test-vllm"
 CONFIG = EngineDeploymentConfig(

@@ -18,7 +18,7 @@ from cachemap.ingest import CacheMapIngestor
 from cachemap.map import CacheMap
 from engines.bus_ray import RayEventBus
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.ray]
 
 
 @pytest.fixture(scope="module")

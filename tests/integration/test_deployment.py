@@ -25,7 +25,7 @@ from engines.deployment import build_engine_app, open_buses
 from engines.liveness import EngineWatcher
 from tests.support import wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.ray]
 
 APP = "kvroute-test-engines"
 BLOCK = 32

@@ -30,7 +30,7 @@ from tests.support import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 KEY, ADMIN = "sk-serve", "sk-serve-admin"
 LONG = "Shared system prompt about routing and caching. " * 40

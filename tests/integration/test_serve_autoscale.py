@@ -16,7 +16,7 @@ import pytest
 from deploy.config import ServeConfig
 from tests.support import free_port, metric, serve_app, wait_for
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 POOL = "engine"
 # Ray Serve's default rule as the core runs it, with short windows and delays: the test's

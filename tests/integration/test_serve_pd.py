@@ -18,7 +18,7 @@ import yaml
 from deploy.config import ServeConfig
 from tests.support import free_port, metric, serve_app
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve-pd-sim.yaml"
 LONG = "A long shared system prompt about disaggregated serving. " * 40

@@ -11,7 +11,7 @@ import pytest
 from deploy.config import ServeConfig
 from tests.support import free_port, serve_app
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.ray]
 pytest.importorskip("pyarrow")
 
 
