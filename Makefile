@@ -50,11 +50,8 @@ prometheus:
 
 # The whole suite: lint, types, then every test tier.
 # The unit tier runs on two workers (pytest-xdist): its tests are CPU-bound and independent.
-# The engine and integration tiers run on two workers too, a module at a time (its fixtures start
-# engines and servers once), and every module that starts Ray on one worker, one after the other
-# (tests/conftest.py: pytest_xdist_make_scheduler). Their tests mostly wait on engine start-ups,
-# Ray and HTTP: run one at a time they kept one core of two busy 71% of the time (Ray daemons
-# aside).
+# The engine and integration tiers run on two workers too, a module at a time, every Ray module
+# on one worker (tests/conftest.py; why and what it measured: docs/development.md).
 test: native redis ssh prometheus lint typecheck
 	$(PY) -m pytest --durations=10 -n 2 tests/unit
 	$(PY) -m pytest --durations=30 -n 2 --dist loadgroup tests/engine tests/integration

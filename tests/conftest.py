@@ -94,7 +94,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(getattr(pytest.mark, tier))
     items.sort(
         key=lambda it: (
-            it.get_closest_marker("ray") is None,
+            not _in_ray_unit(it.config.rootpath, it.nodeid),
             "engine" not in it.keywords,
             "integration" not in it.keywords,
         )
@@ -106,11 +106,17 @@ def _is_ray_module(root: Path, file: str) -> bool:
     return "pytest.mark.ray" in (root / file).read_text(encoding="utf-8")
 
 
+def _in_ray_unit(root: Path, nodeid: str) -> bool:
+    """Whether the scheduler below puts ``nodeid`` in the Ray unit: its module is marked ``ray``.
+    The controller that schedules has node ids only, no markers, so the module's source says."""
+    return _is_ray_module(root, nodeid.split("::", 1)[0])
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadgroup``, in units of our own: a module (its fixtures start engines and servers
     once), except that every module marked ``ray`` is one unit, run on one worker one after the
     other. Two Ray clusters on one machine do not stay apart: ``ray.init()`` joins the one
-    ``ray up`` started, and a test's ``ray.shutdown()`` ends the other's. (xdist 3.8's own
+    ``ray up`` started, and overlapping Ray modules crashed an xdist worker. (xdist 3.8's own
     ``xdist_group`` suffix does not reach pytest 9's node ids.) Units go out in collection order."""
     if config.getvalue("dist") != "loadgroup":
         return None
@@ -120,8 +126,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class ModuleUnits(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            file = nodeid.split("::", 1)[0]
-            return "ray" if _is_ray_module(root, file) else file
+            return "ray" if _in_ray_unit(root, nodeid) else nodeid.split("::", 1)[0]
 
     config.option.loadscopereorder = False
     return ModuleUnits(config, log)
@@ -129,9 +134,15 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 @pytest.fixture(autouse=True)
 def _ray_only_where_marked(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A module that starts Ray without the ``ray`` marker would run beside another Ray module
-    under xdist: fail it here instead of flaking there."""
+    """A test that runs with Ray started outside the Ray unit (its module not marked ``ray``, as
+    the scheduler reads it) would run beside another Ray module under xdist: fail it here
+    instead of flaking there."""
     yield
     ray = sys.modules.get("ray")
-    if ray is not None and request.node.get_closest_marker("ray") is None and ray.is_initialized():
-        pytest.fail("this test runs with Ray started: mark its module pytest.mark.ray")
+    node = request.node
+    if (
+        ray is not None
+        and ray.is_initialized()
+        and not _in_ray_unit(node.config.rootpath, node.nodeid)
+    ):
+        pytest.fail("this test runs with Ray started: mark its module pytestmark = pytest.mark.ray")
