@@ -86,9 +86,9 @@ class SessionScorer(Scorer):
         instances: Sequence[InstanceView],
         match: Mapping[str, Match],
     ) -> Placement:
+        if request.session_key is None:  # the fallback keeps to the healthy ones itself
+            return self._fallback.place(request, instances, match)
         alive = healthy(instances)
-        if request.session_key is None:
-            return self._fallback.place(request, alive, match)
         self._ring(tuple(sorted(i.instance_id for i in alive)))
         h = xxhash.xxh3_64_intdigest(request.session_key.encode())
         k = bisect.bisect(self._points, h) % len(self._points)
