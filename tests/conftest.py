@@ -95,6 +95,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(
         key=lambda it: (
             not _in_ray_unit(it.config.rootpath, it.nodeid),
+            _shares_ray(it),
             "engine" not in it.keywords,
             "integration" not in it.keywords,
         )
@@ -130,6 +131,51 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     config.option.loadscopereorder = False
     return ModuleUnits(config, log)
+
+
+def _shares_ray(item: pytest.Item) -> bool:
+    """Whether ``item``'s module runs on the Ray unit's shared local Ray: marked ``ray``, not
+    ``ray(shared=False)`` (a module that brings up a cluster of its own, as ``ray up`` does)."""
+    mark = item.get_closest_marker("ray")
+    return mark is not None and mark.kwargs.get("shared", True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_ray_for_the_ray_unit(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The Ray modules share one local Ray, started by the first that runs (in the mode
+    ``kvroute serve`` runs Serve in) and stopped when the unit ends (``pytest_runtest_teardown``
+    below): a cluster start and stop (~9 s) per module less. A module marked
+    ``ray(shared=False)`` runs with no Ray started here; the unit runs it first. Each module
+    still starts and shuts down its own Serve and removes its actors."""
+    item = request.node
+    if item.get_closest_marker("ray") is not None:
+        import ray
+
+        if _shares_ray(item):
+            if not ray.is_initialized():
+                from deploy.config import apply_ray_serve_env
+
+                apply_ray_serve_env()
+                ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        elif ray.is_initialized():
+            ray.shutdown()
+    yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the module fixtures of the Ray unit's last test are torn down, stop the Ray they
+    shared, so that no Ray runs beside the tests that follow on this worker."""
+    try:
+        return (yield)
+    finally:
+        ray = sys.modules.get("ray")
+        if (
+            ray is not None
+            and ray.is_initialized()
+            and (nextitem is None or not _shares_ray(nextitem))
+        ):
+            ray.shutdown()
 
 
 @pytest.fixture(autouse=True)

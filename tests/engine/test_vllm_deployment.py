@@ -12,7 +12,6 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("ray.serve")
 
-import ray
 from ray import serve
 
 from cachemap.hashing import BlockHasher
@@ -37,9 +36,7 @@ CONFIG = EngineDeploymentConfig(
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[Any]:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    """The engine app on the Ray unit's shared local Ray (tests/conftest.py)."""
     try:
         yield serve.run(build_engine_app(CONFIG), name=APP, route_prefix=None)
     finally:
@@ -47,9 +44,7 @@ def app() -> Iterator[Any]:
         for b in open_buses(CONFIG.bus, create=False):
             assert isinstance(b, RayEventBus)
             b.kill()
-        if started:
-            serve.shutdown()
-            ray.shutdown()
+        serve.shutdown()
 
 
 def test_vllm_replica_streams_and_publishes_events(app) -> None:

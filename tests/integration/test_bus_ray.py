@@ -21,18 +21,8 @@ from engines.bus_ray import RayEventBus
 pytestmark = [pytest.mark.integration, pytest.mark.ray]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 @pytest.fixture
-def bus(ray_cluster, request) -> Iterator[RayEventBus]:
+def bus(request) -> Iterator[RayEventBus]:
     b = RayEventBus(f"test-{request.node.name}", maxlen=5)
     yield b
     b.kill()
@@ -71,7 +61,7 @@ def test_remote_publisher_keeps_order_and_the_client_pickles(bus: RayEventBus) -
     assert bus.read(0).items == [b"0", b"1", b"2", b"3", b"4"]
 
 
-def test_messages_from_another_process_reach_a_cache_map(ray_cluster) -> None:
+def test_messages_from_another_process_reach_a_cache_map() -> None:
     bus = RayEventBus("test-map", maxlen=1000)
     try:
         hashes = BlockHasher("m", 4)(list(range(12)))
@@ -91,7 +81,7 @@ def test_messages_from_another_process_reach_a_cache_map(ray_cluster) -> None:
         bus.kill()
 
 
-def test_a_sync_client_returns_offsets(ray_cluster) -> None:
+def test_a_sync_client_returns_offsets() -> None:
     bus = RayEventBus("test-sync", maxlen=10, sync=True)
     try:
         assert [bus.publish(b"%d" % i) for i in range(3)] == [0, 1, 2]
@@ -108,7 +98,7 @@ def test_resync_requests_are_taken_once(bus: RayEventBus) -> None:
     assert not bus.take_resync("i1")
 
 
-def test_two_logs_on_one_hub_keep_their_own_offsets_bounds_and_resyncs(ray_cluster) -> None:
+def test_two_logs_on_one_hub_keep_their_own_offsets_bounds_and_resyncs() -> None:
     events = RayEventBus("test-events", hub="test-hub", maxlen=100, sync=True)
     loads = RayEventBus("test-loads", hub="test-hub", maxlen=3, sync=True)
     other = RayEventBus("test-elsewhere", maxlen=10, sync=True)  # a hub of its own
@@ -135,7 +125,7 @@ def test_two_logs_on_one_hub_keep_their_own_offsets_bounds_and_resyncs(ray_clust
         RayEventBus("test-events", hub="test-hub", create=False)
 
 
-def test_two_fire_and_forget_logs_of_one_hub_publish_in_one_call(ray_cluster) -> None:
+def test_two_fire_and_forget_logs_of_one_hub_publish_in_one_call() -> None:
     events = RayEventBus("test-pair-events", hub="test-pair-hub")
     loads = RayEventBus("test-pair-loads", hub="test-pair-hub")
     try:
@@ -153,7 +143,7 @@ def test_a_log_nobody_opened_is_named_in_the_error(bus: RayEventBus) -> None:
         stray.read(0)
 
 
-def test_the_hub_bounds_a_log_by_bytes_and_reports_what_it_holds(ray_cluster) -> None:
+def test_the_hub_bounds_a_log_by_bytes_and_reports_what_it_holds() -> None:
     """Through the real actor: a log past ``max_bytes`` drops its oldest entries (a reader
     behind learns how many), and a resync request for an instance that never takes it is one
     pending entry (forgotten after ``RESYNC_TTL_S``: tests/unit/test_bus_hub.py)."""

@@ -42,9 +42,7 @@ CONFIG = EngineDeploymentConfig(
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[Any]:
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    """The engine app on the Ray unit's shared local Ray (tests/conftest.py)."""
     handle = serve.run(build_engine_app(CONFIG), name=APP, route_prefix=None)
     try:
         yield handle
@@ -54,9 +52,7 @@ def app() -> Iterator[Any]:
         for b in (events, loads):
             assert isinstance(b, RayEventBus)
             b.kill()
-        if started:
-            serve.shutdown()
-            ray.shutdown()
+        serve.shutdown()
 
 
 @pytest.fixture(scope="module")

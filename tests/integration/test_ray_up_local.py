@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
+pytestmark = [pytest.mark.slow, pytest.mark.ray(shared=False)]
 
 REPO = Path(__file__).resolve().parents[2]
 # What a `ray up` over SSH would leave in a HOME: keys, authorisations, secrets, the repo link,
