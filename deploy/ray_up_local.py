@@ -243,8 +243,10 @@ def redis_streams(home: Home) -> dict[str, Any]:
 
 def ray_without_token(home: Home) -> dict[str, Any]:
     """A Ray client that connects to the head without the token, and one with a wrong one, at
-    once (a refused client retries for ~20 s before it gives up)."""
+    once. A refused client retries its first read from the GCS (``RAY_NUM_REDIS_GET_RETRIES``
+    times, 2 s apart: ~20 s by default) before it gives up; these try twice."""
     code = f"import ray; ray.init(address='127.0.0.1:{GCS_PORT}'); print('CONNECTED')"
+    retries = {"RAY_NUM_REDIS_GET_RETRIES": "2"}
     probes = {
         name: subprocess.Popen(
             [sys.executable, "-c", code],
@@ -254,8 +256,8 @@ def ray_without_token(home: Home) -> dict[str, Any]:
             env=env,
         )
         for name, env in (
-            ("no_token", home.env(HOME=str(home.root / "nobody"))),
-            ("wrong_token", home.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64)),
+            ("no_token", home.env(HOME=str(home.root / "nobody"), **retries)),
+            ("wrong_token", home.env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="0" * 64, **retries)),
         )
     }
     out = {}

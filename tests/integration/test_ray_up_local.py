@@ -87,6 +87,8 @@ def test_ray_up_serve_request_ray_down() -> None:
     assert redis["kv_events_published"] > 0
     assert redis["default_user_refused"] and redis["plain_tcp_refused"]
     assert redis["acl_refuses_config_and_keys"]  # the node's ACL rule, deploy/redis-bus.acl
-    # Ray's token auth: a client without the token, or with a wrong one, is refused
-    assert out["ray_auth"]["no_token"]["refused"], out["ray_auth"]
-    assert out["ray_auth"]["wrong_token"]["refused"], out["ray_auth"]
+    # Ray's token auth: a client without the token, or with a wrong one, is refused, and told
+    # why (not merely out of retries)
+    for probe in ("no_token", "wrong_token"):
+        assert out["ray_auth"][probe]["refused"], out["ray_auth"]
+        assert out["ray_auth"][probe]["says_auth"], out["ray_auth"]
