@@ -68,7 +68,8 @@ class Clients:
 
     def __init__(self, base: str, n: int, max_tokens: int = 48) -> None:
         self.base, self.max_tokens, self.ok = base, max_tokens, 0
-        self.failed: list[Any] = []
+        self.t0 = time.monotonic()
+        self.failed: list[Any] = []  # (seconds since the clients started, what went wrong)
         self.instances: set[str] = set()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -100,12 +101,34 @@ class Clients:
                     if err is None:
                         self.ok += 1
                     else:
-                        self.failed.append(err)
+                        self.failed.append((round(time.monotonic() - self.t0, 1), err))
 
     def stop(self) -> None:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=150)
+
+
+class Routable:
+    """The ingress's routable engine count over time, sampled every ``poll_s`` until stopped:
+    ``changes`` holds (seconds since start, count) at each change, for a failure's message."""
+
+    def __init__(self, base: str, poll_s: float = 0.25) -> None:
+        self.t0 = time.monotonic()
+        self.changes: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(base, poll_s))
+        self._thread.start()
+
+    def _run(self, base: str, poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            n = routable(base)
+            if not self.changes or self.changes[-1][1] != n:
+                self.changes.append((round(time.monotonic() - self.t0, 1), n))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
 
 
 def routable(base: str) -> int:
@@ -131,6 +154,7 @@ def test_burst_scales_up_and_lull_scales_down_without_losing_a_request() -> None
     t0 = time.monotonic()
     with serve_app(config(free_port())) as base:
         assert routable(base) == 1
+        seen = Routable(base)
         burst = Clients(base, 12)
         try:
             # the burst: the policy asks for 3, Serve starts them, the router routes to them
@@ -144,7 +168,10 @@ def test_burst_scales_up_and_lull_scales_down_without_losing_a_request() -> None
             assert wait_for(lambda: burst.ok >= served_at_peak + 12, timeout_s=30, poll_s=0.2)
         finally:
             burst.stop()
-        assert not burst.failed, burst.failed[:3]
+            seen.stop()
+        # on a failure: when the requests failed and how many engines the router saw meanwhile
+        # (both in seconds since the burst began)
+        assert not burst.failed, (burst.failed[:3], len(burst.failed), seen.changes)
         # the lull: one client goes on while the pool scales down, its ~2 s requests in flight
         # across the scale-down (on a leaving replica, which drains it)
         lull = Clients(base, 1, max_tokens=200)
