@@ -237,19 +237,13 @@ def sim_app_config(
 
 @contextmanager
 def serve_app(cfg: ServeConfig, timeout_s: float = 60.0) -> Iterator[str]:
-    """``cfg``'s app under real Ray Serve on 127.0.0.1:``cfg.port`` (starting a local Ray if none
-    runs), yielded as its base URL once every engine reported in; torn down afterwards."""
-    from deploy.config import apply_ray_serve_env
-
-    apply_ray_serve_env()  # the mode kvroute serve runs Serve in, for a Ray started here
-    import ray
+    """``cfg``'s app under real Ray Serve on 127.0.0.1:``cfg.port``, on the Ray unit's shared
+    local Ray (tests/conftest.py starts it, in the mode ``kvroute serve`` runs Serve in), yielded
+    as its base URL once every engine reported in; the app and Serve torn down afterwards."""
     from ray import serve
 
     from deploy.app import build_serve_app, delete_app, wait_until_ready
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": cfg.port})
     try:
         serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
@@ -261,8 +255,6 @@ def serve_app(cfg: ServeConfig, timeout_s: float = 60.0) -> Iterator[str]:
             delete_app(cfg)
     finally:
         serve.shutdown()
-        if started:
-            ray.shutdown()
 
 
 def named_replicas(app: str, deployment: str) -> list[dict[str, str]]:
