@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
 import secrets
 import shutil
@@ -66,11 +67,13 @@ def pytest_configure(config: pytest.Config) -> None:
         why = native.describe(native.changes() or ["files of another build"])
         ok = native.build()
         print(f"kvroute native: {why}: {'rebuilt' if ok else 'removed'}", file=sys.stderr)
-    config.stash[_HOME_BEFORE] = home_guard.snapshot()
+    if not hasattr(config, "workerinput"):  # the xdist controller (or a run without xdist) guards
+        config.stash[_HOME_BEFORE] = home_guard.snapshot()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run when a test left something in HOME or changed /etc/ssh (tests/home_guard.py)."""
+    _write_module_seconds(session.config)
     before = session.config.stash.get(_HOME_BEFORE, None)
     if before is None:
         return
@@ -84,22 +87,67 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+# Seconds each test module took in a whole run (setup, call and teardown of its tests, summed):
+# the order below hands the longest out first. Written by ``--module-seconds-out``; a module not
+# in it counts as 0 s (it goes last), so refresh the file when a module grows long.
+_MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--module-seconds-out",
+        metavar="PATH",
+        help="write each test module's seconds in this run as JSON (tests/module_seconds.json "
+        "is the copy the test order reads), merged into PATH's modules",
+    )
+
+
+@functools.cache
+def _module_seconds() -> dict[str, float]:
+    try:
+        data: dict[str, float] = json.loads(_MODULE_SECONDS.read_text())
+    except FileNotFoundError:
+        return {}
+    return data
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tier markers from the folder; then the order ``--dist loadgroup`` (below) hands units out
-    in: modules marked ``ray``, the engine tier, the integration tier, the unit tier (longest
-    first, so that the short ones fill the end)."""
+    in: modules marked ``ray`` (the one that brings up a cluster of its own first), then every
+    other module, longest first (``tests/module_seconds.json``), so that short ones fill the end
+    and the two workers finish together."""
     for item in items:
         tier = Path(str(item.fspath)).parent.name
         if tier in _TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+    seconds = _module_seconds()
     items.sort(
         key=lambda it: (
             not _in_ray_unit(it.config.rootpath, it.nodeid),
             _shares_ray(it),
-            "engine" not in it.keywords,
-            "integration" not in it.keywords,
+            -seconds.get(it.nodeid.split("::", 1)[0], 0.0),
         )
     )
+
+
+_RUN_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each module's seconds in this run, for ``--module-seconds-out`` (on the xdist controller
+    too: workers' reports reach it)."""
+    module = report.nodeid.split("::", 1)[0]
+    _RUN_SECONDS[module] = _RUN_SECONDS.get(module, 0.0) + report.duration
+
+
+def _write_module_seconds(config: pytest.Config) -> None:
+    out = config.getoption("--module-seconds-out")
+    if not out or hasattr(config, "workerinput") or not _RUN_SECONDS:
+        return
+    path = Path(out)
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged.update({m: round(s, 1) for m, s in _RUN_SECONDS.items()})
+    path.write_text(json.dumps(dict(sorted(merged.items())), indent=1) + "\n")
 
 
 @functools.cache
