@@ -161,6 +161,7 @@ def _in_ray_unit(root: Path, nodeid: str) -> bool:
     return _is_ray_module(root, nodeid.split("::", 1)[0])
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent under -p no:xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadgroup``, in units of our own: a module (its fixtures start engines and servers
     once), except that every module marked ``ray`` is one unit, run on one worker one after the
