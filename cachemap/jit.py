@@ -1,11 +1,12 @@
 """Lazy numba compilation for the cache map's hot loops.
 
 ``@jit`` marks a plain-Python kernel; numba is imported and the kernel compiled (or loaded from
-numba's on-disk cache) on its first call, not at import. A kernel may call other ``@jit``
-kernels (found by name in its globals): they are compiled with it, and it calls their compiled
-form. NOTE: numba's cache of a kernel is checked against its own file only: after editing a
-kernel another file's kernel calls, clear that file's cache (``__pycache__/*.nbi``). NOTE:
-importing numba in a script's ``__main__`` before a vLLM CPU engine spawns its worker crashes
+numba's on-disk cache) on its first call, not at import. ``make native`` fills that cache
+(``cachemap.map.warm_kernels``), so that no process compiles them at first use. A kernel may call
+other ``@jit`` kernels (found by name in its globals): they are compiled with it, and it calls
+their compiled form. NOTE: numba's cache of a kernel is checked against its own file only: after
+editing a kernel another file's kernel calls, clear that file's cache (``__pycache__/*.nbi``).
+NOTE: importing numba in a script's ``__main__`` before a vLLM CPU engine spawns its worker crashes
 that worker, so nothing in ``cachemap`` may import numba at module level.
 """
 
@@ -46,8 +47,13 @@ class _Kernel:
         return self.compiled
 
 
+# every kernel, in the order its module defined it
+KERNELS: list[_Kernel] = []
+
+
 def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
     kernel = _Kernel(fn)
+    KERNELS.append(kernel)
 
     @functools.wraps(fn)  # the plain kernel stays reachable as ``__wrapped__``
     def call(*args: Any) -> Any:

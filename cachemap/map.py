@@ -35,7 +35,7 @@ import numpy.typing as npt
 
 from cachemap.hashing import BlockHash, InstanceId, Tier, as_tier
 from cachemap.index import TOMBSTONE, HashIndex, _probe
-from cachemap.jit import jit
+from cachemap.jit import KERNELS, jit
 
 _TIERS: tuple[Tier, ...] = tuple(Tier)
 _new_tuple = tuple.__new__
@@ -900,3 +900,29 @@ def _bit_counts(rows: npt.NDArray[np.uint64], n_bits: int) -> npt.NDArray[np.int
     bits = np.unpackbits(np.ascontiguousarray(rows).view(np.uint8), axis=1, bitorder="little")
     counts: npt.NDArray[np.int64] = bits.sum(axis=0, dtype=np.int64)
     return counts
+
+
+def warm_kernels() -> list[str]:
+    """Compile the kernels, or load them from numba's on-disk cache, by running a small cache
+    map through every call that uses one: a block stored new, stored again on another tier,
+    held by more instances than a narrow row holds, matched, looked up, removed, an instance
+    dropped. Returns the names of the kernels (``cachemap.jit.KERNELS``) compiled by now, in
+    definition order.
+
+    ``make native`` (``python -m deploy.native build``) calls it, so that the cache is filled
+    when the code is installed: the first cache map a process uses then loads every kernel
+    (~1 s) instead of compiling them (~10 s of one core, here), which an ingress replica
+    would otherwise pay at its first KV events and a fresh checkout's test workers each once."""
+    chain = list(range(1, 9))
+    cmap = CacheMap()
+    cmap.store("e0", Tier.GPU, chain)
+    cmap.store_chains("e1", Tier.CPU, ((chain[:4], None, 0), ([100, 101], chain[3], 4)))
+    for i in range(2, 130):  # past a narrow row's holders
+        cmap.store(f"e{i}", Tier.GPU, chain[:2])
+    cmap.match(chain)
+    cmap.remove("e0", Tier.GPU, chain[4:])
+    cmap.drop_instance("e1")
+    cmap.match(chain)
+    cmap.holders(chain[0])
+    cmap.check_integrity()
+    return [k.fn.__name__ for k in KERNELS if k.compiled is not None]

@@ -7,7 +7,8 @@ identical). The simulator runs ~1.4x faster compiled (``benchmarks/sim_bench.py`
 core in an ingress replica runs the same compiled code.
 
     python -m deploy.native build   compile MODULES in place, if any is missing or stale
-                                    (--strict: exit 1 if mypyc refuses the code)
+                                    (--strict: exit 1 if mypyc refuses the code), then fill
+                                    numba's cache with the cache map's kernels
     python -m deploy.native check   exit 1 naming the compiled files that are stale
     python -m deploy.native clean   remove the extensions (back to pure Python)
 
@@ -373,7 +374,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     state = "compiled" if ok else "pure Python"
     print(f"kvroute native: {len(MODULES) - len(missing())}/{len(MODULES)} modules {state}")
+    warm_kernels()
     return 0
+
+
+def warm_kernels() -> None:
+    """Fill numba's on-disk cache with the cache map's kernels (``cachemap.map.warm_kernels``),
+    so that no process compiles them at its first use."""
+    import time
+
+    from cachemap.map import warm_kernels
+
+    t0 = time.perf_counter()
+    names = warm_kernels()
+    took = time.perf_counter() - t0
+    print(f"kvroute native: {len(names)} cache map kernels compiled or loaded ({took:.1f} s)")
 
 
 if __name__ == "__main__":

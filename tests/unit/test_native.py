@@ -1,15 +1,20 @@
 """deploy/native.py: which compiled files may run old code (what they import, by content), and
-cleaning them. Every test but the first two works in a temporary tree (``native.ROOT``
+cleaning them. Every test but the first two and the last works in a temporary tree (``native.ROOT``
 monkeypatched), with empty files standing for the extensions: nothing is compiled."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from deploy import native
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PYPROJECT = '[project]\nname = "x"\n\n[tool.mypy]\nstrict = true\n'
 
@@ -217,3 +222,18 @@ def test_no_compiler_means_pure_python_not_an_error(
     assert native.build(strict=True) is False  # strict is about code mypyc refuses, not this
     assert "running pure Python" in capsys.readouterr().err
     assert native.missing() == list(native.MODULES)
+
+
+def test_warming_reaches_every_cache_map_kernel() -> None:
+    """``build`` ends with ``cachemap.map.warm_kernels``, which fills numba's cache for what it
+    calls: in a fresh process it must reach every ``@jit`` kernel, or a new kernel would
+    compile at some process's first use after all (an ingress replica's first KV events)."""
+    code = (
+        "import json; from cachemap.jit import KERNELS; from cachemap.map import warm_kernels; "
+        "print(json.dumps([warm_kernels(), [k.fn.__name__ for k in KERNELS]]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    warmed, every = json.loads(done.stdout.splitlines()[-1])
+    assert warmed == every and len(every) >= 10
