@@ -72,7 +72,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the run when a test left something in HOME or changed /etc/ssh (tests/home_guard.py)."""
+    """Write ``--module-seconds-out``; fail the run when a test left something in HOME or
+    changed /etc/ssh (tests/home_guard.py)."""
     _write_module_seconds(session.config)
     before = session.config.stash.get(_HOME_BEFORE, None)
     if before is None:
