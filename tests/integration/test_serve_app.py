@@ -319,7 +319,11 @@ def test_killing_a_router_replica_under_load(served: tuple[str, ServeConfig]) ->
     assert "connection" not in outcomes, (served_in, outcomes)
     assert all(o == "ok" or o.startswith("error 5") for o in outcomes), outcomes
     answered = routed = None
-    deadline = time.monotonic() + 60  # from when the load is over, each lookup well inside it
+    # from when the load is over, each lookup well inside it. A replacement ingress replica
+    # starts in 29-50 s on this two-core box and took 77 s (52 s in its constructor, most of it
+    # the tokenizer's transformers import) beside the engine tier's other worker: the window
+    # is for that start, not a speed claim
+    deadline = time.monotonic() + 150
     while time.monotonic() < deadline:
         try:
             r = httpx.post(f"{base}/v1/kv/lookup", json={"text": prompt}, headers=admin, timeout=10)
@@ -332,7 +336,7 @@ def test_killing_a_router_replica_under_load(served: tuple[str, ServeConfig]) ->
                 routed = time.monotonic() - killed_at
                 break
         time.sleep(0.1)
-    assert answered is not None, "no answer from a new router replica within 60 s of the load's end"
+    assert answered is not None, "no new router replica answered within 150 s of the load's end"
     assert routed is not None, "the new router replica never learned the warmed prefix"
     new_hit = None
     for _ in range(40):  # a completion placed by the new replica lands on the warmed engine
