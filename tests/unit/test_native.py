@@ -14,7 +14,7 @@ import pytest
 
 from deploy import native
 
-ROOT = Path(__file__).resolve().parents[2]
+REPO = native.ROOT  # the real tree: ``tree`` below monkeypatches ``native.ROOT``
 
 PYPROJECT = '[project]\nname = "x"\n\n[tool.mypy]\nstrict = true\n'
 
@@ -233,7 +233,7 @@ def test_warming_reaches_every_cache_map_kernel() -> None:
         "print(json.dumps([warm_kernels(), [k.fn.__name__ for k in KERNELS]]))"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
     warmed, every = json.loads(done.stdout.splitlines()[-1])
     assert warmed == every and len(every) >= 10
