@@ -19,12 +19,17 @@ the smallest fixed size that meets the target, found by bisection between 1 and
 TPOT <= 50 ms); the target is 99%, or one point under the workload's ceiling (the attainment of
 every request's ideal TTFT, ``simulation.settings.ideal_ttfts``) where that is lower. Reported per
 policy: attainment, GPU-hours (every engine from its scale decision to its release), peak
-replicas, number of changes; and the static peak's. Not run: the hindsight oracle.
+replicas, number of changes; and the static peak's. Two hindsight references: ``oracle`` (a
+per-minute fixed pool, each minute simulated alone after a minute of warm-up) and ``two_level``
+(periodic days: the cheapest pair of one count for every lull and one for every burst, each
+pair simulated over the whole day, caches included). The engines have no CPU tier unless
+``--cpu-tier-gib`` gives one (``deploy/serve-gpu.yaml`` ships 160 GiB, ``wa``).
 
 Prints JSON on stdout (and to ``--out``).
 
 Usage: .venv/bin/python benchmarks/autoscale_suite.py [--quick] [--seeds 3] [--jobs 2]
            [--workloads conversation,to-b] [--policies kvroute,throughput,...] [--out F.json]
+           [--cpu-tier-gib 160 [--cpu-policy wa]]
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import TRACES, print_json
+from engines.config import CpuTierConfig
 from engines.sim.profile import LatencyProfile
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.traces import PrefixModel, load_trace
@@ -141,12 +148,14 @@ def scored(records: list, since: float) -> list:
 def one_run(
     plan: list, block: int, truth: LatencyProfile, seed: int, n: int, spec: Any, hi: int,
     lo: int, target: float, since: float, period: float = 0.0, records: bool = False,
-    warm: int = 0, handover: int = 0,
+    warm: int = 0, handover: int = 0, engine: dict[str, Any] | None = None,
 ) -> Any:  # fmt: skip
     """One run from ``n`` engines: fixed (``spec`` None), a policy spec, or a ``Policy``; its
-    figures (and its records, with ``records``)."""
+    figures (and its records, with ``records``). ``engine``: the engines' options
+    (``SimSettings.engine``: the CPU tier)."""
     settings = SimSettings(
         instances=n,
+        engine=dict(engine or {}),
         perturbation=Perturbation(seed=seed),
         warm_prefixes=warm,
         handover_prefixes=handover,
@@ -216,26 +225,31 @@ def after_join(sim: Any, window_s: float = 60.0) -> dict[str, Any]:
 
 def static_peak(
     plan: list, block: int, truth: LatencyProfile, seed: int, target: float, hi: int,
-    since: float,
+    since: float, engine: dict[str, Any] | None = None,
 ) -> tuple[int, dict[str, Any]]:  # fmt: skip
     """The smallest fixed size meeting ``target`` (bisection on 1..hi; hi if none does)."""
     lo_n, hi_n = 1, hi
     runs: dict[int, dict[str, Any]] = {}
     while lo_n < hi_n:
         mid = (lo_n + hi_n) // 2
-        runs[mid] = r = one_run(plan, block, truth, seed, mid, None, hi, 1, target, since)
+        runs[mid] = r = one_run(
+            plan, block, truth, seed, mid, None, hi, 1, target, since, engine=engine
+        )
         if r["attainment"] >= target:
             hi_n = mid
         else:
             lo_n = mid + 1
     if hi_n not in runs:
-        runs[hi_n] = one_run(plan, block, truth, seed, hi_n, None, hi, 1, target, since)
+        runs[hi_n] = one_run(
+            plan, block, truth, seed, hi_n, None, hi, 1, target, since, engine=engine
+        )
     return hi_n, runs[hi_n]
 
 
 def oracle_schedule(
-    plan: list, block: int, truth: LatencyProfile, seed: int, hi: int
-) -> list[tuple[float, int]]:
+    plan: list, block: int, truth: LatencyProfile, seed: int, hi: int,
+    engine: dict[str, Any] | None = None,
+) -> list[tuple[float, int]]:  # fmt: skip
     """The hindsight oracle's schedule, an approximation: per ``ORACLE_INTERVAL_S`` of the
     day, the smallest fixed pool (bisection on 1..hi) under which ``ORACLE_GOAL`` of that
     interval's attainable requests (``ideal_ttfts`` within the TTFT SLO) meet the SLO, each
@@ -260,7 +274,9 @@ def oracle_schedule(
         count = [j for j, p in enumerate(window) if p.offset_s >= t0 and ideal[j] <= SLO_TTFT_S]
 
         def ok(n: int, sub: list = sub, count: list = count) -> bool:
-            settings = SimSettings(instances=n, perturbation=Perturbation(seed=seed))
+            settings = SimSettings(
+                instances=n, engine=dict(engine or {}), perturbation=Perturbation(seed=seed)
+            )
             settings.what_if = False
             recs = simulate(sub, block, truth, "kv_ttft", settings).records
             want = set(count)
@@ -285,14 +301,14 @@ def oracle_schedule(
 
 def oracle_run(
     plan: list, block: int, truth: LatencyProfile, seed: int, target: float, hi: int,
-    since: float,
+    since: float, engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The oracle's schedule replayed (engines decided a cold start ahead, billed from the
     decision). Where the replay misses ``target``, the minutes in which under
     ``ORACLE_GOAL`` of the attainable requests met the SLO get a tenth more engines (at least
     one), the minute before them too (its queue is theirs), and the day is replayed again,
     at most ``ORACLE_REPAIRS`` times (the repairs, in ``repairs``)."""
-    sched = oracle_schedule(plan, block, truth, seed, hi)
+    sched = oracle_schedule(plan, block, truth, seed, hi, engine)
     ideal = ideal_ttfts_of(plan, block, truth)
     cold = SimSettings().cold_start_s
     counts = [n for _, n in sched]
@@ -301,8 +317,9 @@ def oracle_run(
         steps = [(t, min(hi, n)) for (t, _), n in zip(sched, counts, strict=True)]
         policy = SchedulePolicy(steps, lead_s=cold)
         r, recs = one_run(
-            plan, block, truth, seed, steps[0][1], policy, hi, 1, target, since, records=True
-        )
+            plan, block, truth, seed, steps[0][1], policy, hi, 1, target, since, records=True,
+            engine=engine,
+        )  # fmt: skip
         r["repairs"] = repair
         if r["attainment"] >= target or repair == ORACLE_REPAIRS:
             break
@@ -322,6 +339,82 @@ def oracle_run(
     return r
 
 
+def two_level_schedule(end_s: float, lull: int, burst: int) -> list[tuple[float, int]]:
+    """A burst-and-lull day's steps: ``lull`` engines in every lull, ``burst`` in every burst."""
+    steps: list[tuple[float, int]] = []
+    k = 0
+    while k * PERIOD_S <= end_s:
+        steps += [(k * PERIOD_S, lull), (k * PERIOD_S + PERIOD_S * 2 / 3, burst)]
+        k += 1
+    return steps
+
+
+def two_level_run(
+    plan: list, block: int, truth: LatencyProfile, seed: int, target: float, hi: int,
+    since: float, peak: int, static_gpu_hours: float, engine: dict[str, Any] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The cheapest two-level schedule meeting ``target`` on a burst-and-lull day, with
+    hindsight: ``lull`` engines through every lull, ``burst`` through every burst (decided a
+    cold start ahead, billed from the decision, as ``SchedulePolicy`` does). Per lull count
+    from 1 to the static ``peak``, the smallest burst count from the lull's to ``hi`` that
+    meets the target (bisection, under the last lull's), until a lull held all day (priced
+    as its share of the static peak's ``static_gpu_hours``) costs more than the cheapest pair
+    found; the cheapest pair that does, else the best attainment. A
+    lower bound on what a policy that knows the cycle can cost, within this family (what
+    ``oracle`` approximates per minute with fresh caches, this keeps every cache a day
+    builds); ``tried`` lists each ``[lull, burst, attainment, GPU-h]`` run."""
+    cold = SimSettings().cold_start_s
+    end = plan[-1].offset_s
+    tried: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def run(lull: int, burst: int) -> dict[str, Any]:
+        if (lull, burst) not in tried:
+            policy = SchedulePolicy(two_level_schedule(end, lull, burst), lead_s=cold)
+            tried[lull, burst] = one_run(
+                plan, block, truth, seed, lull, policy, hi, 1, target, since, engine=engine
+            )
+        return tried[lull, burst]
+
+    top, best_gpu = hi, math.inf
+    for lull in range(1, peak + 1):
+        # more engines in the lull need no more in the burst; and no burst makes a day
+        # cheaper than its lull count held all day, so the search stops there
+        if lull / peak * static_gpu_hours >= best_gpu:
+            break
+        lo_b, hi_b = lull, top
+        if run(lull, hi_b)["attainment"] < target:
+            continue
+        while lo_b < hi_b:
+            mid = (lo_b + hi_b) // 2
+            if run(lull, mid)["attainment"] >= target:
+                hi_b = mid
+            else:
+                lo_b = mid + 1
+        top, best_gpu = hi_b, min(best_gpu, run(lull, hi_b)["gpu_hours"])
+    meets = [k for k, r in tried.items() if r["attainment"] >= target]
+    best = (
+        min(meets, key=lambda k: tried[k]["gpu_hours"])
+        if meets
+        else max(tried, key=lambda k: tried[k]["attainment"])
+    )
+    return {
+        **tried[best],
+        "lull": best[0],
+        "burst": best[1],
+        "tried": [[*k, r["attainment"], r["gpu_hours"]] for k, r in sorted(tried.items())],
+    }
+
+
+def engine_options(args: argparse.Namespace, truth: LatencyProfile, block: int) -> dict[str, Any]:
+    """The engines' options for ``--cpu-tier-gib`` / ``--cpu-policy`` (``SimSettings.engine``):
+    a CPU tier of that size in blocks of ``block`` tokens of ``truth``'s KV, or none."""
+    tier = args.cpu_tier
+    if tier is None:
+        return {}
+    blocks = tier.capacity_blocks(block, truth.kv_bytes_per_token)
+    return {"cpu_capacity_blocks": blocks, "cpu_policy": tier.policy}
+
+
 def cell(
     workload: str, seed: int, args: argparse.Namespace, truth: LatencyProfile
 ) -> dict[str, Any]:
@@ -330,7 +423,8 @@ def cell(
     since = period  # scored after the first cycle (the whole day is reported too)
     ceiling, target = ceiling_and_target(plan, ideal_ttfts_of(plan, block, truth), since)
     hi = args.max_instances
-    peak, static = static_peak(plan, block, truth, seed, target, hi, since)
+    engine = engine_options(args, truth, block)
+    peak, static = static_peak(plan, block, truth, seed, target, hi, since, engine)
     out: dict[str, Any] = {
         "requests": len(plan),
         "span_s": round(plan[-1].offset_s, 1),
@@ -341,8 +435,9 @@ def cell(
     }
     for spec in args.policies:
         if spec == "ray_default":  # swept: the cheapest setting meeting the target, else best
+            lo = args.min_instances
             runs = {
-                s: one_run(plan, block, truth, seed, peak, s, hi, args.min_instances, target, since)
+                s: one_run(plan, block, truth, seed, peak, s, hi, lo, target, since, engine=engine)
                 for s in RAY_SWEEP
             }
             meet = [s for s, r in runs.items() if r["attainment"] >= target]
@@ -360,14 +455,21 @@ def cell(
             handover = args.handover_prefixes if spec == "kvroute_handover" else 0
             r = one_run(
                 plan, block, truth, seed, peak, "kvroute", hi, args.min_instances, target, since,
-                period, warm=warm, handover=handover,
+                period, warm=warm, handover=handover, engine=engine,
             )  # fmt: skip
+        elif spec == "two_level":
+            if workload not in PERIODIC:
+                continue
+            r = two_level_run(
+                plan, block, truth, seed, target, hi, since, peak, static["gpu_hours"], engine
+            )
         elif spec == "oracle":
-            r = oracle_run(plan, block, truth, seed, target, hi, since)
+            r = oracle_run(plan, block, truth, seed, target, hi, since, engine)
         else:
             r = one_run(
-                plan, block, truth, seed, peak, spec, hi, args.min_instances, target, since, period
-            )
+                plan, block, truth, seed, peak, spec, hi, args.min_instances, target, since, period,
+                engine=engine,
+            )  # fmt: skip
         out[spec] = r
         r["meets"] = r["attainment"] >= target
         r["gpu_vs_static"] = round(r["gpu_hours"] / static["gpu_hours"], 3)
@@ -402,6 +504,8 @@ def summary(
             g: dict[str, Any] = {"meets": k["meets"], "vs_static": k["gpu_vs_static"]}
             if "oracle" in c:
                 g["vs_oracle"] = round(k["gpu_hours"] / c["oracle"]["gpu_hours"], 3)
+            if "two_level" in c:
+                g["vs_two_level"] = round(k["gpu_hours"] / c["two_level"]["gpu_hours"], 3)
             if "ray_default" in c:
                 ray = c["ray_default"]
                 g["vs_ray_default"] = round(k["gpu_hours"] / ray["gpu_hours"], 3)
@@ -426,7 +530,9 @@ def main(argv: list[str] | None = None) -> int:
         "--policies",
         default=",".join((*POLICIES, "oracle")),
         help="specs, separated by ',' (';' when a spec has commas); ray_default is swept, "
-        "oracle is the hindsight oracle, kvroute_warm is kvroute with warming "
+        "oracle is the hindsight oracle, two_level the cheapest hindsight schedule of one "
+        "count per lull and one per burst (periodic days only), kvroute_warm is kvroute with "
+        "warming "
         "(--warm-prefixes), kvroute_handover with hand-over on scale-down (--handover-prefixes)",
     )
     ap.add_argument(
@@ -449,6 +555,13 @@ def main(argv: list[str] | None = None) -> int:
         help="kvroute_handover: a leaving engine's longest recent prompts prefilled on the "
         "survivors [16]",
     )
+    ap.add_argument(
+        "--cpu-tier-gib",
+        type=float,
+        default=0.0,
+        help="each engine's CPU KV tier in GiB (0: none; deploy/serve-gpu.yaml ships 160) [0]",
+    )
+    ap.add_argument("--cpu-policy", default="wa", help="the CPU tier's eviction policy [wa]")
     ap.add_argument("--min-instances", type=int, default=1)
     ap.add_argument("--max-instances", type=int, default=48)
     ap.add_argument("--jobs", type=int, default=DEFAULT_JOBS)
@@ -463,6 +576,16 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(
             f"--duration must be > {PERIOD_S:g} (a first cycle to train on), got {args.duration:g}"
         )
+    if not (args.cpu_tier_gib >= 0 and math.isfinite(args.cpu_tier_gib)):
+        ap.error(f"--cpu-tier-gib must be >= 0 (0: no CPU tier), got {args.cpu_tier_gib:g}")
+    try:
+        args.cpu_tier = (
+            CpuTierConfig(gib=args.cpu_tier_gib, policy=args.cpu_policy)
+            if args.cpu_tier_gib
+            else None
+        )
+    except ValidationError as e:
+        ap.error(f"--cpu-policy: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
     seeds = [0] if args.quick else list(range(args.seeds))
     if args.quick:
         workloads = workloads[:1]
@@ -480,6 +603,9 @@ def main(argv: list[str] | None = None) -> int:
             "policies": args.policies,
             "router": "kv_ttft",
             "profile": truth.name,
+            "cpu_tier": {"gib": args.cpu_tier_gib, "policy": args.cpu_policy}
+            if args.cpu_tier_gib
+            else None,
             "wall_s": round(time.perf_counter() - t0, 1),
         },
         "results": {f"{w}/seed{s}": c for (w, s), c in zip(keys, cells, strict=True)},

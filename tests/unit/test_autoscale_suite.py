@@ -1,6 +1,9 @@
-"""``benchmarks/autoscale_suite.py``'s command line: a day too short to score is refused by name."""
+"""``benchmarks/autoscale_suite.py``'s command line: a day too short to score and a bad CPU tier are
+refused by name; the tier reaches the engines in the workload's blocks."""
 
 from __future__ import annotations
+
+import argparse
 
 import pytest
 
@@ -15,3 +18,47 @@ def test_a_day_no_longer_than_its_training_cycle_is_refused_naming_duration(
         suite.main(["--workloads", "to-b", "--duration", "600"])
     assert exit_info.value.code == 2
     assert "--duration must be > 600" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--cpu-tier-gib", "-1"], "--cpu-tier-gib must be >= 0"),
+        (["--cpu-tier-gib", "nan"], "--cpu-tier-gib must be >= 0"),
+        (["--cpu-tier-gib", "160", "--cpu-policy", "nope"], "--cpu-policy: cpu_tier.policy"),
+    ],
+)
+def test_a_bad_cpu_tier_is_refused_naming_its_flag(
+    argv: list[str], field: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    suite = load_benchmark("autoscale_suite")
+    with pytest.raises(SystemExit) as exit_info:
+        suite.main(["--workloads", "to-b", *argv])
+    assert exit_info.value.code == 2
+    assert field in capsys.readouterr().err
+
+
+def test_the_cpu_tier_reaches_the_engines_in_blocks_of_the_workload() -> None:
+    """160 GiB (deploy/serve-gpu.yaml's tier) of Llama-3.1-8B's 128 KiB a token is 2,560 blocks of
+    512 tokens (the Mooncake trace's) and 81,920 of 16 (the synthetic workloads')."""
+    suite = load_benchmark("autoscale_suite")
+    truth = suite.LatencyProfile.load("h100-llama3.1-8b")
+    assert truth.kv_bytes_per_token == 128 * 1024
+    tier = suite.CpuTierConfig(gib=160, policy="wa")
+    args = argparse.Namespace(cpu_tier=tier)
+    assert suite.engine_options(args, truth, 512) == {
+        "cpu_capacity_blocks": 2560,
+        "cpu_policy": "wa",
+    }
+    assert suite.engine_options(args, truth, 16)["cpu_capacity_blocks"] == 81_920
+    assert suite.engine_options(argparse.Namespace(cpu_tier=None), truth, 512) == {}
+
+
+def test_a_two_level_schedule_holds_one_count_per_lull_and_one_per_burst() -> None:
+    """Cycles of 600 s: the lull from each cycle's start, the burst from its last third, up to
+    the day's end."""
+    suite = load_benchmark("autoscale_suite")
+    steps = suite.two_level_schedule(1300.0, 6, 16)
+    assert steps == [(0.0, 6), (400.0, 16), (600.0, 6), (1000.0, 16), (1200.0, 6), (1600.0, 16)]
+    policy = suite.SchedulePolicy(steps, lead_s=45.0)
+    assert [policy.at(t) for t in (0.0, 399.0, 400.0, 599.0, 600.0, 1250.0)] == [6, 6, 16, 16, 6, 6]
