@@ -149,6 +149,7 @@ def one_run(
     plan: list, block: int, truth: LatencyProfile, seed: int, n: int, spec: Any, hi: int,
     lo: int, target: float, since: float, period: float = 0.0, records: bool = False,
     warm: int = 0, handover: int = 0, engine: dict[str, Any] | None = None,
+    what_if_cached: bool = False,
 ) -> Any:  # fmt: skip
     """One run from ``n`` engines: fixed (``spec`` None), a policy spec, or a ``Policy``; its
     figures (and its records, with ``records``). ``engine``: the engines' options
@@ -159,12 +160,13 @@ def one_run(
         perturbation=Perturbation(seed=seed),
         warm_prefixes=warm,
         handover_prefixes=handover,
+        what_if_cached=what_if_cached,
     )
     scaler = None
     if spec is not None:
         slo = Slo(SLO_TTFT_S, SLO_TPOT_S, target)
         if isinstance(spec, str):
-            if spec.startswith("kvroute") and period and "period_s" not in spec:
+            if spec.split("@", 1)[0] == "kvroute" and period and "period_s" not in spec:
                 spec += ("+" if "@" in spec else "@") + f"period_s={period:g}"
             policy = create_policy(spec, profile=truth, slo=slo, cold_start_s=settings.cold_start_s)
         else:
@@ -448,14 +450,16 @@ def cell(
             )
             r = {**runs[best], "setting": best}
             r["sweep"] = {s: [x["attainment"], x["gpu_hours"]] for s, x in runs.items()}
-        elif spec in ("kvroute_warm", "kvroute_handover"):
+        elif spec in ("kvroute_warm", "kvroute_handover", "kvroute_cached"):
             # kvroute, its new engines warmed before they serve, or its leaving ones' prompts
-            # handed over to the survivors
+            # handed over to the survivors, or its what-ifs' engines holding what the sampled
+            # requests found cached
             warm = args.warm_prefixes if spec == "kvroute_warm" else 0
             handover = args.handover_prefixes if spec == "kvroute_handover" else 0
             r = one_run(
                 plan, block, truth, seed, peak, "kvroute", hi, args.min_instances, target, since,
                 period, warm=warm, handover=handover, engine=engine,
+                what_if_cached=spec == "kvroute_cached",
             )  # fmt: skip
         elif spec == "two_level":
             if workload not in PERIODIC:
@@ -533,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
         "oracle is the hindsight oracle, two_level the cheapest hindsight schedule of one "
         "count per lull and one per burst (periodic days only), kvroute_warm is kvroute with "
         "warming "
-        "(--warm-prefixes), kvroute_handover with hand-over on scale-down (--handover-prefixes)",
+        "(--warm-prefixes), kvroute_handover with hand-over on scale-down (--handover-prefixes), "
+        "kvroute_cached with what-ifs whose engines hold what each request found cached",
     )
     ap.add_argument(
         "--rate-scale",

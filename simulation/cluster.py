@@ -233,10 +233,11 @@ class ClusterSimulator(WiredCluster):
             heapq.heappush(self._due_heap, (w, i))
         rec.instance = placement.instance_id
         if self._scaler is not None:
-            self._arrivals.append(
-                (t, tr.input_length, tr.output_length, core.cached_tokens(preq, placement))
-            )
+            cached = core.cached_tokens(preq, placement)
+            self._arrivals.append((t, tr.input_length, tr.output_length, cached))
             self._recent.append(p)
+            if self.settings.what_if_cached:
+                self._placed_cached[p.index] = cached
             if self.settings.handover_prefixes:
                 served = self._served.setdefault(i, deque())
                 served.append(p)
@@ -446,6 +447,7 @@ class ClusterSimulator(WiredCluster):
                 waiting=sum(v.waiting for v in views),
                 ready=len(views),
                 settings=self.settings,
+                cached=self._placed_cached if self.settings.what_if_cached else None,
             )
         return Observation(
             now=now,

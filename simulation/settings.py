@@ -114,6 +114,9 @@ class SimSettings:
     # decision), sampling the requests of the last ``what_if_history_s`` seconds
     what_if: bool = True
     what_if_history_s: float = 120.0
+    # the what-if's engines start holding what each sampled request found cached when it was
+    # placed (prefilled before the sample's requests arrive); off: they start empty
+    what_if_cached: bool = False
     # warming (KV-aware scale-up): a joining engine, at the end of its cold start and before
     # it is routable, prefills the ``warm_prefixes`` hottest prefixes of the requests placed
     # in the last ``what_if_history_s`` (``hot_prefixes``); 0: it joins cold

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from engines.sim.profile import LatencyProfile
 from loadgen.records import RequestRecord
+from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned
 from router.autoscale import Slo, replica_capacity
 from simulation.settings import EXACT, SimSettings, SloBudget, ideal_ttfts
@@ -40,7 +41,12 @@ class WhatIfSimulator:
     model (``_sustainable``), which a short run cannot show. A request used again (a short
     history) gets fresh block ids for each lap. The engines start with empty caches,
     so the requests of the first ``warm_fraction`` of the horizon only warm them (the
-    backlog's are always counted). The attainment returned is over the requests some pool
+    backlog's are always counted). With ``cached`` (the tokens each request of ``recent``
+    found cached when it was placed, by schedule index) they start holding that instead: the
+    run begins with a one-token request per such prefix (none a prefix of another taken),
+    placed by the router like any other, and the sample arrives once those are prefilled
+    (``warm_lead_s``), so that a conversation whose earlier turns the pool holds is not
+    simulated cold. The attainment returned is over the requests some pool
     could serve in time (their ``ideal_ttfts`` within the TTFT SLO): the policy's goal is set
     over those (``PredictivePolicy.sim_goal``). Asked for a ``goal``, a run ends once more of
     those have missed than the goal allows (a ``SloBudget`` over them): the answer is then the
@@ -64,6 +70,7 @@ class WhatIfSimulator:
         warm_fraction: float = 0.25,
         max_requests: int = 400,
         min_horizon_s: float = 20.0,
+        cached: Mapping[int, int] | None = None,
     ) -> None:
         self.cluster, self.profile, self.scorer = cluster, profile, scorer
         self.trace_block_size, self.recent = trace_block_size, list(recent)
@@ -82,6 +89,7 @@ class WhatIfSimulator:
         self.max_engines, self.warm_fraction = max(1, max_engines), warm_fraction
         self.max_requests = max(1, max_requests)
         self.min_horizon_s = min_horizon_s
+        self.cached = cached
         self.calls = 0
 
     def span(self, replicas: int, rate: float, horizon_s: float) -> float:
@@ -96,9 +104,14 @@ class WhatIfSimulator:
     def plan(self, replicas: int, rate: float, horizon_s: float) -> tuple[int, list[Planned]]:
         """The slice simulated for ``replicas`` engines over ``span(replicas, rate,
         horizon_s)``: its size, and its requests (the backlog's first, at 0)."""
-        return self._slice(replicas, rate, self.span(replicas, rate, horizon_s))
+        m, out, _ = self._slice(replicas, rate, self.span(replicas, rate, horizon_s))
+        return m, out
 
-    def _slice(self, replicas: int, rate: float, horizon_s: float) -> tuple[int, list[Planned]]:
+    def _slice(
+        self, replicas: int, rate: float, horizon_s: float
+    ) -> tuple[int, list[Planned], list[tuple[TraceRequest, tuple[int, ...]]]]:
+        """``plan``'s slice, and the prefixes (trace block ids, each with its request) its
+        requests found cached when they were placed (``cached``; none without it)."""
         m = min(replicas, self.max_engines)
         # one engine's arrivals and share of the backlog; at most ``max_requests`` in all
         per = rate * horizon_s / replicas + self.waiting / self.ready
@@ -110,16 +123,44 @@ class WhatIfSimulator:
         n = max(1, math.ceil(lam * horizon_s)) if lam > 0 else 0
         pool = self.recent
         if not pool:
-            return m, []
+            return m, [], []
         take = backlog + n
         out = []
+        held: list[tuple[TraceRequest, tuple[int, ...]]] = []
         for k in range(take):
             lap, j = divmod(take - 1 - k, len(pool))
-            req = pool[-1 - j].req
+            src = pool[-1 - j]
+            req = src.req
             if lap:  # a request used again: fresh blocks, so it hits only its own lap's
                 req = replace(req, hash_ids=tuple(b + (lap << 48) for b in req.hash_ids))
             out.append(Planned(k, 0.0 if k < backlog else (k - backlog) / lam, req))
-        return m, out
+            if self.cached:
+                blocks = self.cached.get(src.index, 0) // self.trace_block_size
+                if blocks:
+                    held.append((req, req.hash_ids[:blocks]))
+        return m, out, held
+
+    def _warmed(
+        self, plan: list[Planned], held: list[tuple[TraceRequest, tuple[int, ...]]], m: int
+    ) -> tuple[list[Planned], float, int]:
+        """``plan`` behind a one-token request per prefix of ``held`` (longest first, none a
+        prefix of another taken), all at 0, with ``plan`` shifted to arrive ``lead`` seconds
+        later: when ``m`` engines could have prefilled them all at the profile's queue rate,
+        with half as much again for an uneven spread, and a second. Returns the plan, the
+        lead and the number of warming requests (the plan's first)."""
+        if not held:
+            return plan, 0.0, 0
+        taken: list[tuple[TraceRequest, tuple[int, ...]]] = []
+        for req, h in sorted(held, key=lambda x: -len(x[1])):
+            if not any(t[: len(h)] == h for _, t in taken):
+                taken.append((req, h))
+        tbs = self.trace_block_size
+        tokens = sum(len(h) for _, h in taken) * tbs
+        lead = 1.5 * self.profile.queue_s(math.ceil(tokens / m)) + 1.0
+        warm = [Planned(i, 0.0, _prefill_only(req, h, tbs)) for i, (req, h) in enumerate(taken)]
+        w = len(warm)
+        late = [replace(p, index=p.index + w, offset_s=p.offset_s + lead) for p in plan]
+        return warm + late, lead, w
 
     def __call__(
         self, replicas: int, rate: float, horizon_s: float, slo: Slo, goal: float | None = None
@@ -141,9 +182,10 @@ class WhatIfSimulator:
     ) -> float:
         self.calls += 1
         span = self.span(replicas, rate, horizon_s)
-        m, plan = self._slice(replicas, rate, span)
+        m, plan, held = self._slice(replicas, rate, span)
         if not plan:
             return 1.0
+        plan, lead, n_warm = self._warmed(plan, held, m)
         settings = replace(self.settings, instances=m)
         # requests no pool can serve within the TTFT SLO (alone on an idle engine with every
         # earlier block cached: ``ideal_ttfts``) are left out: the policy's goal is over the
@@ -151,7 +193,11 @@ class WhatIfSimulator:
         ideal = ideal_ttfts(plan, self.trace_block_size, self.profile, settings)
         warm = self.warm_fraction * span
         counted = frozenset(
-            str(p.index) for p in plan if not 0 < p.offset_s < warm and ideal[p.index] <= slo.ttft_s
+            str(p.index)
+            for p in plan
+            if p.offset_s >= lead
+            and not 0 < p.offset_s - lead < warm
+            and ideal[p.index] <= slo.ttft_s
         )
         if not counted:
             return 1.0
@@ -169,13 +215,24 @@ class WhatIfSimulator:
         if run.aborted and budget is not None:  # at least this many missed: at most the rest
             return (len(counted) - budget.misses) / len(counted)
         met = [r.meets(slo.ttft_s, slo.tpot_s) for r in run.records if str(r.index) in counted]
-        if span < horizon_s and not _sustainable(
-            self.profile, run.records, rate / replicas, slo.tpot_s
-        ):
+        sample = [r for r in run.records if r.index >= n_warm]
+        if span < horizon_s and not _sustainable(self.profile, sample, rate / replicas, slo.tpot_s):
             # over one engine's capacity: the horizon beyond the span would miss
             later = len(met) * (horizon_s - span) / (span - warm)
             return sum(met) / (len(met) + later)
         return sum(met) / len(met)
+
+
+def _prefill_only(req: TraceRequest, blocks: tuple[int, ...], block_size: int) -> TraceRequest:
+    """A one-token request prefilling ``blocks`` of ``req`` (its category kept, no session)."""
+    return replace(
+        req,
+        input_length=len(blocks) * block_size,
+        output_length=1,
+        hash_ids=blocks,
+        chat_id=None,
+        parent_chat_id=None,
+    )
 
 
 def _sustainable(

@@ -52,14 +52,16 @@ def req(k, ids):
 
 
 def replay(
-    profile, instances, steps, *, cold=20.0, interval=5.0, seed=0, plan=None, warm=0, handover=0
-):
+    profile, instances, steps, *, cold=20.0, interval=5.0, seed=0, plan=None, warm=0, handover=0,
+    cached=False,
+):  # fmt: skip
     settings = SimSettings(
         instances=instances,
         perturbation=EXACT,
         cold_start_s=cold,
         warm_prefixes=warm,
         handover_prefixes=handover,
+        what_if_cached=cached,
     )
     settings.perturbation = Perturbation(speed_sigma=0.1, jitter=0.05, seed=seed)
     sim = ClusterSimulator(profile, "kv_ttft", settings, SYNTH_BLOCK_SIZE)
@@ -188,6 +190,34 @@ def test_the_policy_is_handed_a_what_if_of_the_recent_requests(profile):
     assert len(run.decision_cpu_s) == len(script.seen)
     assert sum(b - a for a, b in run.billed) == pytest.approx(run.gpu_seconds)
     assert run.gpu_seconds_in(10.0, 20.0) == pytest.approx(2 * 10.0)
+
+
+def test_a_what_if_can_start_holding_what_its_requests_found_cached(profile):
+    """With ``what_if_cached`` the cluster tells each what-if the tokens every placed request
+    found cached; the what-if's run then begins with a one-token request per such prefix
+    (longest first, none a prefix of another), and its sample arrives ``lead`` seconds later,
+    in order and counted as before."""
+    from router.autoscale import Slo
+
+    _, _, script = replay(profile, 2, [], plan=work(30.0), cached=True)
+    w = next(o for o in script.seen if o.now >= 25.0).what_if
+    assert w.cached and any(v > 0 for v in w.cached.values())  # to-b shares system prompts
+    rate = 3 * len(w.recent) / 25.0
+    m, plan, held = w._slice(4, rate, 10.0)
+    assert held and all(h == r.hash_ids[: len(h)] for r, h in held)
+    out, lead, n = w._warmed(plan, held, m)
+    warm, late = out[:n], out[n:]
+    taken = [p.req.hash_ids for p in warm]
+    assert [len(h) for h in taken] == sorted((len(h) for h in taken), reverse=True)
+    assert not any(a != b and b[: len(a)] == a for a in taken for b in taken)
+    assert all(any(t[: len(h)] == h for t in taken) for _, h in held)
+    assert all(p.offset_s == 0.0 and p.req.output_length == 1 for p in warm)
+    assert all(p.req.input_length == len(p.req.hash_ids) * SYNTH_BLOCK_SIZE for p in warm)
+    assert lead > 1.0 and [p.index for p in out] == list(range(len(out)))
+    assert [(p.offset_s, p.req) for p in late] == [(p.offset_s + lead, p.req) for p in plan]
+    assert 0.0 <= w(4, rate, 10.0, Slo(0.5, 0.05, 0.99)) <= 1.0
+    _, _, plain = replay(profile, 2, [], plan=work(30.0))
+    assert next(o for o in plain.seen if o.now >= 25.0).what_if.cached is None
 
 
 def test_a_what_if_counts_the_backlog_in_its_request_cap(profile):
