@@ -351,9 +351,26 @@ def two_level_schedule(end_s: float, lull: int, burst: int) -> list[tuple[float,
     return steps
 
 
+def parse_pairs(text: str) -> list[tuple[int, int]]:
+    """``"9/14,10/12"`` as ``[(9, 14), (10, 12)]``: engine counts >= 1, burst >= lull."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        lull, sep, burst = item.partition("/")
+        if not sep or not lull.isdigit() or not burst.isdigit():
+            raise ValueError(f"{item!r} is not LULL/BURST (two whole numbers)")
+        pair = int(lull), int(burst)
+        if not 1 <= pair[0] <= pair[1]:
+            raise ValueError(f"{item!r}: need 1 <= LULL <= BURST")
+        out.append(pair)
+    if not out:
+        raise ValueError("give at least one LULL/BURST pair")
+    return out
+
+
 def two_level_run(
     plan: list, block: int, truth: LatencyProfile, seed: int, target: float, hi: int,
     since: float, peak: int, static_gpu_hours: float, engine: dict[str, Any] | None = None,
+    pairs: list[tuple[int, int]] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The cheapest two-level schedule meeting ``target`` on a burst-and-lull day, with
     hindsight: ``lull`` engines through every lull, ``burst`` through every burst (decided a
@@ -364,7 +381,8 @@ def two_level_run(
     found; the cheapest pair that does, else the best attainment. A
     lower bound on what a policy that knows the cycle can cost, within this family (what
     ``oracle`` approximates per minute with fresh caches, this keeps every cache a day
-    builds); ``tried`` lists each ``[lull, burst, attainment, GPU-h]`` run."""
+    builds); ``tried`` lists each ``[lull, burst, attainment, GPU-h]`` run. Given ``pairs``
+    it runs those instead of searching."""
     cold = SimSettings().cold_start_s
     end = plan[-1].offset_s
     tried: dict[tuple[int, int], dict[str, Any]] = {}
@@ -377,8 +395,10 @@ def two_level_run(
             )
         return tried[lull, burst]
 
+    for lull, burst in pairs or ():
+        run(lull, burst)
     top, best_gpu = hi, math.inf
-    for lull in range(1, peak + 1):
+    for lull in range(1, 0 if pairs else peak + 1):
         # more engines in the lull need no more in the burst; and no burst makes a day
         # cheaper than its lull count held all day, so the search stops there
         if lull / peak * static_gpu_hours >= best_gpu:
@@ -465,8 +485,9 @@ def cell(
             if workload not in PERIODIC:
                 continue
             r = two_level_run(
-                plan, block, truth, seed, target, hi, since, peak, static["gpu_hours"], engine
-            )
+                plan, block, truth, seed, target, hi, since, peak, static["gpu_hours"], engine,
+                args.two_level_pairs,
+            )  # fmt: skip
         elif spec == "oracle":
             r = oracle_run(plan, block, truth, seed, target, hi, since, engine)
         else:
@@ -567,6 +588,11 @@ def main(argv: list[str] | None = None) -> int:
         help="each engine's CPU KV tier in GiB (0: none; deploy/serve-gpu.yaml ships 160) [0]",
     )
     ap.add_argument("--cpu-policy", default="wa", help="the CPU tier's eviction policy [wa]")
+    ap.add_argument(
+        "--two-level-pairs",
+        metavar="LULL/BURST,...",
+        help="two_level: run these (lull, burst) engine counts instead of searching",
+    )
     ap.add_argument("--min-instances", type=int, default=1)
     ap.add_argument("--max-instances", type=int, default=48)
     ap.add_argument("--jobs", type=int, default=DEFAULT_JOBS)
@@ -591,6 +617,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValidationError as e:
         ap.error(f"--cpu-policy: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
+    try:
+        args.two_level_pairs = parse_pairs(args.two_level_pairs) if args.two_level_pairs else None
+    except ValueError as e:
+        ap.error(f"--two-level-pairs: {e}")
     seeds = [0] if args.quick else list(range(args.seeds))
     if args.quick:
         workloads = workloads[:1]

@@ -62,3 +62,14 @@ def test_a_two_level_schedule_holds_one_count_per_lull_and_one_per_burst() -> No
     assert steps == [(0.0, 6), (400.0, 16), (600.0, 6), (1000.0, 16), (1200.0, 6), (1600.0, 16)]
     policy = suite.SchedulePolicy(steps, lead_s=45.0)
     assert [policy.at(t) for t in (0.0, 399.0, 400.0, 599.0, 600.0, 1250.0)] == [6, 6, 16, 16, 6, 6]
+
+
+def test_two_level_pairs_parse_and_bad_ones_are_refused_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    suite = load_benchmark("autoscale_suite")
+    assert suite.parse_pairs("9/14, 10/12") == [(9, 14), (10, 12)]
+    for bad, says in (("3/2", "1 <= LULL <= BURST"), ("0/4", "1 <= LULL"), ("9-14", "LULL/BURST")):
+        with pytest.raises(SystemExit):
+            suite.main(["--workloads", "to-b", "--two-level-pairs", bad])
+        assert "--two-level-pairs" in (err := capsys.readouterr().err) and says in err
