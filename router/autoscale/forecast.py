@@ -17,6 +17,10 @@ class Forecaster:
     def add(self, now: float, rate: float) -> None:
         self.history.append((now, rate))
 
+    def latest(self) -> float:
+        """The latest window's rate (0 before any)."""
+        return self.history[-1][1] if self.history else 0.0
+
     def predict(self, ahead_s: float) -> float:
         h = self.history
         if not h:
@@ -34,14 +38,26 @@ class Forecaster:
 
 
 class SeasonalForecaster:
-    """The arrival rate over a coming span of time: the highest of a trend forecast
-    (``Forecaster``) and, with a known cycle (``period_s`` > 0: a day in production, the
-    suite's burst-and-lull cycle in the simulator), the rates observed at the same time of
-    the cycle in the last ``periods`` cycles. Only what was observed before ``now`` is used;
-    before one full cycle has been seen the seasonal part has nothing to say."""
+    """The arrival rate over a coming span of time: a trend forecast (``Forecaster``) and,
+    with a known cycle (``period_s`` > 0: a day in production, the suite's burst-and-lull
+    cycle in the simulator), the highest rate observed at the same time of the cycle in the
+    last ``periods`` cycles: the higher of the two. With ``cycle_caps_trend``, where the cycle
+    has something to say and the latest rate is within it, the cycle's rate is the forecast: a
+    rise the cycle has seen is taken as the cycle's step, not a trend to extrapolate (on to-b a
+    linear fit over a step from 10 to 40 requests/s forecast 90-112 a cold start ahead); where
+    the latest rate exceeds what the cycle saw, the higher of the two again. Only what was
+    observed before ``now`` is used; before one full cycle has been seen the seasonal part has
+    nothing to say."""
 
-    def __init__(self, period_s: float = 0.0, points: int = 4, periods: int = 2) -> None:
+    def __init__(
+        self,
+        period_s: float = 0.0,
+        points: int = 4,
+        periods: int = 2,
+        cycle_caps_trend: bool = False,
+    ) -> None:
         self.period_s, self.periods = period_s, max(1, periods)
+        self.cycle_caps_trend = cycle_caps_trend
         self.trend = Forecaster(points)
         # (window's start, window's end, rate), oldest first, at most ``periods`` cycles
         self.history: deque[tuple[float, float, float]] = deque()
@@ -70,6 +86,8 @@ class SeasonalForecaster:
             seen = [r for a, b, r in self.history if b > lo and a < hi]
             if seen:
                 seasonal = max(seasonal, max(seen))
-        if seasonal > trend:
+        if seasonal > trend or (
+            self.cycle_caps_trend and seasonal > 0.0 and self.trend.latest() <= seasonal
+        ):
             return seasonal, "cycle"
         return trend, "trend"

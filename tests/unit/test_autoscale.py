@@ -202,6 +202,28 @@ def test_seasonal_forecaster_recalls_the_same_time_of_the_last_cycle():
     assert f.peak(700.0, 55.0)[0] == 2.0
 
 
+def test_with_cycle_caps_trend_a_rise_the_cycle_has_seen_is_not_extrapolated():
+    """Second cycle, the burst's first windows: the trend over a step from 2 to 8 forecasts
+    far above 8 a cold start ahead (the default takes it); with ``cycle_caps_trend`` the cycle
+    saw 8 then, so 8 it is. A rise above what the cycle saw is the trend's again."""
+    f = SeasonalForecaster(period_s=600.0, points=4, cycle_caps_trend=True)
+    default = SeasonalForecaster(period_s=600.0, points=4)
+    trend_only = SeasonalForecaster(period_s=0.0, points=4)
+    for k in range(1, 103):  # a lull, a burst from 400 s to 600 s, the next lull, the burst
+        now = 10.0 * k
+        rate = 2.0 if (now - 10.0) % 600 < 400 else 8.0
+        for g in (f, default, trend_only):
+            g.add(now, 10.0, rate)
+    assert f.trend.latest() == 8.0
+    assert trend_only.peak(1020.0, 55.0)[0] > 20.0  # the step extrapolated
+    assert default.peak(1020.0, 55.0) == trend_only.peak(1020.0, 55.0)
+    assert f.peak(1020.0, 55.0) == (8.0, "cycle")
+    for k, rate in ((103, 16.0), (104, 24.0)):  # beyond the cycle: the trend's forecast
+        f.add(10.0 * k, 10.0, rate)
+    rate, source = f.peak(1040.0, 55.0)
+    assert source == "trend" and rate > 24.0
+
+
 def test_predictive_policy_finds_the_smallest_pool_its_simulation_passes(profile):
     slo = Slo(2.0, 0.05, 0.99)
     p = create_policy("kvroute@headroom=1+max_sims=8", profile=profile, slo=slo, cold_start_s=45)
