@@ -15,6 +15,7 @@ from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned
 from router.autoscale import Slo, replica_capacity
 from simulation.settings import EXACT, SimSettings, SloBudget, ideal_ttfts
+from simulation.warming import longest_prompts
 
 if TYPE_CHECKING:  # the cluster simulator builds this with itself: no import circle
     from simulation.cluster import ClusterSimulator
@@ -44,8 +45,8 @@ class WhatIfSimulator:
     backlog's are always counted). With ``cached`` (the tokens each request of ``recent``
     found cached when it was placed, by schedule index) they start holding that instead: the
     run begins with a one-token request per such prefix (none a prefix of another taken),
-    placed by the router like any other, and the sample arrives once those are prefilled
-    (``warm_lead_s``), so that a conversation whose earlier turns the pool holds is not
+    placed by the router like any other, and the sample arrives once those could be
+    prefilled (``_warmed``), so that a conversation whose earlier turns the pool holds is not
     simulated cold. The attainment returned is over the requests some pool
     could serve in time (their ``ideal_ttfts`` within the TTFT SLO): the policy's goal is set
     over those (``PredictivePolicy.sim_goal``). Asked for a ``goal``, a run ends once more of
@@ -150,14 +151,12 @@ class WhatIfSimulator:
         lead and the number of warming requests (the plan's first)."""
         if not held:
             return plan, 0.0, 0
-        taken: list[tuple[TraceRequest, tuple[int, ...]]] = []
-        for req, h in sorted(held, key=lambda x: -len(x[1])):
-            if not any(t[: len(h)] == h for _, t in taken):
-                taken.append((req, h))
         tbs = self.trace_block_size
+        prefills = [Planned(0, 0.0, _prefill_only(req, h, tbs)) for req, h in held]
+        taken = longest_prompts(prefills, len(prefills))
         tokens = sum(len(h) for _, h in taken) * tbs
         lead = 1.5 * self.profile.queue_s(math.ceil(tokens / m)) + 1.0
-        warm = [Planned(i, 0.0, _prefill_only(req, h, tbs)) for i, (req, h) in enumerate(taken)]
+        warm = [Planned(i, 0.0, req) for i, (req, _) in enumerate(taken)]
         w = len(warm)
         late = [replace(p, index=p.index + w, offset_s=p.offset_s + lead) for p in plan]
         return warm + late, lead, w
