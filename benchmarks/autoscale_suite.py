@@ -64,6 +64,7 @@ from simulation.simulate_cmd import slo_attainment
 WORKLOADS = ("conversation", "to-b", "mix", "azure-conv")
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.05
 PERIOD_S, LOW, HIGH = 600.0, 0.5, 2.0  # a lull at half the mean rate, a burst at twice it
+BURST_FROM_S = PERIOD_S * 2 / 3  # each cycle's lull, then its burst from here to its end
 # the synthetic days cycle every PERIOD_S and are scored after their first cycle (the
 # forecaster's training, as yesterday is in production); the Azure trace's hour is scored whole
 PERIODIC = frozenset(WORKLOADS) - {"azure-conv"}
@@ -84,7 +85,7 @@ ORACLE_INTERVAL_S, ORACLE_WARM_S, ORACLE_GOAL, ORACLE_REPAIRS = 60.0, 60.0, 0.99
 
 def rate_at(t: float) -> float:
     """The burst-and-lull multiplier of the mean rate at ``t`` (its mean over a cycle is 1)."""
-    return LOW if (t % PERIOD_S) < PERIOD_S * 2 / 3 else HIGH
+    return LOW if (t % PERIOD_S) < BURST_FROM_S else HIGH
 
 
 def burst_and_lull(plan: list[Planned]) -> list[Planned]:
@@ -346,7 +347,7 @@ def two_level_schedule(end_s: float, lull: int, burst: int) -> list[tuple[float,
     steps: list[tuple[float, int]] = []
     k = 0
     while k * PERIOD_S <= end_s:
-        steps += [(k * PERIOD_S, lull), (k * PERIOD_S + PERIOD_S * 2 / 3, burst)]
+        steps += [(k * PERIOD_S, lull), (k * PERIOD_S + BURST_FROM_S, burst)]
         k += 1
     return steps
 
@@ -557,9 +558,9 @@ def main(argv: list[str] | None = None) -> int:
         help="specs, separated by ',' (';' when a spec has commas); ray_default is swept, "
         "oracle is the hindsight oracle, two_level the cheapest hindsight schedule of one "
         "count per lull and one per burst (periodic days only), kvroute_warm is kvroute with "
-        "warming "
-        "(--warm-prefixes), kvroute_handover with hand-over on scale-down (--handover-prefixes), "
-        "kvroute_cached with what-ifs whose engines hold what each request found cached",
+        "warming (--warm-prefixes), kvroute_handover with hand-over on scale-down "
+        "(--handover-prefixes), kvroute_cached with what-ifs whose engines hold what each "
+        "request found cached",
     )
     ap.add_argument(
         "--rate-scale",
@@ -638,9 +639,7 @@ def main(argv: list[str] | None = None) -> int:
             "policies": args.policies,
             "router": "kv_ttft",
             "profile": truth.name,
-            "cpu_tier": {"gib": args.cpu_tier_gib, "policy": args.cpu_policy}
-            if args.cpu_tier_gib
-            else None,
+            "cpu_tier": args.cpu_tier and args.cpu_tier.model_dump(include={"gib", "policy"}),
             "wall_s": round(time.perf_counter() - t0, 1),
         },
         "results": {f"{w}/seed{s}": c for (w, s), c in zip(keys, cells, strict=True)},

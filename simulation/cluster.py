@@ -397,7 +397,7 @@ class ClusterSimulator(WiredCluster):
                 heapq.heappush(self._due_heap, (w, k))
 
     def _recent_since(self, now: float) -> None:
-        _drop_before(self._recent, now - self.settings.what_if_history_s)
+        _drop_before(self._recent, now - self.settings.what_if_history_s, self._placed_cached)
 
     def _tick(self, now: float) -> None:
         """One autoscaling decision at ``now``: bring the cluster up to ``now`` as the
@@ -447,7 +447,7 @@ class ClusterSimulator(WiredCluster):
                 waiting=sum(v.waiting for v in views),
                 ready=len(views),
                 settings=self.settings,
-                cached=self._placed_cached if self.settings.what_if_cached else None,
+                cached=dict(self._placed_cached) if self.settings.what_if_cached else None,
             )
         return Observation(
             now=now,
@@ -549,11 +549,13 @@ def _replay_collector() -> Iterator[None]:
             gc.unfreeze()
 
 
-def _drop_before(planned: deque[Planned], t: float) -> None:
+def _drop_before(planned: deque[Planned], t: float, by_index: dict[int, int] | None = None) -> None:
     """Drop from the front of ``planned`` (in arrival order) the requests that arrived before
-    ``t``."""
+    ``t``, and their entries in ``by_index`` (keyed by schedule index)."""
     while planned and planned[0].offset_s < t:
-        planned.popleft()
+        p = planned.popleft()
+        if by_index:
+            by_index.pop(p.index, None)
 
 
 def _session_key(chat_id: int | None, parent: int | None, roots: dict[int, int]) -> str | None:

@@ -91,7 +91,8 @@ class WiredCluster:
         self._ttfts: deque[tuple[float, float]] = deque()
         self._tpots: deque[tuple[float, float]] = deque()
         self._recent: deque[Planned] = deque()  # the what-if's sample of recent requests
-        # the tokens each placed request found cached (by schedule index): what-if warming
+        # the tokens each request of ``_recent`` found cached when placed (by schedule index):
+        # what-if warming (``SimSettings.what_if_cached``); dropped with ``_recent``
         self._placed_cached: dict[int, int] = {}
         self._decision_cpu: list[float] = []
         self._joins: list[tuple[float, str, bool]] = []

@@ -202,6 +202,7 @@ def test_a_what_if_can_start_holding_what_its_requests_found_cached(profile):
     _, _, script = replay(profile, 2, [], plan=work(30.0), cached=True)
     w = next(o for o in script.seen if o.now >= 25.0).what_if
     assert w.cached and any(v > 0 for v in w.cached.values())  # to-b shares system prompts
+    assert set(w.cached) == {p.index for p in w.recent}  # its own copy, of its sample's requests
     rate = 3 * len(w.recent) / 25.0
     m, plan, held = w._slice(4, rate, 10.0)
     assert held and all(h == r.hash_ids[: len(h)] for r, h in held)
