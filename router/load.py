@@ -2,7 +2,9 @@
 in-flight accounting (assigned -> prefill done -> finished).
 
 Snapshots arrive every ~100 ms and cover every router replica's requests; this replica's
-assignments made after the snapshot was taken are not in it yet, so they are added on top.
+assignments made after the snapshot was taken are not in it yet, so they are added on top, and
+the prefill step an engine is computing, which a report may leave out, is priced from this
+replica's own backlog there (``LoadTracker._with_backlog``).
 Without a fresh snapshot (engine silent for ``stale_after_s``) the local accounting alone is
 used. Time is an argument (``now``, seconds on the same clock as ``LoadSnapshot.ts``).
 """
@@ -15,6 +17,10 @@ from engines.base import LoadSnapshot
 from engines.liveness import STALE_AFTER_S
 from router.placement import InstanceView, LatencyModel, Placement
 
+# prompt tokens whose TTFT on an idle engine gives a latency model's prefill rate where its
+# steps have no token limit
+_RATE_TOKENS = 8192
+
 
 @dataclass(slots=True)
 class Assignment:
@@ -23,6 +29,7 @@ class Assignment:
     assigned_at: float
     placement: Placement | None = None
     prefilled: bool = False
+    engine_s: float = 0.0  # its prefill on an idle engine there, as this router prices it
 
 
 @dataclass(slots=True)
@@ -42,6 +49,9 @@ class _Local:
     unprefilled: dict[str, Assignment] = field(default_factory=dict)  # in assignment order
     unprefilled_tokens: int = 0
     prefilled: int = 0
+    # when the engine finishes the prefill of ``unprefilled``, as this router prices it: each
+    # one's ``engine_s``, one after another, none before it was sent (-inf: none in flight)
+    busy_until: float = -float("inf")
     # assigned_at never decreases along ``unprefilled`` (true unless the clock went back)
     in_time_order: bool = True
 
@@ -51,12 +61,17 @@ class _Local:
             self.in_time_order = self.in_time_order and a.assigned_at >= last.assigned_at
         self.unprefilled[request_id] = a
         self.unprefilled_tokens += a.prefill_tokens
+        self.busy_until = max(self.busy_until, a.assigned_at) + a.engine_s
 
     def discard(self, request_id: str) -> None:
         a = self.unprefilled.pop(request_id)
         self.unprefilled_tokens -= a.prefill_tokens
         if not self.unprefilled:
             self.in_time_order = True
+        until = -float("inf")
+        for b in self.unprefilled.values():
+            until = max(until, b.assigned_at) + b.engine_s
+        self.busy_until = until
 
     def newer(self, since: float) -> tuple[int, int]:
         """(requests, prefill tokens) of the unprefilled ones assigned after ``since``."""
@@ -96,6 +111,7 @@ class LoadTracker:
         self._fresh_ts: dict[str, float] = {}
         self._oldest_fresh = float("inf")  # at most the oldest of ``_fresh_ts``
         self._last_now = -float("inf")
+        self._busy: set[str] = set()  # instances whose ``busy_until`` may be ahead of now
 
     def register(
         self, instance_id: str, block_size: int, latency: LatencyModel, kv_capacity_blocks: int = 0
@@ -150,7 +166,9 @@ class LoadTracker:
         placement: Placement | None = None,
     ) -> None:
         self.finished(request_id)  # a request id assigned again replaces its old assignment
-        a = Assignment(instance_id, prefill_tokens, now, placement)
+        inst = self._instances.get(instance_id)
+        engine_s = inst.latency.ttft_s(prefill_tokens) if inst and prefill_tokens > 0 else 0.0
+        a = Assignment(instance_id, prefill_tokens, now, placement, engine_s=engine_s)
         self._requests[request_id] = a
         local = self._local.get(instance_id)
         if local is None:
@@ -188,6 +206,8 @@ class LoadTracker:
 
     def views(self, now: float) -> list[InstanceView]:
         order, dirty, fresh_ts = self._order, self._dirty, self._fresh_ts
+        if self._busy:
+            dirty.update(self._busy)
         if order is None or now < self._last_now:  # new members, or the clock went back
             fresh_ts.clear()
             self._oldest_fresh = float("inf")
@@ -211,6 +231,31 @@ class LoadTracker:
         self._last_now = now
         return list(order)
 
+    @staticmethod
+    def _with_backlog(inst: _Instance, local: _Local | None, pending: int, now: float) -> int:
+        """``pending`` (a snapshot's queued prefill tokens plus newer assignments), raised to
+        this router's own backlog on the instance where that is more, by at most one step.
+
+        A report of what an engine has still to schedule (the sim engine's; vLLM's scheduler
+        counts a prompt's tokens as computed when it schedules them) leaves out the step in
+        flight: up to ``max_num_batched_tokens`` tokens, hundreds of ms of prefill, so an engine
+        busy for most of a step reads as idle. The router knows when it sent each prompt and
+        what that prompt costs there; what of it is not done yet by that pricing
+        (``_Local.busy_until``, in tokens at the full-step rate) stands in for the missing
+        step, never for more than one: the snapshot covers the rest, and other router
+        replicas' requests. (kvroute's vLLM engine counts a prompt until its first token,
+        step in flight included; there the backlog rarely exceeds the report.)"""
+        if local is None or local.busy_until <= now:
+            return pending
+        lat = inst.latency
+        step = lat.max_num_batched_tokens  # 0: no limit, one step takes any prefill
+        ref = step if step > 0 else _RATE_TOKENS
+        ref_s = lat.ttft_s(ref)
+        if ref_s <= 0:
+            return pending
+        backlog = round((local.busy_until - now) * ref / ref_s)
+        return max(pending, min(backlog, pending + step) if step > 0 else backlog)
+
     def _view(
         self, iid: str, inst: _Instance, now: float, old: InstanceView | None
     ) -> InstanceView:
@@ -222,7 +267,10 @@ class LoadTracker:
                 local.newer(snap.ts) if local is not None and local.unprefilled else (0, 0)
             )
             waiting, running = snap.waiting + n_newer, snap.running
-            kv_usage, pending = snap.gpu_kv_usage, snap.queued_prefill_tokens + newer_tokens
+            kv_usage = snap.gpu_kv_usage
+            pending = self._with_backlog(
+                inst, local, snap.queued_prefill_tokens + newer_tokens, now
+            )
             self._fresh_ts[iid] = snap.ts
             self._oldest_fresh = min(self._oldest_fresh, snap.ts)
         else:
@@ -233,6 +281,12 @@ class LoadTracker:
             else:
                 waiting = running = pending = 0
                 kv_usage = 0.0
+        # NOTE: a backlog ahead of now changes the view as time passes (the clock may also
+        # have stepped back past its end): rebuilt at every ``views`` until it is behind now
+        if local is not None and local.busy_until > now:
+            self._busy.add(iid)
+        else:
+            self._busy.discard(iid)
         healthy = inst.failures == 0
         if (
             old is not None

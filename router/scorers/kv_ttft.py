@@ -4,7 +4,8 @@
 
 - queue(i): the prefill work already waiting on ``i`` (engine-reported queued prefill tokens,
   beyond each queued prompt's cached prefix, plus this router's assignments newer than that
-  report) over ``i``'s prefill rate, from its own profile;
+  report, plus the step in flight that a report leaves out, priced from this router's own
+  backlog there: ``LoadTracker._with_backlog``) over ``i``'s prefill rate, from its own profile;
 - prefill: the request's tokens beyond the instance's leading cached run (GPU or CPU), in
   ``max_num_batched_tokens`` chunks at their context length, plus the per-request overhead;
 - load: the CPU-resident part of that run, moved to the GPU at the profile's bandwidth.

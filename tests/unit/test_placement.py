@@ -446,6 +446,34 @@ def test_a_request_whose_engine_dies_mid_stream_migrates() -> None:
         asyncio.run(run(max_migrations=0))
 
 
+def test_load_tracker_prices_the_step_in_flight_from_its_own_backlog() -> None:
+    """A snapshot leaves out the prefill an engine is computing: what this router sent there
+    and has not seen a first token of stands in for it, at the model's rate, by its own
+    pricing (one after another from when each was sent), for at most one step."""
+    lt = LoadTracker(stale_after_s=1.0)
+    lt.register("a", BS, Linear(max_num_batched_tokens=1000))  # 10k tokens/s, 1000 a step
+    lt.assigned("r1", "a", 800, now=10.0)  # 80 ms of prefill
+    lt.on_snapshot(LoadSnapshot("a", 10.0, 0, 1, 0.1, 0.0, 0))  # r1 scheduled: nothing queued
+    assert lt.views(now=10.02)[0].pending_prefill_tokens == 600
+    assert lt.views(now=10.05)[0].pending_prefill_tokens == 300
+    (v,) = lt.views(now=10.09)
+    assert v.pending_prefill_tokens == 0
+    assert lt.views(now=10.2)[0] is v  # behind now: the view is kept again
+    lt.on_snapshot(LoadSnapshot("a", 10.15, 0, 1, 0.1, 0.0, 0))
+    lt.assigned("r2", "a", 5000, now=10.2)  # 500 ms, newer than the snapshot: counted whole
+    assert lt.views(now=10.2)[0].pending_prefill_tokens == 5000
+    lt.on_snapshot(LoadSnapshot("a", 10.3, 0, 1, 0.1, 0.0, 2000))
+    # r1 still unprefilled (80 ms from 10.0), r2 400 ms from its end: the backlog (4000 tokens)
+    # raises the snapshot's 2000 by one step at most
+    assert lt.views(now=10.3)[0].pending_prefill_tokens == 3000
+    lt.prefill_done("r2")  # the backlog is r1's alone again, long done
+    assert lt.views(now=10.3)[0].pending_prefill_tokens == 2000
+    lt.assigned("r2", "a", 5000, now=10.3)  # assigned again: replaces its old assignment
+    lt.assigned("r2", "a", 5000, now=10.3)
+    lt.on_snapshot(LoadSnapshot("a", 10.3, 0, 1, 0.1, 0.0, 0))
+    assert lt.views(now=10.6)[0].pending_prefill_tokens == 1000  # 200 ms left, capped
+
+
 def test_load_tracker_views_are_kept_while_unchanged_and_equal_a_fresh_build() -> None:
     """``views`` rebuilds only the views of instances that moved (the same object otherwise),
     and what it returns is what a tracker building every view afresh returns, through
