@@ -261,6 +261,28 @@ def test_requests_sharing_a_timestamp_are_seen_by_the_next_placement_at_any_lag(
             assert len(at_t) == 4, (lag, t, at_t)  # one per engine, as least_loaded should
 
 
+def test_the_router_sees_the_prefill_step_an_engine_is_computing(profile):
+    """A full step of prefill (8,192 tokens, ~0.29 s) starts at 1.0 s; the engine's sample at
+    1.1 s has nothing left to schedule, so it reports no queue. A prompt arriving at 1.15 s
+    still waits for that step, and the router's estimate says so (its own backlog there)."""
+    from loadgen.traces import TraceRequest
+    from loadgen.workloads import Planned
+
+    work = [
+        Planned(0, 1.0, TraceRequest(0.0, 8192, 8, tuple(range(512)))),
+        Planned(1, 1.15, TraceRequest(0.0, 1024, 8, tuple(range(1000, 1064)))),
+    ]
+    rec = MemoryRecorder()
+    settings = SimSettings(instances=1, perturbation=EXACT)
+    sim = run(profile, "kv_ttft", settings, workload=work, recorder=rec)
+    second = next(e for e in rec.records if e["request"] == "1")
+    waited = next(r for r in sim.records if r.index == 1).ttft_s
+    alone = profile.ttft_s(1024)
+    assert waited > alone + 0.1  # it did wait behind the step in flight
+    assert second["candidates"]["sim-0"]["pending_prefill_tokens"] > 0
+    assert second["estimated_ttft_s"] == pytest.approx(waited, rel=0.15)
+
+
 def test_prefill_decode_pools_split_long_prompts_and_hand_the_kv_over(profile):
     """1 prefill + 3 decode engines: long prompts are prefilled on the prefill engine and
     decoded elsewhere after the KV pull; short ones run whole on a decode engine; every request
