@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,30 @@ from typing import Any
 PROFILES_DIR = Path(str(importlib.resources.files("engines"))).resolve() / "profiles"
 # Measured from the tiny vLLM model on the 2-core CPU machines by `kvroute profile`.
 DEFAULT_PROFILE = "cpu-tiny-llama"
+
+# the JSON sections that hold the ``prefill_*`` and ``decode_*`` fields (``prefill.token_ms``)
+_SECTIONS = ("prefill", "decode")
+
+
+def _strings(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):
+        raise TypeError("a list of strings, not a string")
+    return tuple(str(v) for v in value)
+
+
+def _type_name(t: Any) -> str:
+    """A field's annotation as written (a string here; a class where compiled)."""
+    return t if isinstance(t, str) else t.__name__ if isinstance(t, type) else str(t)
+
+
+# how a field of each annotated type is read from JSON
+_PARSE: dict[str, Any] = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "tuple[str, ...]": _strings,
+    "tuple": _strings,  # compiled, the annotation is the bare class
+}
 
 _POSITIVE = (
     "block_size",
@@ -220,34 +244,33 @@ class LatencyProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LatencyProfile:
-        """Build from the JSON layout (``prefill``/``decode`` sections, see the shipped files)."""
-        try:
-            pre, dec = data["prefill"], data["decode"]
-            return cls(
-                name=data["name"],
-                model=data["model"],
-                hardware=data["hardware"],
-                block_size=int(data["block_size"]),
-                kv_capacity_tokens=int(data["kv_capacity_tokens"]),
-                kv_bytes_per_token=int(data["kv_bytes_per_token"]),
-                max_num_batched_tokens=int(data["max_num_batched_tokens"]),
-                max_num_seqs=int(data["max_num_seqs"]),
-                max_model_len=int(data["max_model_len"]),
-                base_ms=float(data["base_ms"]),
-                prefill_token_ms=float(pre["token_ms"]),
-                prefill_attn_ms=float(pre["attn_ms"]),
-                decode_seq_ms=float(dec["seq_ms"]),
-                decode_ctx_ms=float(dec["ctx_ms"]),
-                cpu_load_gbps=float(data["cpu_load_gbps"]),
-                request_overhead_ms=float(data.get("request_overhead_ms", 0.0)),
-                long_prefill_token_threshold=int(data.get("long_prefill_token_threshold", 0)),
-                prefill_pass_ms=float(pre.get("pass_ms", 0.0)),
-                decode_pass_ms=float(dec.get("pass_ms", 0.0)),
-                notes=str(data.get("notes", "")),
-                sources=tuple(str(s) for s in data.get("sources", ())),
-            )
-        except KeyError as e:
-            raise ValueError(f"profile: missing field {e.args[0]!r}") from None
+        """Build from the JSON layout ``to_dict`` writes: every field by name, but that the
+        ``prefill_*`` and ``decode_*`` ones sit in ``prefill`` and ``decode`` sections (see the
+        shipped files). A missing or malformed field is named as the file spells it."""
+        flat: dict[str, tuple[str, Any]] = {}  # field name: (its key in the file, value)
+        for key, value in data.items():
+            if key in _SECTIONS:
+                if not isinstance(value, dict):
+                    raise ValueError(f"profile: {key!r} must be an object")
+                flat.update({f"{key}_{k}": (f"{key}.{k}", v) for k, v in value.items()})
+            else:
+                flat[key] = (key, value)
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            section = f.name.partition("_")[0]
+            if f.name not in flat:
+                if f.default is MISSING and f.default_factory is MISSING:
+                    key = f.name.replace("_", ".", 1) if section in _SECTIONS else f.name
+                    raise ValueError(f"profile: missing field {key!r}")
+                continue
+            key, value = flat[f.name]
+            try:
+                kwargs[f.name] = _PARSE[_type_name(f.type)](value)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"profile: field {key!r} is not a valid {_type_name(f.type)}"
+                ) from None
+        return cls(**kwargs)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -1,10 +1,13 @@
-"""``LatencyProfile`` transformations the simulator's truth is built from."""
+"""``LatencyProfile`` transformations the simulator's truth is built from, and its file layout."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
-from engines.sim.profile import LatencyProfile
+from engines.sim.profile import PROFILES_DIR, LatencyProfile
 
 
 @pytest.mark.parametrize("name", ["cpu-small-llama", "h100-llama3.1-8b"])
@@ -20,3 +23,28 @@ def test_slowed_scales_every_timed_cost(name: str) -> None:
     assert slow.kv_capacity_tokens == p.kv_capacity_tokens
     with pytest.raises(ValueError, match="slowdown factor"):
         p.slowed(0)
+
+
+def test_every_shipped_profile_reads_back_what_to_dict_writes() -> None:
+    for path in sorted(PROFILES_DIR.glob("*.json")):
+        profile = LatencyProfile.load(path)
+        assert LatencyProfile.from_dict(profile.to_dict()) == profile
+        assert LatencyProfile.from_dict(json.loads(path.read_text())) == profile
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d["prefill"].pop("token_ms"), "missing field 'prefill.token_ms'"),
+        (lambda d: d.pop("block_size"), "missing field 'block_size'"),
+        (lambda d: d.update(block_size="sixteen"), "field 'block_size' is not a valid int"),
+        (lambda d: d["decode"].update(ctx_ms=[1]), "field 'decode.ctx_ms' is not a valid float"),
+        (lambda d: d.update(sources="one"), "field 'sources' is not a valid tuple"),
+        (lambda d: d.update(decode=3), "'decode' must be an object"),
+    ],
+)
+def test_a_bad_profile_file_names_the_field_as_the_file_spells_it(edit, message) -> None:  # type: ignore[no-untyped-def]
+    data = LatencyProfile.load("h100-llama3.1-8b").to_dict()
+    edit(data)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LatencyProfile.from_dict(data)
