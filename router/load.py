@@ -39,6 +39,15 @@ class _Instance:
     kv_capacity_blocks: int
     snapshot: LoadSnapshot | None = None
     failures: int = 0
+    # prompt tokens per second its latency model computes in full steps (0: unknown), what a
+    # backlog in seconds is worth in queued tokens (``LoadTracker._with_backlog``)
+    step_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        step = self.latency.max_num_batched_tokens  # 0: no limit, one step takes any prefill
+        ref = step if step > 0 else _RATE_TOKENS
+        ref_s = self.latency.ttft_s(ref)
+        self.step_rate = ref / ref_s if ref_s > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -111,7 +120,8 @@ class LoadTracker:
         self._fresh_ts: dict[str, float] = {}
         self._oldest_fresh = float("inf")  # at most the oldest of ``_fresh_ts``
         self._last_now = -float("inf")
-        self._busy: set[str] = set()  # instances whose ``busy_until`` may be ahead of now
+        # instances whose view priced a backlog still ahead of now (``_with_backlog``)
+        self._busy: set[str] = set()
 
     def register(
         self, instance_id: str, block_size: int, latency: LatencyModel, kv_capacity_blocks: int = 0
@@ -245,15 +255,10 @@ class LoadTracker:
         step, never for more than one: the snapshot covers the rest, and other router
         replicas' requests. (kvroute's vLLM engine counts a prompt until its first token,
         step in flight included; there the backlog rarely exceeds the report.)"""
-        if local is None or local.busy_until <= now:
+        if local is None or local.busy_until <= now or not inst.step_rate:
             return pending
-        lat = inst.latency
-        step = lat.max_num_batched_tokens  # 0: no limit, one step takes any prefill
-        ref = step if step > 0 else _RATE_TOKENS
-        ref_s = lat.ttft_s(ref)
-        if ref_s <= 0:
-            return pending
-        backlog = round((local.busy_until - now) * ref / ref_s)
+        backlog = round((local.busy_until - now) * inst.step_rate)
+        step = inst.latency.max_num_batched_tokens
         return max(pending, min(backlog, pending + step) if step > 0 else backlog)
 
     def _view(
@@ -271,10 +276,12 @@ class LoadTracker:
             pending = self._with_backlog(
                 inst, local, snap.queued_prefill_tokens + newer_tokens, now
             )
+            timed = local is not None and local.busy_until > now
             self._fresh_ts[iid] = snap.ts
             self._oldest_fresh = min(self._oldest_fresh, snap.ts)
         else:
             self._fresh_ts.pop(iid, None)
+            timed = False
             if local is not None:
                 waiting, running = len(local.unprefilled), local.prefilled
                 kv_usage, pending = 0.0, local.unprefilled_tokens
@@ -283,7 +290,7 @@ class LoadTracker:
                 kv_usage = 0.0
         # NOTE: a backlog ahead of now changes the view as time passes (the clock may also
         # have stepped back past its end): rebuilt at every ``views`` until it is behind now
-        if local is not None and local.busy_until > now:
+        if timed:
             self._busy.add(iid)
         else:
             self._busy.discard(iid)
