@@ -49,7 +49,7 @@ from pydantic import ValidationError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import TRACES, print_json
+from benchmarks.common import TRACES, NonNegative, print_json
 from engines.config import CpuTierConfig
 from engines.sim.profile import LatencyProfile
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
@@ -585,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cpu-tier-gib",
         type=float,
+        action=NonNegative,
         default=0.0,
         help="each engine's CPU KV tier in GiB (0: none; deploy/serve-gpu.yaml ships 160) [0]",
     )
@@ -608,8 +609,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(
             f"--duration must be > {PERIOD_S:g} (a first cycle to train on), got {args.duration:g}"
         )
-    if not (args.cpu_tier_gib >= 0 and math.isfinite(args.cpu_tier_gib)):
-        ap.error(f"--cpu-tier-gib must be >= 0 (0: no CPU tier), got {args.cpu_tier_gib:g}")
     try:
         args.cpu_tier = (
             CpuTierConfig(gib=args.cpu_tier_gib, policy=args.cpu_policy)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,5 +46,8 @@ def _checked(ok: Callable[[Any], bool], rule: str) -> type[argparse.Action]:
 
 # ``add_argument(..., action=Positive)``: ``--rate 0`` exits with "--rate must be > 0"
 Positive = _checked(lambda v: v > 0, "> 0")
+# ``add_argument(..., type=float, action=NonNegative)``: "--gib must be >= 0" (NaN and
+# infinity refused too)
+NonNegative = _checked(lambda v: v >= 0 and math.isfinite(v), ">= 0")
 # ``add_argument(..., type=int, action=AtLeastOne)``: "--repeats must be >= 1"
 AtLeastOne = _checked(lambda v: v >= 1, ">= 1")
