@@ -1,0 +1,44 @@
+"""``benchmarks/fcfs_reference.py``'s queueing model: the references it measures placement by."""
+
+from __future__ import annotations
+
+from benchmarks.fcfs_reference import Caches, greedy, hold
+from engines.sim.profile import LatencyProfile
+from loadgen.traces import TraceRequest
+from loadgen.workloads import Planned
+
+
+def planned(index: int, at: float, tokens: int, ids: tuple[int, ...] = ()) -> Planned:
+    return Planned(index, at, TraceRequest(0.0, tokens, 1, ids))
+
+
+def by_size(_engine: int, p: Planned) -> float:
+    return float(p.req.input_length)
+
+
+def test_greedy_sends_each_request_where_it_finishes_first() -> None:
+    plan = [planned(0, 0.0, 4), planned(1, 0.0, 1), planned(2, 0.5, 1)]
+    sent: list[tuple[int, int]] = []
+    finish = greedy(plan, 2, by_size, lambda k, p: sent.append((k, p.index)))
+    assert finish == {0: 4.0, 1: 1.0, 2: 2.0}  # the third queues behind the short one
+    assert sent == [(0, 0), (1, 1), (1, 2)]
+
+
+def test_held_requests_go_shortest_first_unless_their_wait_outweighs_it() -> None:
+    # one engine busy until 5 s with the first; three more wait for it
+    plan = [planned(0, 0.0, 5), planned(1, 1.0, 3), planned(2, 2.0, 2), planned(3, 3.0, 1)]
+    sjf = hold(plan, 1, by_size, lambda k, p: None, age=0.0)
+    assert sjf == {0: 5.0, 3: 6.0, 2: 8.0, 1: 11.0}
+    aged = hold(plan, 1, by_size, lambda k, p: None, age=10.0)  # waiting dominates: FCFS
+    assert aged == {0: 5.0, 1: 8.0, 2: 10.0, 3: 11.0}
+
+
+def test_an_engine_serves_a_prefix_it_was_sent_as_a_hit() -> None:
+    prof = LatencyProfile.load("h100-llama3.1-8b")
+    caches = Caches(prof, [1.0, 2.0], block=16)
+    first = planned(0, 0.0, 4096, tuple(range(256)))
+    again = planned(1, 0.0, 4096, tuple(range(256)))
+    cold = caches.service(0, again)
+    caches.send(0, first)
+    assert caches.service(0, again) < cold / 10  # all but the last token cached
+    assert caches.service(1, again) == 2.0 * cold  # the other engine: cold, and half as fast
