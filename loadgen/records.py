@@ -15,8 +15,10 @@ class RequestRecord:
 
     ``itl_s`` holds every inter-token gap where the client saw them (HTTP streams); a simulated
     run skips decode steps in closed form and leaves it empty, so ``tpot_s`` is the mean gap
-    from first token to done. ``instance``, ``cpu_cached_tokens`` and ``preemptions`` are known
-    only where the engine says (the simulator; None/0 over HTTP)."""
+    from first token to done. ``instance``, ``cpu_cached_tokens``, ``preemptions`` and
+    ``scheduled_s`` (when an engine step first scheduled it: vLLM's queue time ends there) are
+    known only where the engine says (the simulator; None/0/NaN over HTTP). For a split
+    request they are its decode leg's."""
 
     index: int
     category: str
@@ -25,6 +27,7 @@ class RequestRecord:
     max_tokens: int
     intended_s: float
     sent_s: float = math.nan
+    scheduled_s: float = math.nan
     first_token_s: float = math.nan
     done_s: float = math.nan
     output_tokens: int = 0

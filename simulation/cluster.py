@@ -263,6 +263,8 @@ class ClusterSimulator(WiredCluster):
                     continue  # a prefill leg (its record is its decode's), or warming
                 rec = records[r.request_id]
                 rec.first_token_s, rec.done_s = r.first_token_s, r.finish_s
+                if r.scheduled_s >= 0:
+                    rec.scheduled_s = r.scheduled_s
                 rec.output_tokens = r.num_output
                 # NOTE: a decode leg reports the prefill's cache hit (vLLM's usage does too)
                 rec.cached_tokens = r.reported_cached_tokens

@@ -91,6 +91,8 @@ class SimRequest:
     cpu_cached_tokens: int = 0  # of which loaded from the CPU tier
     cpu_reused: list[int] = field(default_factory=list)  # CPU-tier hashes it loaded
     begun: bool = False  # the CPU-tier policy has seen its begin_request
+    # when a step first scheduled it (-1: not yet); vLLM's queue time ends there
+    scheduled_s: float = -1.0
     first_token_s: float = -1.0
     finish_s: float = -1.0
     # prefill/decode disaggregation (vLLM's kv_transfer_params, NixlConnector semantics)

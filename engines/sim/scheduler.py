@@ -370,6 +370,7 @@ class Scheduler:
             r.status = Status.RUNNING
             if r.cached_tokens < 0:
                 r.cached_tokens, r.cpu_cached_tokens = computed, n_cpu * bs
+                r.scheduled_s = blocks.now_s
                 self.requests_admitted += 1
                 self.prompt_tokens_admitted += r.prompt_len
                 self.cached_tokens_admitted += computed
@@ -395,7 +396,7 @@ class Scheduler:
         self.waiting.popleft()
         now = blocks.now_s
         r.status = Status.WAITING_FOR_REMOTE_KVS
-        r.cached_tokens, r.cpu_cached_tokens = local, n_cpu * bs
+        r.cached_tokens, r.cpu_cached_tokens, r.scheduled_s = local, n_cpu * bs, now
         r.remote_tokens, r.transfer_s = pulled, self.transfer_s(pulled)
         # NOTE: the local hit's CPU-tier part is loaded while the pull runs, not in a step
         r.kv_ready_s = now + (r.transfer_s + self.profile.load_s(n_cpu * bs)) * self.time_scale

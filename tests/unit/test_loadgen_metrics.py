@@ -73,6 +73,7 @@ def test_record_rows_read_back_to_the_same_record() -> None:
     from loadgen.report import record_from_row, record_row
 
     done = RequestRecord(3, "text_2", 7, 120, 16, 1.5, sent_s=1.502, first_token_s=1.75)
+    done.scheduled_s = 1.61  # as the simulator records it
     done.done_s, done.output_tokens, done.status = 2.25, 16, 200
     done.prompt_tokens, done.cached_tokens, done.itl_s = 120, 64, [0.03, 0.035]
     failed = RequestRecord(4, "all", None, 50, 8, 2.0, sent_s=2.0)
@@ -83,6 +84,7 @@ def test_record_rows_read_back_to_the_same_record() -> None:
         back = record_from_row(row)
         assert record_row(back) == record_row(rec)
         assert back.ok == rec.ok
+        assert back.scheduled_s == pytest.approx(rec.scheduled_s, nan_ok=True)
         assert back.tpot_s == pytest.approx(rec.tpot_s, nan_ok=True)
 
 

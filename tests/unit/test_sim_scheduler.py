@@ -166,6 +166,7 @@ def test_preemption_frees_the_last_running_request():
     assert b.num_preemptions >= 1 and a.num_preemptions == 0
     t = run(s, t)
     assert a.status == b.status == Status.FINISHED
+    assert a.scheduled_s == b.scheduled_s == 0.0  # when first scheduled, not re-admitted
     assert a.num_output == b.num_output == 12 and s.num_preemptions >= 1
 
 

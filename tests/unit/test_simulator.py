@@ -276,9 +276,14 @@ def test_the_router_sees_the_prefill_step_an_engine_is_computing(profile):
     settings = SimSettings(instances=1, perturbation=EXACT)
     sim = run(profile, "kv_ttft", settings, workload=work, recorder=rec)
     second = next(e for e in rec.records if e["request"] == "1")
-    waited = next(r for r in sim.records if r.index == 1).ttft_s
+    late = next(r for r in sim.records if r.index == 1)
+    waited = late.ttft_s
     alone = profile.ttft_s(1024)
     assert waited > alone + 0.1  # it did wait behind the step in flight
+    # first scheduled when that step ended, its own prefill step after
+    step_end = 1.0 + profile.ttft_s(8192) - profile.request_overhead_ms / 1e3
+    assert late.scheduled_s == pytest.approx(step_end, abs=0.01)
+    assert late.first_token_s - late.scheduled_s == pytest.approx(alone, abs=0.01)
     assert second["candidates"]["sim-0"]["pending_prefill_tokens"] > 0
     assert second["estimated_ttft_s"] == pytest.approx(waited, rel=0.15)
 
