@@ -10,17 +10,26 @@ Per cell (the suite's ``make_plan`` at ``--loads``' rate scale, seeds 0..``--see
 excess in ms, mean and p99):
 
 - ``routers``: each router's real excess in the cluster simulator, and its own assignments
-  replayed through the model (``model``) at the hits it got;
+  replayed through the model (``model``) at the hits it got; ``parts`` splits the real mean
+  excess (ms) three ways: ``waited``, from arrival to the engine step that first scheduled the
+  request (the step in flight when it arrived, and any queue: vLLM's queue time); ``shared``,
+  from there to its first token beyond its prefill alone at the hit it got (the other
+  requests' tokens in its steps: continuous batching); ``cache``, that prefill alone beyond
+  its ideal (the hit it missed, the engine's speed);
 - ``greedy``: a clairvoyant router on the model: each request to the engine that finishes it
   first, knowing every engine's free time and cache (every prompt sent there, kept);
 - ``pooled``: the same with every earlier prefix on every engine (services at the ideal);
 - ``hold``: requests held at the router and, whenever an engine frees, the waiting one with
   the least ``service there - age x time waited`` sent to it, for each ``--ages`` weight (0:
   shortest first); a request arriving at no queue goes as ``greedy``'s does.
+- ``reorder``: ``greedy``'s placement, each engine then serving its own queue shortest first
+  (what a router could ask of an engine by request priority) except that a request waiting
+  ``--caps`` seconds or more goes first, oldest first: the cap bounds how long shortest-first
+  may pass a request over.
 
 Prints JSON. Usage: .venv/bin/python benchmarks/fcfs_reference.py --loads SUITE.json
     [--workloads mix,rag] [--load L2] [--routers kv_ttft,llmd_weighted] [--seeds 3]
-    [--ages 0,0.5]
+    [--ages 0,0.5] [--caps 0.2,0.5]
 """
 
 from __future__ import annotations
@@ -103,6 +112,43 @@ def hold(
     return out
 
 
+def reorder(
+    plan: Sequence[Planned], engines: int, service: Service, sent: Callable, cap: float
+) -> dict:
+    """Finish time per plan index: ``greedy``'s placement, each engine's queue served shortest
+    first, oldest first among those that waited ``cap`` seconds or more (see the module)."""
+    free: list[float] = [0.0] * engines
+    queues: list[list[tuple[Planned, float]]] = [[] for _ in range(engines)]
+    for p in plan:
+        k = min(range(engines), key=lambda e: max(free[e], p.offset_s) + service(e, p))
+        s = service(k, p)
+        free[k] = max(free[k], p.offset_s) + s
+        queues[k].append((p, s))
+        sent(k, p)
+    out = {}
+    for todo in queues:  # in arrival order
+        now, j, waiting = 0.0, 0, []
+        while j < len(todo) or waiting:
+            if not waiting:
+                now = max(now, todo[j][0].offset_s)
+            while j < len(todo) and todo[j][0].offset_s <= now:
+                waiting.append(todo[j])
+                j += 1
+            old = [x for x in waiting if now - x[0].offset_s >= cap]
+            x = min(old, key=_arrival) if old else min(waiting, key=_service)
+            waiting.remove(x)
+            now = out[x[0].index] = now + x[1]
+    return out
+
+
+def _arrival(x: tuple[Planned, float]) -> float:
+    return x[0].offset_s
+
+
+def _service(x: tuple[Planned, float]) -> float:
+    return x[1]
+
+
 def excess_ms(finish: dict, plan: Sequence[Planned], ideal: list[float]) -> list[float]:
     return [
         (finish[p.index] - p.offset_s - ideal[p.index]) * 1e3
@@ -124,6 +170,7 @@ def cell(
     seed: int,
     routers: list[str],
     ages: list[float],
+    caps: list[float],
     n: int,
     requests: int,
     truth: LatencyProfile,
@@ -143,14 +190,20 @@ def cell(
             if r.ok and not math.isnan(ideal[r.index])
         ]
         free, finish = [0.0] * n, {}
+        parts: dict[str, list[float]] = {"waited": [], "shared": [], "cache": []}
         for r in sorted((r for r in sim.records if r.ok), key=lambda r: r.intended_s):
             k, length = int(str(r.instance).rpartition("-")[2]), r.input_tokens
             cached = min(r.cached_tokens or 0, length - 1)
             service = prof.ttft_s(length, cached, r.cpu_cached_tokens or 0) * slow[k]
             free[k] = finish[r.index] = max(free[k], r.intended_s) + service
+            if not math.isnan(ideal[r.index]):
+                parts["waited"].append(r.scheduled_s - r.intended_s)
+                parts["shared"].append(r.first_token_s - r.scheduled_s - service)
+                parts["cache"].append(service - ideal[r.index])
         out["routers"][router] = {
             "real": stats(real),
             "model": stats(excess_ms(finish, plan, ideal)),
+            "parts": {k: round(float(np.mean(v)) * 1e3, 1) for k, v in parts.items()},
         }
     caches = Caches(prof, slow, block)
     out["greedy"] = stats(excess_ms(greedy(ok, n, caches.service, caches.send), plan, ideal))
@@ -164,6 +217,12 @@ def cell(
         caches = Caches(prof, slow, block)
         out["hold"][f"{age:g}"] = stats(
             excess_ms(hold(ok, n, caches.service, caches.send, age), plan, ideal)
+        )
+    out["reorder"] = {}
+    for cap in caps:
+        caches = Caches(prof, slow, block)
+        out["reorder"][f"{cap:g}"] = stats(
+            excess_ms(reorder(ok, n, caches.service, caches.send, cap), plan, ideal)
         )
     return out
 
@@ -183,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--routers", default="kv_ttft", help="comma-separated scorers")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--ages", default="0,0.5", help="hold's age weights, comma-separated")
+    ap.add_argument("--caps", default="0.2,0.5", help="reorder's wait caps in seconds")
     ap.add_argument("--instances", type=int, default=16)
     ap.add_argument("--profile", default="h100-llama3.1-8b")
     args = ap.parse_args(argv)
@@ -195,13 +255,19 @@ def main(argv: list[str] | None = None) -> int:
         ages = [float(a) for a in args.ages.split(",") if a]
     except ValueError:
         ap.error(f"--ages: {args.ages!r} is not a list of numbers")
+    try:
+        caps = [float(c) for c in args.caps.split(",") if c]
+    except ValueError:
+        ap.error(f"--caps: {args.caps!r} is not a list of numbers")
+    if any(not c >= 0 for c in caps):
+        ap.error(f"--caps: {args.caps!r}: each cap must be a number of seconds >= 0")
     truth = LatencyProfile.load(args.profile)
     key = "l1_scale" if args.load == "L1" else "l2_scale"
     routers = [r for r in args.routers.split(",") if r]
     results = {
         w: mean_over(
             [
-                cell(w, loads[w][key], s, routers, ages, args.instances, REQUESTS[0], truth)
+                cell(w, loads[w][key], s, routers, ages, caps, args.instances, REQUESTS[0], truth)
                 for s in range(args.seeds)
             ]
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.fcfs_reference import Caches, greedy, hold
+from benchmarks.fcfs_reference import Caches, greedy, hold, reorder
 from engines.sim.profile import LatencyProfile
 from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned
@@ -31,6 +31,33 @@ def test_held_requests_go_shortest_first_unless_their_wait_outweighs_it() -> Non
     assert sjf == {0: 5.0, 3: 6.0, 2: 8.0, 1: 11.0}
     aged = hold(plan, 1, by_size, lambda k, p: None, age=10.0)  # waiting dominates: FCFS
     assert aged == {0: 5.0, 1: 8.0, 2: 10.0, 3: 11.0}
+
+
+def test_each_engine_serves_its_queue_shortest_first_until_a_wait_reaches_the_cap() -> None:
+    # one engine busy until 5 s with the first; three more queue on it
+    plan = [planned(0, 0.0, 5), planned(1, 1.0, 3), planned(2, 2.0, 2), planned(3, 3.0, 1)]
+    sent: list[tuple[int, int]] = []
+    sjf = reorder(plan, 1, by_size, lambda k, p: sent.append((k, p.index)), cap=1e9)
+    assert sjf == {0: 5.0, 3: 6.0, 2: 8.0, 1: 11.0}
+    assert sent == [(0, 0), (0, 1), (0, 2), (0, 3)]  # placed as greedy places them
+    # at 5 s request 1 has waited 4 s: under a 4.5 s cap the shortest goes first, and at 6 s
+    # request 1 (5 s waited) passes request 2 (4 s)
+    assert reorder(plan, 1, by_size, lambda k, p: None, cap=4.5) == {
+        0: 5.0,
+        3: 6.0,
+        1: 9.0,
+        2: 11.0,
+    }
+    # under a 3.5 s cap requests 1 and 2 have both waited past it at 5 s: oldest first
+    assert reorder(plan, 1, by_size, lambda k, p: None, cap=3.5) == {
+        0: 5.0,
+        1: 8.0,
+        2: 10.0,
+        3: 11.0,
+    }
+    # two engines: greedy spreads them, and each engine orders only its own queue
+    two = reorder(plan, 2, by_size, lambda k, p: None, cap=1e9)
+    assert two == greedy(plan, 2, by_size, lambda k, p: None)
 
 
 def test_an_engine_serves_a_prefix_it_was_sent_as_a_hit() -> None:
