@@ -21,7 +21,7 @@ import statistics
 import time
 
 from engines.base import Engine, EngineRequest, SamplingParams
-from engines.sim.scheduler import SimEngineOptions
+from engines.sim.options import SimEngineOptions
 
 BLOCK = 32
 LENGTHS = (256, 512, 1024, 2048, 3500)

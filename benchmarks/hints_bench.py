@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deploy.local import LocalStack
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
-from engines.sim.scheduler import SimEngineOptions
+from engines.sim.options import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from loadgen.metrics import server_hit_rate
 from loadgen.prompts import PromptSynth

@@ -35,7 +35,7 @@ from deploy.local import LocalStack
 from engines.base import EngineRequest, SamplingParams
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
-from engines.sim.scheduler import SimEngineOptions
+from engines.sim.options import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from router.placement import PlacementRequest
 from router.state import RouterState

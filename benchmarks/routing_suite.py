@@ -64,7 +64,7 @@ from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate_count
 from loadgen.traces import PrefixModel, TraceRequest, load_trace
 from loadgen.workloads import Planned, build_schedule, ideal_hit_rate
 from router.inflight import DEFAULT_INFLIGHT_PROMPTS
-from router.placement import scorer_names
+from router.placement import parse_options, scorer_names
 from simulation.cluster import simulate
 from simulation.jobs import DEFAULT_JOBS, run_each
 from simulation.options import parse_router, parse_routers
@@ -127,12 +127,16 @@ def make_plan(
 
 
 def settings_for(
-    seed: int, instances: int, inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS
+    seed: int,
+    instances: int,
+    inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS,
+    engine: dict[str, Any] | None = None,
 ) -> SimSettings:
     return SimSettings(
         instances=instances,
         perturbation=Perturbation(seed=seed),
         inflight_prompts=inflight_prompts,
+        engine=dict(engine or {}),
     )
 
 
@@ -258,8 +262,10 @@ def run_suite(
     profile: str = "h100-llama3.1-8b",
     log: Callable[[str], None] = lambda _m: None,
     inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS,
+    engine: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The suite's JSON document (see the module)."""
+    """The suite's JSON document (see the module); ``engine``: sim engine options for the
+    routers' runs (``kvroute simulate --engine``'s)."""
     q = int(quick)
     n = requests or REQUESTS[q]
     nb = bisect_requests or BISECT_REQUESTS[q]
@@ -285,7 +291,13 @@ def run_suite(
                 cells.append((w, load, seed, plan, block, ideal))
     calls = [
         partial(
-            measure, plan, block, truth, r, settings_for(seed, instances, inflight_prompts), ideal
+            measure,
+            plan,
+            block,
+            truth,
+            r,
+            settings_for(seed, instances, inflight_prompts, engine),
+            ideal,
         )
         for (_w, _l, seed, plan, block, ideal) in cells
         for r in routers
@@ -308,6 +320,7 @@ def run_suite(
         "meta": {
             "instances": instances,
             "inflight_prompts": inflight_prompts,
+            "engine": dict(engine or {}),
             "profile": profile,
             "routers": routers,
             "seeds": seeds,
@@ -426,6 +439,14 @@ def main(argv: list[str] | None = None) -> int:
         help="routers count the prompts they sent that no KV event shows yet (router.inflight; "
         "on by default)",
     )
+    ap.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a sim engine option for the routers' runs, as kvroute simulate --engine takes it "
+        "(e.g. queued_until_first_token=true: the load report kvroute's vLLM engine gives)",
+    )
     args = ap.parse_args(argv)
     try:
         workloads = _names(args.workloads, list(WORKLOADS), "--workloads")
@@ -440,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         for v, flag in ((args.requests, "--requests"), (args.bisect_requests, "--bisect-requests")):
             if v is not None and v < 10:
                 raise ValueError(f"{flag} must be >= 10, got {v}")
+        engine = parse_options(args.engine, "--engine")
+        settings_for(0, 1, engine=engine).validate()  # a bad option, named before the run
         if args.bisect_steps is not None and args.bisect_steps < 0:
             raise ValueError(f"--bisect-steps must be >= 0, got {args.bisect_steps}")
         loads = None
@@ -467,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         profile=args.profile,
         log=lambda m: print(m, file=sys.stderr, flush=True),
         inflight_prompts=args.inflight_prompts,
+        engine=engine,
     )
     print_json(doc, args.out)
     print(table(doc), file=sys.stderr)

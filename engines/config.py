@@ -365,7 +365,7 @@ _SIM_SET_BY_CONFIG = frozenset(
 def sim_option_names() -> list[str]:
     """The keys ``sim_options`` may hold: ``time_scale`` and the fields of the sim engine's
     options record that the config does not set itself."""
-    from engines.sim.scheduler import SimEngineOptions
+    from engines.sim.options import SimEngineOptions
 
     fields = (f.name for f in dataclasses.fields(SimEngineOptions))
     return ["time_scale", *(f for f in fields if f not in _SIM_SET_BY_CONFIG)]

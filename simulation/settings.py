@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engines.base import LOAD_INTERVAL_S
+from engines.sim.options import SimEngineOptions
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest
-from engines.sim.scheduler import SimEngineOptions
 from loadgen.records import RequestRecord
 from loadgen.workloads import Planned, ideal_hits
 from router.autoscale import DEFAULT_COLD_START_S
@@ -162,6 +162,10 @@ class SimSettings:
             raise ValueError(
                 f"--engine: unknown option {unknown[0]!r}; valid: {', '.join(ENGINE_OPTIONS)}"
             )
+        try:
+            SimEngineOptions(**self.engine)
+        except ValueError as e:
+            raise ValueError(f"--engine: {e}") from None
 
 
 @dataclass(slots=True)

@@ -19,9 +19,9 @@ from cachemap.bus import MAX_READ_ITEMS, InProcessBus
 from cachemap.events import Cleared, encode_message
 from cachemap.ingest import EngineEventTranslator
 from engines.forwarder import encode_load
+from engines.sim.options import SimEngineOptions
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest
-from engines.sim.scheduler import SimEngineOptions
 from engines.sim.virtual import VirtualInstance, trace_arrival
 from loadgen.workloads import Planned
 from router import lifecycle

@@ -18,7 +18,7 @@ import uvicorn
 from deploy.local import LocalStack
 from engines.base import PUBLISH_INTERVAL_S, Engine
 from engines.ports import free_port
-from engines.sim.scheduler import SimEngineOptions
+from engines.sim.options import SimEngineOptions
 from router.state import BUS_POLL_S
 
 if TYPE_CHECKING:

@@ -3,9 +3,10 @@ model, timed by a latency profile. Real time (``SimEngine``, asyncio) or virtual
 (``VirtualInstance``, discrete events; ``simulation.cluster`` runs a cluster of them)."""
 
 from engines.sim.blocks import KVBlockManager
+from engines.sim.options import SimEngineOptions
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest, make_request
-from engines.sim.scheduler import Scheduler, SchedulerConfig, SimEngineOptions
+from engines.sim.scheduler import Scheduler, SchedulerConfig
 from engines.sim.virtual import VirtualInstance, expand_trace_hashes, trace_arrival
 
 __all__ = [

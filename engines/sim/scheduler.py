@@ -44,9 +44,9 @@ from typing import Any
 
 from engines.base import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, LoadSnapshot
 from engines.sim.blocks import Block, KVBlockManager, cdiv
+from engines.sim.options import DEFAULT_OPTIONS, SimEngineOptions
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import TOKEN_OFFSET, VOCAB_SIZE, SimRequest, Status
-from policies.base import EvictionPolicy
 
 # what a prefill engine writes for the side channel the decode engine would connect to; vLLM's
 # defaults (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT). Placeholders: the sim never reads them back.
@@ -68,6 +68,9 @@ class SchedulerConfig:
     # + transfer_latency_ms / 1e3 seconds (see DEFAULT_TRANSFER_GBPS)
     transfer_gbps: float = DEFAULT_TRANSFER_GBPS
     transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS
+    # the load report's queued prefill as kvroute's vLLM engine counts it (``queued_prefill_
+    # tokens``); False: what is still to schedule
+    queued_until_first_token: bool = False
 
     def __post_init__(self) -> None:
         if not (self.transfer_gbps > 0 and math.isfinite(self.transfer_gbps)):
@@ -93,34 +96,6 @@ class SchedulerConfig:
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
-
-
-@dataclass(frozen=True, slots=True)
-class SimEngineOptions:
-    """What shapes one sim engine besides its latency profile: the options that an engine
-    config's ``sim_options`` (``engines.config``), ``kvroute simulate --engine key=value`` and
-    the tests set, in one record from the deployment or simulator down to ``Scheduler``.
-
-    None takes the profile's figure: ``block_size`` the profile's, ``num_gpu_blocks`` its KV
-    capacity in those blocks (plus the null block), ``max_model_len`` at most what that holds,
-    the limits its own. ``cpu_policy``: a policy name, or a policy object, which then serves
-    one engine only (it holds that engine's CPU tier)."""
-
-    block_size: int | None = None
-    num_gpu_blocks: int | None = None
-    cpu_capacity_blocks: int = 0
-    cpu_policy: str | EvictionPolicy = "lru"
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    long_prefill_token_threshold: int | None = None
-    max_num_seqs: int | None = None
-    vocab_size: int = VOCAB_SIZE
-    token_offset: int = TOKEN_OFFSET
-    transfer_gbps: float = DEFAULT_TRANSFER_GBPS
-    transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS
-
-
-DEFAULT_OPTIONS = SimEngineOptions()
 
 
 @dataclass(slots=True)
@@ -206,6 +181,7 @@ class Scheduler:
             max_num_seqs=o.max_num_seqs,
             vocab_size=o.vocab_size,
             token_offset=o.token_offset,
+            queued_until_first_token=o.queued_until_first_token,
         )
         return cls(blocks, profile, config, engine_id=engine_id, time_scale=time_scale)
 
@@ -271,10 +247,13 @@ class Scheduler:
             + cfg.transfer_latency_ms / 1e3
         )
 
-    def queued_prefill_tokens(self) -> int:
+    def queued_prefill_tokens(self, now_s: float = math.inf) -> int:
         """Prompt tokens still to compute: a waiting request's beyond its cached prefix as of
         now (GPU or CPU tier), a running one's beyond what it has computed; a PD decode's
-        prompt is pulled but for its last token, recomputed (one token per pull)."""
+        prompt is pulled but for its last token, recomputed (one token per pull). With
+        ``queued_until_first_token`` a running prompt counts beyond its admitted hit until its
+        first token is out at ``now_s``, as kvroute's vLLM engine reports (it cannot see a
+        prompt's chunks): the step computing it, and chunks computed before, included."""
         bs, lookup = self.blocks.block_size, self.blocks.lookup
         tokens = len(self.pulling)
         for r in self.waiting:
@@ -283,11 +262,20 @@ class Scheduler:
                 continue
             hit, n_cpu = lookup(r)
             tokens += max(r.num_tokens - (len(hit) + n_cpu) * bs, 0)
-        return tokens + sum(max(r.prompt_len - r.num_computed, 0) for r in self.running)
+        if not self.config.queued_until_first_token:
+            return tokens + sum(max(r.prompt_len - r.num_computed, 0) for r in self.running)
+        for r in self.running:
+            if r.first_token_s < 0 or r.first_token_s > now_s:
+                tokens += 1 if r.remote_tokens else max(r.prompt_len - r.cached_tokens, 0)
+        return tokens
 
-    def load_snapshot(self, instance_id: str, ts: float, waiting: int) -> LoadSnapshot:
+    def load_snapshot(
+        self, instance_id: str, ts: float, waiting: int, now_s: float = math.inf
+    ) -> LoadSnapshot:
         """This instance's ``LoadSnapshot``; ``waiting`` is the caller's count (it may include
-        requests not yet handed to the scheduler)."""
+        requests not yet handed to the scheduler); ``now_s``: the steps' clock, where a step
+        is completed before it ends (the virtual engine's; a served engine completes a step
+        once it has ended)."""
         return LoadSnapshot(
             instance_id=instance_id,
             ts=ts,
@@ -295,7 +283,7 @@ class Scheduler:
             running=len(self.running),
             gpu_kv_usage=self.blocks.gpu_usage(),
             cpu_kv_usage=self.blocks.cpu_usage(),
-            queued_prefill_tokens=self.queued_prefill_tokens(),
+            queued_prefill_tokens=self.queued_prefill_tokens(now_s),
             running_context_tokens=sum(r.num_computed for r in self.running),
         )
 

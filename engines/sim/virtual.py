@@ -31,9 +31,10 @@ from typing import Any
 
 from cachemap.events import KVEventBatch, encode_vllm_batch
 from engines.base import LoadSnapshot
+from engines.sim.options import DEFAULT_OPTIONS, SimEngineOptions
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest, Status, make_request
-from engines.sim.scheduler import DEFAULT_OPTIONS, Scheduler, SimEngineOptions
+from engines.sim.scheduler import Scheduler
 from policies.base import RequestInfo
 
 EventCallback = Callable[[str, int, bytes], None]
@@ -194,12 +195,10 @@ class VirtualInstance:
 
     def load(self, ts: float | None = None) -> LoadSnapshot:
         """This engine's load sample, stamped ``ts`` (default: its clock)."""
-        s = self.scheduler
+        s, at = self.scheduler, self.clock if ts is None else ts
+        # NOTE: pulls in flight wait, as vLLM's num_requests_waiting gauge counts them
         return s.load_snapshot(
-            self.instance_id,
-            self.clock if ts is None else ts,
-            # NOTE: pulls in flight wait, as vLLM's num_requests_waiting gauge counts them
-            len(s.waiting) + len(self._pending) + len(s.pulling),
+            self.instance_id, at, len(s.waiting) + len(self._pending) + len(s.pulling), at
         )
 
 

@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 from engines.base import EngineRequest, SamplingParams
 from engines.sim.engine import SimEngine
-from engines.sim.scheduler import SimEngineOptions
+from engines.sim.options import SimEngineOptions
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 BLOCK, KV_BLOCKS, MML = 32, 48, 1024

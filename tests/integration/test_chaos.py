@@ -27,7 +27,7 @@ from deploy.local import LocalStack
 from engines.bus_redis import RedisStreamBus
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
-from engines.sim.scheduler import SimEngineOptions
+from engines.sim.options import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from router.placement import PlacementRequest
 from router.tokenizer import PromptTokenizer

@@ -15,7 +15,7 @@ import pytest
 from deploy.local import LocalStack
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
-from engines.sim.scheduler import SimEngineOptions
+from engines.sim.options import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from router.admission import Admission
 from router.tokenizer import PromptTokenizer

@@ -17,7 +17,7 @@ from cachemap import BlockHasher
 from deploy.local import LocalStack
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
-from engines.sim.scheduler import SimEngineOptions
+from engines.sim.options import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from router.admission import Admission
 from router.api_errors import APIError

@@ -13,7 +13,7 @@ from cachemap import block_hashes, salt_hash
 from engines.base import EngineRequest, RoutedRequest, SamplingParams
 from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
-from engines.sim.scheduler import SimEngineOptions
+from engines.sim.options import SimEngineOptions
 from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned
 from router import lifecycle

@@ -45,10 +45,16 @@ def test_suite_runs_tiny_and_reuses_its_loads(suite, tmp_path, capsys):
                     assert len(s["seeds"]) == 2 and s["min"] <= s["mean"] <= s["max"]
                 assert cell["completed"] == [40, 40]
                 assert cell["ttft_p50_ms"]["mean"] <= cell["ttft_p99_ms"]["mean"]
-    # a second run with --loads searches nothing and keeps the loads
-    assert suite.main([*TINY, "--loads", str(out)]) == 0
+    # a second run with --loads searches nothing and keeps the loads; its engines report
+    # queued prefill as kvroute's vLLM engine does
+    assert (
+        suite.main([*TINY, "--loads", str(out), "--engine", "queued_until_first_token=true"]) == 0
+    )
     captured = capsys.readouterr()
-    assert json.loads(captured.out)["loads"] == doc["loads"]
+    again = json.loads(captured.out)
+    assert again["loads"] == doc["loads"]
+    assert again["meta"]["engine"] == {"queued_until_first_token": True}
+    assert doc["meta"]["engine"] == {}
     assert "searching" not in captured.err and "16 simulations" in captured.err
 
 
@@ -59,3 +65,10 @@ def test_suite_flags_name_the_bad_value(suite, capsys):
     assert "--router nope: router: unknown scorer 'nope'" in capsys.readouterr().err
     assert suite.main(["--loads", "/nonexistent/x.json"]) == 2
     assert "--loads: cannot read" in capsys.readouterr().err
+    for option, message in (
+        ("gpu_blocks=3", "--engine: unknown option 'gpu_blocks'"),
+        ("queued_until_first_token=yes", "--engine: queued_until_first_token must be true or"),
+        ("queued_until_first_token", "--engine: expected KEY=VALUE"),
+    ):
+        assert suite.main(["--engine", option]) == 2
+        assert message in capsys.readouterr().err

@@ -19,9 +19,10 @@ from engines.base import (
     SamplingParams,
 )
 from engines.sim.engine import SimEngine
+from engines.sim.options import SimEngineOptions
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import Status, make_request
-from engines.sim.scheduler import Scheduler, SimEngineOptions
+from engines.sim.scheduler import Scheduler
 from engines.sim.virtual import VirtualInstance
 
 BS = 16

@@ -12,9 +12,9 @@ import pytest
 from cachemap import BlockHasher, CacheMap, Tier
 from cachemap.events import decode_vllm_batch
 from cachemap.ingest import CacheMapIngestor, EngineEventTranslator
+from engines.sim.options import SimEngineOptions
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import make_request
-from engines.sim.scheduler import SimEngineOptions
 from engines.sim.virtual import VirtualInstance, expand_trace_hashes, trace_arrival
 from policies.base import RequestInfo
 

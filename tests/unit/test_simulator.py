@@ -109,6 +109,8 @@ def test_every_registered_scorer_runs_in_the_simulator(profile):
 def test_bad_settings_name_the_option(profile):
     with pytest.raises(ValueError, match="--engine: unknown option 'gpu_blocks'"):
         run(profile, "kv_ttft", SimSettings(engine={"gpu_blocks": 3}))
+    with pytest.raises(ValueError, match="--engine: queued_until_first_token must be true or"):
+        SimSettings(engine={"queued_until_first_token": "yes"}).validate()
     with pytest.raises(ValueError, match="jitter"):
         Perturbation(jitter=-1)
 
