@@ -151,7 +151,7 @@ class EngineConfig(StrictModel):
         default_factory=dict,
         description="sim: time_scale, and the sim engine's options this config does not set "
         "itself (engines.sim.SimEngineOptions: cpu_capacity_blocks, cpu_policy, vocab_size, "
-        "token_offset, transfer_gbps, transfer_latency_ms)",
+        "token_offset, transfer_gbps, transfer_latency_ms, queued_until_first_token)",
     )
     on_gpu: bool = Field(False, description="vllm: the GPU build (block size any multiple of 16)")
     cpu_tier: CpuTierConfig | None = Field(
@@ -191,6 +191,13 @@ class EngineConfig(StrictModel):
                 f"sim_options: unknown option {unknown[0]!r}; "
                 f"valid: {', '.join(sim_option_names())}"
             )
+        if self.sim_options:
+            from engines.sim.options import SimEngineOptions
+
+            try:  # the options' own checks, named as the config spells them
+                SimEngineOptions(**{k: v for k, v in self.sim_options.items() if k != "time_scale"})
+            except ValueError as e:
+                raise ValueError(f"sim_options: {e}") from None
         if self.kind == "sim" and self.pd is not None:
             raise ValueError("pd: only for kind 'vllm' (sim engines hand KV over by themselves)")
         for i, cores in enumerate(self.cpu_bind or ()):

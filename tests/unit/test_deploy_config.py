@@ -82,6 +82,11 @@ def test_defaults_are_two_sim_engines_on_localhost() -> None:
         ),
         ({"engines": {"engine": {"event_stride": 0}}}, "event_stride"),
         (
+            {"engines": {"engine": {"sim_options": {"queued_until_first_token": "yes"}}}},
+            "sim_options: queued_until_first_token must be true or false",
+        ),
+        ({"engines": {"engine": {"sim_options": {"gpu_blocks": 1}}}}, "sim_options: unknown"),
+        (
             {"pools": [{"name": "a"}, {"name": "b"}], "router": {"scorer": "ray_prefix"}},
             "router.scorer",
         ),
