@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import socket
 import sys
 import threading
 import time
@@ -372,6 +373,11 @@ def by_role(measure: Any) -> dict[str, float]:
 class Server:
     def __init__(self, stack: LocalStack, port: int) -> None:
         self.stack, self.port = stack, port
+        # NOTE: bound here and served once the stack has started (a vLLM engine takes seconds):
+        # a port only drawn would be free all that while, for another server to draw and bind
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
         self.server = uvicorn.Server(
             uvicorn.Config(stack.app, host="127.0.0.1", port=port, log_level="warning")
         )
@@ -379,12 +385,15 @@ class Server:
 
     def _run(self) -> None:
         self.loop = loop = asyncio.new_event_loop()
-        loop.run_until_complete(self.stack.start())
         try:
-            loop.run_until_complete(self.server.serve())
+            loop.run_until_complete(self.stack.start())
+            try:
+                loop.run_until_complete(self.server.serve(sockets=[self.sock]))
+            finally:
+                loop.run_until_complete(self.stack.stop())
+                loop.close()
         finally:
-            loop.run_until_complete(self.stack.stop())
-            loop.close()
+            self.sock.close()
 
     def __enter__(self) -> Server:
         self.thread.start()
