@@ -76,12 +76,21 @@ class Caches:
         self.held[k].update(p.req.hash_ids)
 
 
+def _place(free: list[float], p: Planned, service: Service) -> tuple[int, float]:
+    """Queue ``p`` on the engine that finishes it first (the lowest of a tie), FCFS behind
+    what ``free`` says each engine has: (that engine, ``p``'s service there)."""
+    k = min(range(len(free)), key=lambda e: max(free[e], p.offset_s) + service(e, p))
+    s = service(k, p)
+    free[k] = max(free[k], p.offset_s) + s
+    return k, s
+
+
 def greedy(plan: Sequence[Planned], engines: int, service: Service, sent: Callable) -> dict:
     """Finish time per plan index: each request to the engine that finishes it first."""
     free, out = [0.0] * engines, {}
     for p in plan:
-        k = min(range(engines), key=lambda e: max(free[e], p.offset_s) + service(e, p))
-        free[k] = out[p.index] = max(free[k], p.offset_s) + service(k, p)
+        k, _ = _place(free, p, service)
+        out[p.index] = free[k]
         sent(k, p)
     return out
 
@@ -99,8 +108,8 @@ def hold(
             j += 1
         if not waiting:  # an engine is idle before the next arrival: it goes as greedy's does
             p, j = plan[j], j + 1
-            k = min(range(engines), key=lambda e: max(free[e], p.offset_s) + service(e, p))
-            free[k] = out[p.index] = max(free[k], p.offset_s) + service(k, p)
+            k, _ = _place(free, p, service)
+            out[p.index] = free[k]
         else:
             q = min(
                 range(len(waiting)),
@@ -120,9 +129,7 @@ def reorder(
     free: list[float] = [0.0] * engines
     queues: list[list[tuple[Planned, float]]] = [[] for _ in range(engines)]
     for p in plan:
-        k = min(range(engines), key=lambda e: max(free[e], p.offset_s) + service(e, p))
-        s = service(k, p)
-        free[k] = max(free[k], p.offset_s) + s
+        k, s = _place(free, p, service)
         queues[k].append((p, s))
         sent(k, p)
     out = {}

@@ -55,9 +55,18 @@ def test_each_engine_serves_its_queue_shortest_first_until_a_wait_reaches_the_ca
         2: 10.0,
         3: 11.0,
     }
-    # two engines: greedy spreads them, and each engine orders only its own queue
-    two = reorder(plan, 2, by_size, lambda k, p: None, cap=1e9)
-    assert two == greedy(plan, 2, by_size, lambda k, p: None)
+    # two engines, placed as greedy places them (0, 2, 4 on the first; 1, 3 on the second):
+    # at 6 s the first serves 4 (1 s) before 2 (3 s); the second's queue keeps its order
+    two = [planned(0, 0.0, 6), planned(1, 0.0, 6), planned(2, 1.0, 3)]
+    two += [planned(3, 2.0, 3), planned(4, 3.0, 1)]
+    assert greedy(two, 2, by_size, lambda k, p: None) == {0: 6.0, 1: 6.0, 2: 9.0, 3: 9.0, 4: 10.0}
+    assert reorder(two, 2, by_size, lambda k, p: None, cap=1e9) == {
+        0: 6.0,
+        1: 6.0,
+        4: 7.0,
+        2: 10.0,
+        3: 9.0,
+    }
 
 
 def test_an_engine_serves_a_prefix_it_was_sent_as_a_hit() -> None:
