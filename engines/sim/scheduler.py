@@ -68,9 +68,7 @@ class SchedulerConfig:
     # + transfer_latency_ms / 1e3 seconds (see DEFAULT_TRANSFER_GBPS)
     transfer_gbps: float = DEFAULT_TRANSFER_GBPS
     transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS
-    # the load report's queued prefill as kvroute's vLLM engine counts it (``queued_prefill_
-    # tokens``); False: what is still to schedule
-    queued_until_first_token: bool = False
+    queued_until_first_token: bool = False  # ``SimEngineOptions``' (the load report's count)
 
     def __post_init__(self) -> None:
         if not (self.transfer_gbps > 0 and math.isfinite(self.transfer_gbps)):
