@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="a sim engine option for the routers' runs, as kvroute simulate --engine takes it "
-        "(e.g. queued_until_first_token=true: the load report kvroute's vLLM engine gives)",
+        "(e.g. queued_until_first_token=false: report what is still to schedule)",
     )
     args = ap.parse_args(argv)
     try:

@@ -266,7 +266,11 @@ class LoadSnapshot(msgspec.Struct, array_like=True, tag="load"):
     running: int  # requests being prefilled or decoded
     gpu_kv_usage: float  # fraction of GPU KV blocks in use by running requests, 0..1
     cpu_kv_usage: float  # fraction of the CPU tier occupied, 0..1 (0 without a CPU tier)
-    queued_prefill_tokens: int  # prompt tokens still to prefill (waiting + running)
+    # uncached prompt tokens of the requests without their first token yet (waiting, or in
+    # prefill: chunks computed and the step computing them included, as a vLLM engine, which
+    # cannot see a prompt's chunks, counts them); a router takes a prompt out of an older
+    # snapshot when it sees that prompt's first token (``router.load``)
+    queued_prefill_tokens: int
     running_context_tokens: int = 0  # tokens of context held by running requests
     # the engine pool the instance serves in (its deployment's name; router.pools): a router
     # that learns the instance from the bus files it there. "": the router's default pool

@@ -282,7 +282,7 @@ class RouterCore:
     def first_token(self, request_id: str, now: float, observed: bool = True) -> None:
         """The request's first output arrived; ``observed``: at its first token (a stream), so
         its TTFT teaches the scorer (an output delivered whole arrives at the end)."""
-        a = self.load.prefill_done(request_id)
+        a = self.load.prefill_done(request_id, now)
         if self.inflight is not None:
             self.inflight.done(request_id)
         if observed and a is not None and a.placement is not None:

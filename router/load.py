@@ -1,16 +1,19 @@
 """Live load per instance: engine load snapshots from the bus, combined with this router's own
 in-flight accounting (assigned -> prefill done -> finished).
 
-Snapshots arrive every ~100 ms and cover every router replica's requests; this replica's
-assignments made after the snapshot was taken are not in it yet, so they are added on top, and
-the prefill step an engine is computing, which a report may leave out, is priced from this
-replica's own backlog there (``LoadTracker._with_backlog``).
+Snapshots arrive every ~100 ms and cover every router replica's requests. A snapshot is read
+as of now, not as of when it was taken: this replica's assignments made after it are added on
+top; its prompts that had their first token after it are taken out (an engine counts a prompt as
+queued until its first token, ``LoadSnapshot.queued_prefill_tokens``, and this replica sees that
+token come); and the prefill step an engine is computing, which a report may leave out, is priced
+from this replica's own backlog there (``LoadTracker._with_backlog``).
 Without a fresh snapshot (engine silent for ``stale_after_s``) the local accounting alone is
 used. Time is an argument (``now``, seconds on the same clock as ``LoadSnapshot.ts``).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from engines.base import LoadSnapshot
@@ -42,6 +45,10 @@ class _Instance:
     # prompt tokens per second its latency model computes in full steps (0: unknown), what a
     # backlog in seconds is worth in queued tokens (``LoadTracker._with_backlog``)
     step_rate: float = 0.0
+    # this router's prompts whose first token came, in the order it came: (when, the prefill
+    # tokens the report counted of it); a snapshot taken before still counts them
+    # (``LoadTracker._view``), one taken after does not (``on_snapshot`` drops them)
+    first_tokens: deque[tuple[float, int]] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         step = self.latency.max_num_batched_tokens  # 0: no limit, one step takes any prefill
@@ -156,6 +163,9 @@ class LoadTracker:
             # of the engine since the failure
             newer = inst.snapshot is None or snap.ts > inst.snapshot.ts
             inst.snapshot = snap
+            done = inst.first_tokens
+            while done and done[0][0] <= snap.ts:
+                done.popleft()
             if inst.failures and newer:
                 inst.failures = 0
             self._dirty.add(iid)
@@ -186,12 +196,20 @@ class LoadTracker:
         local.add(request_id, a)
         self._dirty.add(instance_id)
 
-    def prefill_done(self, request_id: str) -> Assignment | None:
-        """Mark the request's prefill done; its assignment the first time, else None."""
+    def prefill_done(self, request_id: str, now: float) -> Assignment | None:
+        """Mark the request's prefill done (its first token came at ``now``); its assignment
+        the first time, else None."""
         a = self._requests.get(request_id)
         if a is None or a.prefilled:
             return None
         a.prefilled = True
+        inst = self._instances.get(a.instance_id)
+        if inst is not None and a.prefill_tokens:
+            done = inst.first_tokens
+            # NOTE: a fresh snapshot is at most stale_after_s old: older ones say nothing to it
+            while done and done[0][0] < now - self.stale_after_s:
+                done.popleft()
+            done.append((now, a.prefill_tokens))
         local = self._local[a.instance_id]
         local.discard(request_id)
         local.prefilled += 1
@@ -246,15 +264,17 @@ class LoadTracker:
         """``pending`` (a snapshot's queued prefill tokens plus newer assignments), raised to
         this router's own backlog on the instance where that is more, by at most one step.
 
-        A report of what an engine has still to schedule (the sim engine's; vLLM's scheduler
-        counts a prompt's tokens as computed when it schedules them) leaves out the step in
-        flight: up to ``max_num_batched_tokens`` tokens, hundreds of ms of prefill, so an engine
-        busy for most of a step reads as idle. The router knows when it sent each prompt and
-        what that prompt costs there; what of it is not done yet by that pricing
-        (``_Local.busy_until``, in tokens at the full-step rate) stands in for the missing
-        step, never for more than one: the snapshot covers the rest, and other router
-        replicas' requests. (kvroute's vLLM engine counts a prompt until its first token,
-        step in flight included; there the backlog rarely exceeds the report.)"""
+        A report of what an engine has still to schedule (vLLM's scheduler counts a prompt's
+        tokens as computed when it schedules them; the sim engine with
+        ``queued_until_first_token=false``) leaves out the step in flight: up to
+        ``max_num_batched_tokens`` tokens, hundreds of ms of prefill, so an engine busy for
+        most of a step reads as idle. The router knows when it sent each prompt and what that
+        prompt costs there; what of it is not done yet by that pricing (``_Local.busy_until``,
+        in tokens at the full-step rate) stands in for the missing step, never for more than
+        one: the snapshot covers the rest, and other router replicas' requests. kvroute's
+        engines (the vLLM engine; the sim engine by default) count a prompt until its first
+        token, step in flight included: there the backlog exceeds the report mostly when the
+        report is older than its own prompts' first tokens."""
         if local is None or local.busy_until <= now or not inst.step_rate:
             return pending
         backlog = round((local.busy_until - now) * inst.step_rate)
@@ -273,9 +293,15 @@ class LoadTracker:
             )
             waiting, running = snap.waiting + n_newer, snap.running
             kv_usage = snap.gpu_kv_usage
-            pending = self._with_backlog(
-                inst, local, snap.queued_prefill_tokens + newer_tokens, now
-            )
+            queued = snap.queued_prefill_tokens
+            if inst.first_tokens:  # prompts it counted that have had their first token since
+                gone = 0
+                for at, tokens in reversed(inst.first_tokens):
+                    if at <= snap.ts:
+                        break
+                    gone += tokens
+                queued = max(queued - gone, 0)
+            pending = self._with_backlog(inst, local, queued + newer_tokens, now)
             timed = local is not None and local.busy_until > now
             self._fresh_ts[iid] = snap.ts
             self._oldest_fresh = min(self._oldest_fresh, snap.ts)

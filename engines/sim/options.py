@@ -34,9 +34,11 @@ class SimEngineOptions:
     token_offset: int = TOKEN_OFFSET
     transfer_gbps: float = DEFAULT_TRANSFER_GBPS
     transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS
-    # the load report's queued prefill as kvroute's vLLM engine counts it: a prompt until its
-    # first token (``Scheduler.queued_prefill_tokens``); False: what is still to schedule
-    queued_until_first_token: bool = False
+    # the load report's queued prefill as ``LoadSnapshot`` defines it and kvroute's vLLM engine
+    # counts it: a prompt until its first token (``Scheduler.queued_prefill_tokens``). False:
+    # what is still to schedule, a what-if of an engine that reports its chunks' progress
+    # (routers read a report as the first kind: ``router.load``)
+    queued_until_first_token: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.queued_until_first_token, bool):

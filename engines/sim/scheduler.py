@@ -68,7 +68,7 @@ class SchedulerConfig:
     # + transfer_latency_ms / 1e3 seconds (see DEFAULT_TRANSFER_GBPS)
     transfer_gbps: float = DEFAULT_TRANSFER_GBPS
     transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS
-    queued_until_first_token: bool = False  # ``SimEngineOptions``' (the load report's count)
+    queued_until_first_token: bool = True  # ``SimEngineOptions``' (the load report's count)
 
     def __post_init__(self) -> None:
         if not (self.transfer_gbps > 0 and math.isfinite(self.transfer_gbps)):
@@ -247,11 +247,12 @@ class Scheduler:
 
     def queued_prefill_tokens(self, now_s: float = math.inf) -> int:
         """Prompt tokens still to compute: a waiting request's beyond its cached prefix as of
-        now (GPU or CPU tier), a running one's beyond what it has computed; a PD decode's
-        prompt is pulled but for its last token, recomputed (one token per pull). With
-        ``queued_until_first_token`` a running prompt counts beyond its admitted hit until its
-        first token is out at ``now_s``, as kvroute's vLLM engine reports (it cannot see a
-        prompt's chunks): the step computing it, and chunks computed before, included."""
+        now (GPU or CPU tier); a PD decode's prompt is pulled but for its last token,
+        recomputed (one token per pull). With ``queued_until_first_token`` (the default) a
+        running prompt counts beyond its admitted hit until its first token is out at
+        ``now_s``, as ``LoadSnapshot`` defines it and kvroute's vLLM engine reports (it cannot
+        see a prompt's chunks): the step computing it, and chunks computed before, included;
+        without, beyond what it has computed."""
         bs, lookup = self.blocks.block_size, self.blocks.lookup
         tokens = len(self.pulling)
         for r in self.waiting:

@@ -166,7 +166,7 @@ def test_load_tracker_combines_snapshots_with_newer_local_assignments() -> None:
     (v,) = lt.views(now=10.7)
     assert (v.waiting, v.running, v.pending_prefill_tokens) == (3, 3, 1500)
     assert v.gpu_kv_usage == 0.4
-    lt.prefill_done("r2")
+    lt.prefill_done("r2", 10.7)
     (v,) = lt.views(now=20.0)  # stale snapshot: local accounting only
     assert (v.waiting, v.running, v.pending_prefill_tokens) == (1, 1, 500)
     lt.mark_failed("a")
@@ -176,6 +176,31 @@ def test_load_tracker_combines_snapshots_with_newer_local_assignments() -> None:
     lt.finished("r1")
     lt.finished("r2")
     assert lt.in_flight() == 0
+
+
+def test_load_tracker_takes_out_prompts_that_had_their_first_token_since_the_snapshot() -> None:
+    """An engine counts a prompt as queued until its first token; this router sees that token
+    come before the engine's next sample, and reads the last one without it. Another router's
+    prompt, and a prompt answered before the sample, stay as the sample says."""
+    lt = LoadTracker(stale_after_s=1.0)
+    lt.register("a", BS, Linear())
+    lt.assigned("r1", "a", 500, now=9.0)  # long done by its pricing: no backlog
+    lt.assigned("r2", "a", 300, now=9.0)
+    lt.on_snapshot(LoadSnapshot("a", 10.0, 0, 2, 0.1, 0.0, 900))  # r1, r2, 100 not ours
+    lt.prefill_done("r1", 10.05)
+    assert lt.views(now=10.06)[0].pending_prefill_tokens == 400
+    lt.on_snapshot(LoadSnapshot("a", 10.1, 0, 2, 0.1, 0.0, 400))  # taken after: r1 not in it
+    assert lt.views(now=10.11)[0].pending_prefill_tokens == 400
+    lt.prefill_done("r2", 10.12)
+    lt.assigned("r3", "a", 200, now=10.13)  # newer than the sample: added
+    assert lt.views(now=10.14)[0].pending_prefill_tokens == 300
+    lt.prefill_done("r3", 10.25)
+    lt.on_snapshot(LoadSnapshot("a", 10.3, 0, 3, 0.1, 0.0, 100))  # after both
+    assert lt.views(now=10.31)[0].pending_prefill_tokens == 100
+    lt.on_snapshot(LoadSnapshot("a", 10.4, 0, 3, 0.1, 0.0, 50))  # never below nothing
+    lt.assigned("r4", "a", 80, now=10.0)
+    lt.prefill_done("r4", 10.45)
+    assert lt.views(now=10.46)[0].pending_prefill_tokens == 0
 
 
 def test_admission_slo_and_bounded_queue() -> None:
@@ -329,7 +354,7 @@ def test_load_tracker_survives_reassignment_clock_steps_and_re_registration() ->
     a, b = lt.views(now=10.7)
     assert (a.waiting, a.pending_prefill_tokens) == (2, 500)
     lt.assigned("r1", "b", 800, now=10.7)  # assigned again elsewhere: replaces the first
-    lt.prefill_done("r3")
+    lt.prefill_done("r3", 10.7)
     a, b = lt.views(now=10.7)
     assert (a.waiting, a.running, a.pending_prefill_tokens) == (0, 0, 0)  # fresh: engine's
     assert (b.waiting, b.running, b.pending_prefill_tokens) == (1, 0, 800)  # no snapshot
@@ -466,7 +491,7 @@ def test_load_tracker_prices_the_step_in_flight_from_its_own_backlog() -> None:
     # r1 still unprefilled (80 ms from 10.0), r2 400 ms from its end: the backlog (4000 tokens)
     # raises the snapshot's 2000 by one step at most
     assert lt.views(now=10.3)[0].pending_prefill_tokens == 3000
-    lt.prefill_done("r2")  # the backlog is r1's alone again, long done
+    lt.prefill_done("r2", 10.3)  # the backlog is r1's alone again, long done
     assert lt.views(now=10.3)[0].pending_prefill_tokens == 2000
     lt.assigned("r2", "a", 5000, now=10.3)  # assigned again: replaces its old assignment
     lt.assigned("r2", "a", 5000, now=10.3)
@@ -513,7 +538,7 @@ def test_load_tracker_views_are_kept_while_unchanged_and_equal_a_fresh_build() -
             rid += 1
             ops.append(("assigned", f"r{rid}", iid, rng.randrange(1, 500), now))
         elif kind < 0.7:
-            ops.append(("prefill_done", f"r{rng.randrange(1, rid + 2)}"))
+            ops.append(("prefill_done", f"r{rng.randrange(1, rid + 2)}", now))
         elif kind < 0.85:
             ops.append(("finished", f"r{rng.randrange(1, rid + 2)}"))
         elif kind < 0.9:

@@ -337,15 +337,15 @@ def test_decode_run_is_equivalent_to_stepping(seed, cpu, passes):
         assert any(r[2] for r in slow)  # the CPU tier served hits
 
 
-def test_the_queued_prefill_report_counts_a_prompt_until_its_first_token_if_asked() -> None:
-    """What is still to schedule (the default) against kvroute's vLLM engine's count: a prompt
-    beyond its cached prefix until its first token is out, computed chunks included. A 200-token
-    prompt in 64-token steps: 64, 64, 64 and 8; the virtual engine completes a step as it
-    schedules it, with its end in the future."""
+def test_the_queued_prefill_report_counts_a_prompt_until_its_first_token_unless_asked() -> None:
+    """What is still to schedule (if asked) against kvroute's vLLM engine's count (the
+    default): a prompt beyond its cached prefix until its first token is out, computed chunks
+    included. A 200-token prompt in 64-token steps: 64, 64, 64 and 8; the virtual engine
+    completes a step as it schedules it, with its end in the future."""
     p = profile()
-    config = SchedulerConfig.from_profile(p, queued_until_first_token=True)
+    config = SchedulerConfig.from_profile(p, queued_until_first_token=False)
     asked = Scheduler(KVBlockManager(200, BS), p, config)
-    for s, in_flight, last_in_flight in ((make(), 136, 0), (asked, 200, 200)):
+    for s, in_flight, last_in_flight in ((asked, 136, 0), (make(), 200, 200)):
         a, b = req("a", 200), req("b", 40, start=900)
         s.add(a)
         t, ends = 0.0, []
@@ -361,6 +361,6 @@ def test_the_queued_prefill_report_counts_a_prompt_until_its_first_token_if_aske
         # b was admitted in the last step beside a's 8 tokens; both answered at its end
         assert a.first_token_s == b.first_token_s == ends[-1]
         assert s.queued_prefill_tokens((ends[-2] + ends[-1]) / 2) == last_in_flight + (
-            40 if s is asked else 0
+            0 if s is asked else 40
         )
         assert s.queued_prefill_tokens(ends[-1]) == 0

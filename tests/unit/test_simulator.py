@@ -68,13 +68,14 @@ def test_the_map_is_fed_by_engine_events_and_prefix_routers_hit_more(profile):
 def test_router_prices_with_its_own_profile_and_calibrates(profile):
     """Engines three times slower than the profile: the router's profile stays the shipped one
     (never the truth object) and kv_ttft's calibration learns the slowdown. At a rate the two
-    slow engines keep up with, so that queueing does not blur the fit."""
+    slow engines keep up with, so that queueing does not blur the fit (a queue's prompts are
+    reported whole until their first token, what a slow engine computed of them included)."""
     slow = Perturbation(speed_sigma=0.0, jitter=0.0, stragglers=1.0, straggler_slowdown=3.0)
     sim = run(
         profile,
         "kv_ttft",
         SimSettings(instances=2, perturbation=slow),
-        workload=plan(rate=10.0),
+        workload=plan(rate=3.0, duration=30.0),
     )
     assert sim.slowdowns == [3.0, 3.0]
     assert sim.calibration is not None and 2.5 < sim.calibration["a"] < 3.5
@@ -264,9 +265,10 @@ def test_requests_sharing_a_timestamp_are_seen_by_the_next_placement_at_any_lag(
 
 
 def test_the_router_sees_the_prefill_step_an_engine_is_computing(profile):
-    """A full step of prefill (8,192 tokens, ~0.29 s) starts at 1.0 s; the engine's sample at
-    1.1 s has nothing left to schedule, so it reports no queue. A prompt arriving at 1.15 s
-    still waits for that step, and the router's estimate says so (its own backlog there)."""
+    """A full step of prefill (8,192 tokens, ~0.29 s) starts at 1.0 s; an engine that reports
+    what it has still to schedule (not kvroute's engines' count: ``queued_until_first_token``)
+    has nothing left at its sample at 1.1 s, so it reports no queue. A prompt arriving at
+    1.15 s still waits for that step, and the router's estimate says so (its own backlog)."""
     from loadgen.traces import TraceRequest
     from loadgen.workloads import Planned
 
@@ -275,7 +277,9 @@ def test_the_router_sees_the_prefill_step_an_engine_is_computing(profile):
         Planned(1, 1.15, TraceRequest(0.0, 1024, 8, tuple(range(1000, 1064)))),
     ]
     rec = MemoryRecorder()
-    settings = SimSettings(instances=1, perturbation=EXACT)
+    settings = SimSettings(
+        instances=1, perturbation=EXACT, engine={"queued_until_first_token": False}
+    )
     sim = run(profile, "kv_ttft", settings, workload=work, recorder=rec)
     second = next(e for e in rec.records if e["request"] == "1")
     late = next(r for r in sim.records if r.index == 1)
