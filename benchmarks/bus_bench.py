@@ -40,6 +40,7 @@ import psutil
 from cachemap.bus import EventBus
 from cachemap.events import InstanceEvents, Stored, encode_message
 from cachemap.hashing import BlockHasher, Tier
+from deploy.ray_token import use_session_token
 from engines.base import LoadSnapshot
 from engines.forwarder import encode_load
 from tests.support import redis_server
@@ -113,6 +114,7 @@ def ray_buses() -> Iterator[tuple[EventBus, EventBus, psutil.Process]]:
 
     from engines.bus_ray import RayEventBus
 
+    use_session_token("kvroute-bench-ray-")  # its local cluster's token: none left in HOME
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         bus = RayEventBus("bench-events", hub="bench-hub")

@@ -51,6 +51,7 @@ from benchmarks.soak_bench import soak_config, tiny_synth
 from cachemap.bus import InProcessBus
 from cachemap.events import InstanceEvents, Snapshot, decode_message, encode_message
 from cachemap.ingest import EngineEventTranslator
+from deploy.ray_token import use_session_token
 from engines.base import EngineRequest, SamplingParams
 from engines.bus_ray import RayEventBus
 from engines.deployment import build_engine
@@ -202,6 +203,7 @@ def _slope_per_h(ts: list[float], ys: list[float]) -> float | None:
 
 
 def _replay(args: argparse.Namespace, calls: list[Call], snapshot: bytes) -> dict[str, Any]:
+    use_session_token("kvroute-bench-ray-")  # its local cluster's token: none left in HOME
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="kvroute")
     hub_name = "bench-hub"
     events = RayEventBus("bench-events", hub=hub_name, maxlen=args.maxlen)

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from deploy.ray_token import use_session_token
 from router.placement import parse_options
 from simulation.options import parse_router
 
@@ -379,6 +380,7 @@ def main() -> None:
         args.keep.mkdir(parents=True, exist_ok=True)
         log_file = args.keep / "current.jsonl"
         env["KVROUTE_PLACEMENT_LOG"] = str(log_file.resolve())
+    use_session_token("kvroute-bench-ray-")  # its local cluster's token: none left in HOME
     ray.init(
         num_cpus=3,
         include_dashboard=False,

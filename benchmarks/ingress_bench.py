@@ -71,6 +71,7 @@ from ray import serve
 
 from benchmarks.common import AtLeastOne
 from deploy.app import build_serve_app, delete_app, wait_until_ready
+from deploy.ray_token import use_session_token
 from engines.base import EngineOutput
 from loadgen.metrics import percentiles_ms, summarize
 from loadgen.prompts import PromptSynth
@@ -275,6 +276,7 @@ def deploy(name: str, port: int, redis_url: str | None, run: int) -> Callable[[]
 @contextlib.contextmanager
 def serve_session(port: int) -> Iterator[None]:
     """A local Ray (2 CPUs) with Serve's proxy on ``port``, shut down on exit."""
+    use_session_token("kvroute-bench-ray-")  # its local cluster's token: none left in HOME
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})

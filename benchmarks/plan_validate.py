@@ -168,8 +168,10 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from deploy.ray_token import use_session_token
     from engines.ports import free_port
 
+    use_session_token("kvroute-bench-ray-")  # its local cluster's token: none left in HOME
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -7,7 +7,6 @@ import atexit
 import functools
 import json
 import os
-import secrets
 import shutil
 import sys
 import tempfile
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from deploy.ray_token import use_session_token
 from tests import home_guard
 
 _TIERS = {"unit", "integration", "engine"}
@@ -38,22 +38,8 @@ os.environ.setdefault("MPLCONFIGDIR", _MPL_DIR)
 atexit.register(shutil.rmtree, _MPL_DIR, True)
 
 
-def _ray_token() -> None:
-    """Ray 2.60 turns token authentication on for a new local cluster and, with no token
-    anywhere, writes one to ~/.ray/auth_token. The tests' clusters take theirs from a file of
-    the session's own (``RAY_AUTH_TOKEN_PATH``, inherited by every Ray process and subprocess),
-    removed at exit: authenticated as in production, and nothing left in HOME."""
-    if any(k in os.environ for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
-        return
-    folder = tempfile.mkdtemp(prefix="kvroute-tests-ray-")
-    path = Path(folder) / "auth_token"
-    path.write_text(secrets.token_hex(32))
-    path.chmod(0o600)
-    os.environ["RAY_AUTH_TOKEN_PATH"] = str(path)
-    atexit.register(shutil.rmtree, folder, True)
-
-
-_ray_token()
+# the tests' Ray clusters authenticate with a token of the session's own, not one in HOME
+use_session_token("kvroute-tests-ray-")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -299,3 +300,24 @@ def test_no_password_goes_on_a_command_line() -> None:
         text = path.read_text()
         assert not re.search(r"""["']?--pass["']?\b|redis-cli[^\n]*\s-a\s""", text), path.name
         assert "--requirepass" not in text, path.name
+
+
+def test_a_session_ray_token_lives_in_a_temporary_directory(monkeypatch, tmp_path) -> None:
+    """What the tests and the benchmarks that start a local Ray use instead of ~/.ray: a random
+    token readable by its owner only, named by RAY_AUTH_TOKEN_PATH; an environment that already
+    says how to authenticate is left alone."""
+    import tempfile
+
+    from deploy.ray_token import use_session_token
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(k, raising=False)
+    use_session_token("kvroute-test-")
+    path = Path(os.environ["RAY_AUTH_TOKEN_PATH"])
+    assert path.parent.parent == tmp_path and path.parent.name.startswith("kvroute-test-")
+    assert len(bytes.fromhex(path.read_text())) == 32
+    assert path.stat().st_mode & 0o777 == 0o600
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/elsewhere/token")
+    use_session_token()
+    assert os.environ["RAY_AUTH_TOKEN_PATH"] == "/elsewhere/token"
