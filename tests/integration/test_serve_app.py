@@ -18,6 +18,7 @@ import pytest
 import ray
 
 from deploy.config import ServeConfig
+from engines.base import LOAD_INTERVAL_S
 from engines.bus_ray import RayEventBus
 from engines.deployment import open_buses
 from tests.support import (
@@ -83,8 +84,11 @@ def lookups(
     ``x-kvroute-router``) has answered rows (``cached_tokens`` by instance) that satisfy
     ``until``: the KV events have reached each replica's map. Ten such answers in a row will
     do as well: Serve may send every request to one replica for a while (a busy box), and a
-    request goes where the lookups go. Fails after ``timeout_s``; returns each replica's last
-    rows."""
+    request goes where the lookups go. Then waits two load intervals more: the engine's load
+    sample that went out with the events may have been taken while the prompt was computing,
+    and counts it as queued until its first token (``LoadSnapshot``); a replica that did not
+    route it reads it so until the next sample. Fails after ``timeout_s``; returns each
+    replica's last rows."""
     replicas = {a["name"].rsplit("#", 1)[1] for a in named_replicas("kvroute-it", "ingress")}
     headers = {"authorization": f"Bearer {ADMIN}"}
     seen: dict[str, dict[str, int]] = {}
@@ -100,6 +104,7 @@ def lookups(
         return streak >= 10 or all(k in seen and until(seen[k]) for k in replicas)
 
     assert wait_for(all_know, timeout_s), f"not every router replica got there: {seen}"
+    time.sleep(2 * LOAD_INTERVAL_S)
     return seen
 
 
