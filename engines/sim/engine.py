@@ -241,11 +241,14 @@ class SimEngine(Engine):
                         continue
                 start = time.monotonic()
                 step = sched.schedule(start)
-                self._publish()
                 if not step.scheduled and not step.preempted:
                     # the queue's head waits for blocks that pulls in flight hold
+                    self._publish()
                     await self._idle(sched.next_kv_ready_s())
                     continue
+                # NOTE: the step's events (blocks it fills, evictions it made room with) go out
+                # when it ends, with its outputs, as vLLM's scheduler publishes them in
+                # update_from_output: a prompt's blocks are not announced before they exist
                 delay = step.duration_s * self.time_scale - (time.monotonic() - start)
                 await asyncio.sleep(max(delay, 0.0))
                 final_only = self._final_only
