@@ -241,7 +241,12 @@ def test_a_stopped_run_keeps_its_partial_records(server: tuple[NullServer, str])
 
     async def go() -> RunResult:
         task = asyncio.create_task(Runner(cfg(url), build_schedule(reqs(100, 0.01))).run())
-        await asyncio.sleep(0.5)
+        # NOTE: stopped once the server has answered a few and holds others, not at a fixed
+        # time: on a busy box the first answer can take longer than any fixed wait
+        deadline = time.monotonic() + 30.0
+        while srv.requests - srv.inflight < 5 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the answers' last bytes reach the client
         task.cancel()  # what Ctrl-C does under asyncio.Runner
         return await task
 
