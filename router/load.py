@@ -45,10 +45,17 @@ class _Instance:
     # prompt tokens per second its latency model computes in full steps (0: unknown), what a
     # backlog in seconds is worth in queued tokens (``LoadTracker._with_backlog``)
     step_rate: float = 0.0
-    # this router's prompts whose first token came, in the order it came: (when, the prefill
-    # tokens the report counted of it); a snapshot taken before still counts them
-    # (``LoadTracker._view``), one taken after does not (``on_snapshot`` drops them)
+    # this router's prompts whose first token came after the snapshot was taken, in the order
+    # it came: (when, the prefill tokens the snapshot counted of it), and those tokens summed
+    # (``LoadTracker._view`` takes them out of the snapshot)
     first_tokens: deque[tuple[float, int]] = field(default_factory=deque)
+    first_token_tokens: int = 0
+
+    def drop_first_tokens(self, until: float) -> None:
+        """Forget the first tokens that came at ``until`` or before."""
+        done = self.first_tokens
+        while done and done[0][0] <= until:
+            self.first_token_tokens -= done.popleft()[1]
 
     def __post_init__(self) -> None:
         step = self.latency.max_num_batched_tokens  # 0: no limit, one step takes any prefill
@@ -163,9 +170,7 @@ class LoadTracker:
             # of the engine since the failure
             newer = inst.snapshot is None or snap.ts > inst.snapshot.ts
             inst.snapshot = snap
-            done = inst.first_tokens
-            while done and done[0][0] <= snap.ts:
-                done.popleft()
+            inst.drop_first_tokens(snap.ts)  # the snapshot no longer counts them
             if inst.failures and newer:
                 inst.failures = 0
             self._dirty.add(iid)
@@ -204,12 +209,14 @@ class LoadTracker:
             return None
         a.prefilled = True
         inst = self._instances.get(a.instance_id)
+        # NOTE: only a snapshot taken before the first token counts the prompt; one fresh
+        # from now on is at most stale_after_s old, so older first tokens say nothing to it
         if inst is not None and a.prefill_tokens:
-            done = inst.first_tokens
-            # NOTE: a fresh snapshot is at most stale_after_s old: older ones say nothing to it
-            while done and done[0][0] < now - self.stale_after_s:
-                done.popleft()
-            done.append((now, a.prefill_tokens))
+            snap = inst.snapshot
+            inst.drop_first_tokens(now - self.stale_after_s)
+            if snap is None or now > snap.ts:
+                inst.first_tokens.append((now, a.prefill_tokens))
+                inst.first_token_tokens += a.prefill_tokens
         local = self._local[a.instance_id]
         local.discard(request_id)
         local.prefilled += 1
@@ -293,14 +300,8 @@ class LoadTracker:
             )
             waiting, running = snap.waiting + n_newer, snap.running
             kv_usage = snap.gpu_kv_usage
-            queued = snap.queued_prefill_tokens
-            if inst.first_tokens:  # prompts it counted that have had their first token since
-                gone = 0
-                for at, tokens in reversed(inst.first_tokens):
-                    if at <= snap.ts:
-                        break
-                    gone += tokens
-                queued = max(queued - gone, 0)
+            # prompts the snapshot counted that have had their first token since
+            queued = max(snap.queued_prefill_tokens - inst.first_token_tokens, 0)
             pending = self._with_backlog(inst, local, queued + newer_tokens, now)
             timed = local is not None and local.busy_until > now
             self._fresh_ts[iid] = snap.ts
