@@ -68,7 +68,8 @@ class SchedulerConfig:
     # + transfer_latency_ms / 1e3 seconds (see DEFAULT_TRANSFER_GBPS)
     transfer_gbps: float = DEFAULT_TRANSFER_GBPS
     transfer_latency_ms: float = DEFAULT_TRANSFER_LATENCY_MS
-    queued_until_first_token: bool = True  # ``SimEngineOptions``' (the load report's count)
+    # the load report's count (``SimEngineOptions``', whose default this is)
+    queued_until_first_token: bool = DEFAULT_OPTIONS.queued_until_first_token
 
     def __post_init__(self) -> None:
         if not (self.transfer_gbps > 0 and math.isfinite(self.transfer_gbps)):

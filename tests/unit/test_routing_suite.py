@@ -45,15 +45,15 @@ def test_suite_runs_tiny_and_reuses_its_loads(suite, tmp_path, capsys):
                     assert len(s["seeds"]) == 2 and s["min"] <= s["mean"] <= s["max"]
                 assert cell["completed"] == [40, 40]
                 assert cell["ttft_p50_ms"]["mean"] <= cell["ttft_p99_ms"]["mean"]
-    # a second run with --loads searches nothing and keeps the loads; its engines report
-    # queued prefill as kvroute's vLLM engine does
+    # a second run with --loads searches nothing and keeps the loads; its engines report the
+    # queued prefill still to schedule, not kvroute's vLLM engine's count (the default)
     assert (
-        suite.main([*TINY, "--loads", str(out), "--engine", "queued_until_first_token=true"]) == 0
+        suite.main([*TINY, "--loads", str(out), "--engine", "queued_until_first_token=false"]) == 0
     )
     captured = capsys.readouterr()
     again = json.loads(captured.out)
     assert again["loads"] == doc["loads"]
-    assert again["meta"]["engine"] == {"queued_until_first_token": True}
+    assert again["meta"]["engine"] == {"queued_until_first_token": False}
     assert doc["meta"]["engine"] == {}
     assert "searching" not in captured.err and "16 simulations" in captured.err
 
