@@ -157,6 +157,7 @@ class BusConsumer:
         if got.lost:
             self.ingestor.lost()
         oldest = None
+        msgs = []
         for payload in got.items:
             try:
                 msg = decode_message(payload)
@@ -165,6 +166,7 @@ class BusConsumer:
                 continue
             if isinstance(msg, InstanceEvents) and (oldest is None or msg.ts < oldest):
                 oldest = msg.ts
-            self.ingestor.apply(msg)
+            msgs.append(msg)
+        self.ingestor.apply_all(msgs)
         self.oldest_ts, self.full = oldest, len(got.items) >= MAX_READ_ITEMS
         return len(got.items)

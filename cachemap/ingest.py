@@ -391,6 +391,50 @@ class Gap:
     got: int
 
 
+class _Gathered:
+    """One instance's updates gathered from consecutive event batches for ``CacheMapIngestor``:
+    per tier (in order of first use) the stored chains and the removed hashes."""
+
+    __slots__ = ("instance", "removed", "removed_set", "stored", "tiers")
+
+    def __init__(self) -> None:
+        self.instance = ""
+        self.tiers: list[str] = []
+        self.stored: dict[str, list[tuple[Sequence[int], int | None, int]]] = {}
+        self.removed: dict[str, list[int]] = {}
+        self.removed_set: dict[str, set[int]] = {}
+
+    def add_stored(self, u: Stored) -> bool:
+        """Gather ``u``; False (nothing gathered) when it stores a hash gathered as removed,
+        which must reach the map after that removal."""
+        gone = self.removed_set.get(u.tier)
+        if gone and not gone.isdisjoint(u.hashes):
+            return False
+        if u.tier not in self.stored:
+            self._use(u.tier)
+            self.stored[u.tier] = []
+        self.stored[u.tier].append((u.hashes, u.parent, u.depth))
+        return True
+
+    def add_removed(self, u: Removed) -> None:
+        if u.tier not in self.removed:
+            self._use(u.tier)
+            self.removed[u.tier] = []
+            self.removed_set[u.tier] = set()
+        self.removed[u.tier].extend(u.hashes)
+        self.removed_set[u.tier].update(u.hashes)
+
+    def _use(self, tier: str) -> None:
+        if tier not in self.tiers:
+            self.tiers.append(tier)
+
+    def clear(self) -> None:
+        self.tiers.clear()
+        self.stored.clear()
+        self.removed.clear()
+        self.removed_set.clear()
+
+
 class CacheMapIngestor:
     """Applies bus messages to one ``CacheMap``, checking every instance's sequence."""
 
@@ -402,6 +446,64 @@ class CacheMapIngestor:
         self.gaps = 0
 
     def apply(self, msg: BusMessage) -> Gap | None:
+        gaps = self.apply_all((msg,))
+        return gaps[0] if gaps else None
+
+    def apply_all(self, msgs: Sequence[BusMessage]) -> list[Gap]:
+        """``apply`` of each of ``msgs`` in turn (a bus read): the same map and counts at the
+        end, and the gaps found, in order. An instance's consecutive event batches (a busy
+        engine's steps since the last read) go to the map together: per tier its stored chains
+        in one pass (``CacheMap.store_chains``), then its removed hashes in one. That order
+        ends where the batches' own order does unless a hash removed is stored again after;
+        such a store first applies what was gathered before it (``_Gathered``)."""
+        gaps: list[Gap] = []
+        got = _Gathered()
+        for msg in msgs:
+            if not isinstance(msg, InstanceEvents):
+                self._flush(got)
+                gap = self._apply_other(msg)
+                if gap is not None:
+                    gaps.append(gap)
+                continue
+            expected = self._next.get(msg.instance, 0)
+            if msg.seq < expected:
+                self.duplicates += 1
+                continue
+            if msg.instance != got.instance:
+                self._flush(got)
+                got.instance = msg.instance
+            # Apply anyway (best effort) and ask for a snapshot, which replaces it all.
+            if msg.seq > expected:
+                gaps.append(self._gap(msg.instance, expected, msg.seq))
+            self._next[msg.instance] = msg.seq + 1
+            for u in msg.updates:
+                if isinstance(u, Stored):
+                    if not got.add_stored(u):
+                        self._flush(got)
+                        got.add_stored(u)
+                elif isinstance(u, Removed):
+                    got.add_removed(u)
+                else:
+                    self._flush(got)
+                    self.map.clear(msg.instance, as_tier(u.tier) if u.tier is not None else None)
+        self._flush(got)
+        return gaps
+
+    def _flush(self, got: _Gathered) -> None:
+        """Apply what ``got`` gathered (stores before removals, per tier), and empty it."""
+        if not got.tiers:
+            return
+        for tier in got.tiers:
+            chains = got.stored.get(tier)
+            if chains:
+                self.map.store_chains(got.instance, as_tier(tier), chains)
+            removed = got.removed.get(tier)
+            if removed:
+                self.map.remove(got.instance, as_tier(tier), removed)
+        got.clear()
+
+    def _apply_other(self, msg: BusMessage) -> Gap | None:
+        """A message other than an event batch: an instance gone, a snapshot, a last seq."""
         if isinstance(msg, InstanceGone):
             self.map.drop_instance(msg.instance)
             self._next.pop(msg.instance, None)
@@ -410,39 +512,12 @@ class CacheMapIngestor:
         if isinstance(msg, Snapshot):
             self._apply_snapshot(msg)
             return None
-        expected = self._next.get(msg.instance, 0)
         if isinstance(msg, LastSeq):
-            if msg.seq < expected:
+            if msg.seq < self._next.get(msg.instance, 0):
                 return None  # we have every batch up to it
             # the batches expected..seq were lost and nothing came after them
-            return self._gap(msg.instance, expected, msg.seq + 1)
-        if msg.seq < expected:
-            self.duplicates += 1
-            return None
-        # Apply anyway (best effort) and ask for a snapshot, which replaces it all.
-        gap = self._gap(msg.instance, expected, msg.seq) if msg.seq > expected else None
-        self._next[msg.instance] = msg.seq + 1
-        # a run of stores on one tier goes to the map in one pass (``CacheMap.store_chains``)
-        chains: list[tuple[Sequence[int], int | None, int]] = []
-        run_tier = ""
-        for u in msg.updates:
-            if isinstance(u, Stored):
-                if chains and u.tier != run_tier:
-                    self.map.store_chains(msg.instance, as_tier(run_tier), chains)
-                    chains = []
-                run_tier = u.tier
-                chains.append((u.hashes, u.parent, u.depth))
-                continue
-            if chains:
-                self.map.store_chains(msg.instance, as_tier(run_tier), chains)
-                chains = []
-            if isinstance(u, Removed):
-                self.map.remove(msg.instance, as_tier(u.tier), u.hashes)
-            else:
-                self.map.clear(msg.instance, as_tier(u.tier) if u.tier is not None else None)
-        if chains:
-            self.map.store_chains(msg.instance, as_tier(run_tier), chains)
-        return gap
+            return self._gap(msg.instance, self._next.get(msg.instance, 0), msg.seq + 1)
+        raise TypeError(f"not a bus message: {type(msg).__name__}")
 
     def _gap(self, instance: str, expected: int, got: int) -> Gap:
         self.gaps += 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cachemap import CacheMap, Match, Tier, block_hashes, salt_hash
 from cachemap.bus import BusConsumer, InProcessBus
@@ -333,3 +335,57 @@ def test_a_batch_applies_in_order_with_its_store_runs_in_one_pass() -> None:
     CacheMapIngestor(cmap).apply(InstanceEvents("e0", 0, 0.0, updates[6:]))
     assert cmap.match([1]) == {} and cmap.match([9, 10]) == {"e0": Match(0, 2)}
     cmap.check_integrity()
+
+
+def _state(cmap: CacheMap) -> dict[tuple[str, str], set[int]]:
+    return {
+        (iid, t.value): set(cmap.resident(iid, t))
+        for iid in ("e0", "e1")
+        for t in (Tier.GPU, Tier.CPU)
+    } | {("count", t.value): dict(cmap.counts(t)) for t in (Tier.GPU, Tier.CPU)}
+
+
+_update = st.one_of(
+    st.builds(
+        lambda tier, start, n: (
+            Stored(tier, list(range(start, start + n)), None, 0)
+            if start == 1
+            else Stored(tier, list(range(start, start + n)), start - 1, start - 1)
+        ),
+        st.sampled_from(["GPU", "CPU"]),
+        st.integers(1, 8),
+        st.integers(1, 4),
+    ),
+    st.builds(
+        lambda tier, hs: Removed(tier, hs),
+        st.sampled_from(["GPU", "CPU"]),
+        st.lists(st.integers(1, 12), min_size=1, max_size=5),
+    ),
+    st.builds(Cleared, st.sampled_from(["GPU", "CPU", None])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["e0", "e1"]), st.lists(_update, min_size=1, max_size=4)),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_a_bus_read_applied_together_ends_as_its_batches_applied_one_by_one(batches) -> None:
+    """``apply_all`` gathers an instance's consecutive batches (stores before removals, per
+    tier) and must end where applying each batch alone does, also when a hash removed is
+    stored again after, or a clear comes between."""
+    seqs = {"e0": 0, "e1": 0}
+    msgs = []
+    for iid, updates in batches:
+        msgs.append(InstanceEvents(iid, seqs[iid], 0.0, updates))
+        seqs[iid] += 1
+    together, alone = CacheMap(), CacheMap()
+    assert CacheMapIngestor(together).apply_all(msgs) == []
+    one = CacheMapIngestor(alone)
+    for m in msgs:
+        assert one.apply(m) is None
+    assert _state(together) == _state(alone)
+    together.check_integrity()
