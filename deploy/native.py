@@ -33,9 +33,14 @@ and every module they import, more strictly than ``make typecheck``: code it ref
 
 What a compiled module cannot be (so these are not in MODULES): one with numba kernels
 (``cachemap.map``, ``cachemap.index``), one with msgspec ``Struct`` unions (``cachemap.events``),
-one whose classes are subclassed or patched by interpreted code (``cachemap.bus``: tests
-subclass and patch ``InProcessBus``), or one defining a ``RuntimeError`` subclass
-(``router.placement``). A compiled module's annotations are enforced at run time: a value of
+or one whose classes are patched by interpreted code (``cachemap.bus``: tests patch
+``InProcessBus``). A class that interpreted code subclasses says so
+(``@mypyc_attr(allow_interpreted_subclasses=True)``: ``router.placement.Scorer``, which the
+baseline scorers extend), and an exception class stays a plain Python class
+(``@mypyc_attr(native_class=False)``: mypyc cannot extend ``RuntimeError``); ``mypy_extensions``,
+which gives that decorator, is a run-time dependency for it. A compiled frozen dataclass refuses
+pickle's default restore (it assigns the fields), so the router's frozen records pickle through
+their own ``__reduce__``. A compiled module's annotations are enforced at run time: a value of
 the wrong type raises ``TypeError`` where pure Python would carry on, and a ``float``
 annotation turns an int into a float.
 """
@@ -63,6 +68,9 @@ MODULES: tuple[str, ...] = (
     "engines.sim.scheduler",
     "engines.sim.virtual",
     "router.load",
+    # the router's records, built per request and per instance, and its in-flight prompts
+    "router.placement",
+    "router.inflight",
     "router.core",
     "router.scorers.kv_ttft",
     # the cluster simulator: its replay and wiring, what-if runs, and the settings and records

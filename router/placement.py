@@ -12,8 +12,10 @@ import importlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Protocol
+
+from mypy_extensions import mypyc_attr
 
 from cachemap import CacheMap, Match
 
@@ -53,6 +55,9 @@ class PlacementRequest:
     def cached_tokens(self, cached_blocks: int, block_size: int) -> int:
         return cached_tokens(self.prompt_tokens, cached_blocks, block_size)
 
+    def __reduce__(self) -> tuple[type[PlacementRequest], tuple[Any, ...]]:
+        return PlacementRequest, _fields(self)
+
 
 def cached_tokens(prompt_tokens: int, cached_blocks: int, block_size: int) -> int:
     """Tokens of a ``prompt_tokens`` prompt that a leading run of ``cached_blocks`` cached blocks
@@ -88,6 +93,15 @@ class Placement:
     prefill: Placement | None = None
     transfer_tokens: int = 0  # prompt tokens whose KV the decode engine loads
 
+    def __reduce__(self) -> tuple[type[Placement], tuple[Any, ...]]:
+        return Placement, _fields(self)
+
+
+def _fields(record: Any) -> tuple[Any, ...]:
+    """A frozen record's fields, in order, for pickling: compiled (``deploy.native``), a frozen
+    dataclass refuses pickle's default restore, which assigns each field."""
+    return tuple(getattr(record, f.name) for f in fields(record))
+
 
 def profile_ttft(
     request: PlacementRequest, inst: InstanceView, m: Match | None, *, idle: bool = False
@@ -120,15 +134,17 @@ def kv_fits(request: PlacementRequest, inst: InstanceView, cached_blocks: int = 
     return need <= inst.kv_capacity_blocks * (1.0 - inst.gpu_kv_usage)
 
 
+@mypyc_attr(native_class=False)
 class NoInstanceError(RuntimeError):
     """No healthy instance can take the request."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class Scorer(ABC):
     """Chooses an instance. Implementations may keep state (round-robin cursor, approximate
     trees) but must be cheap: they run on every request."""
 
-    name: str
+    name: ClassVar[str]
 
     @abstractmethod
     def place(

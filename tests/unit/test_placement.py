@@ -771,3 +771,20 @@ def test_kv_ttft_charges_the_work_it_adds_once_requests_cannot_avoid_queues() ->
     assert s.place(r, state, match).instance_id == "b"
     with pytest.raises(ValueError, match="externality"):
         create_scorer("kv_ttft", externality=-1.0)
+
+
+def test_placement_records_pickle_compiled_or_not() -> None:
+    """The router's records survive pickle and a copy (a frozen dataclass compiled by
+    ``deploy.native`` refuses pickle's default restore, hence their ``__reduce__``)."""
+    import copy
+    import pickle
+
+    leg = Placement("p0", 0.05, 3)
+    records = [
+        PlacementRequest("r1", 40, [1, 2, 3], max_tokens=8, session_key="s", category="api"),
+        Placement("d0", 0.2, 1, {"why": "test"}, prefill=leg, transfer_tokens=48),
+        InstanceView("e0", BS, Linear(), kv_capacity_blocks=10, waiting=2, running=1),
+    ]
+    for r in records:
+        assert pickle.loads(pickle.dumps(r)) == r
+        assert copy.deepcopy(r) == r
