@@ -38,6 +38,7 @@ from cachemap.events import (
     SnapshotBlock,
     Stored,
     Update,
+    VllmEvent,
     decode_vllm_batch,
 )
 from cachemap.hashing import BlockHasher, Tier, as_tier, block_hashes
@@ -141,23 +142,31 @@ class EngineEventTranslator:
     def feed(self, payload: bytes, engine_seq: int | None, ts: float) -> InstanceEvents | None:
         """Translate one vLLM ZMQ payload; returns the stamped message, or None if it yields no
         update. ``engine_seq`` is vLLM's frame sequence number (None when unknown)."""
-        if engine_seq is not None:
-            if self.last_engine_seq is not None and engine_seq > self.last_engine_seq + 1:
-                self.engine_gaps += engine_seq - self.last_engine_seq - 1
-                log.warning(
-                    "instance %s: lost vLLM KV batches %d..%d",
-                    self.instance,
-                    self.last_engine_seq + 1,
-                    engine_seq - 1,
-                )
-            if self.last_engine_seq is not None and engine_seq <= self.last_engine_seq:
-                return None  # a replayed batch we already have
-            self.last_engine_seq = engine_seq
+        if not self._check_seq(engine_seq):
+            return None  # a replayed batch we already have
         try:
             _, events = decode_vllm_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self._skip("undecodable batch", e)
             return None
+        return self._translate(events, ts)
+
+    def translate(
+        self,
+        events: Sequence[VllmEvent | msgspec.DecodeError],
+        engine_seq: int | None,
+        ts: float,
+    ) -> InstanceEvents | None:
+        """``feed`` of a batch already decoded: vLLM's event objects, in order (an event that
+        did not decode as its ``DecodeError``), as the cluster simulator's virtual engines hand
+        them over without the bytes."""
+        if not self._check_seq(engine_seq):
+            return None  # a replayed batch we already have
+        return self._translate(events, ts)
+
+    def _translate(
+        self, events: Sequence[VllmEvent | msgspec.DecodeError], ts: float
+    ) -> InstanceEvents | None:
         updates: list[Update] = []
         # NOTE: vLLM (and the sim) emit one BlockRemoved per evicted block: a run of them on
         # one tier is gathered and translated at its end, in one pass, into one update.
@@ -191,6 +200,22 @@ class EngineEventTranslator:
             return None
         self.seq += 1
         return InstanceEvents(self.instance, self.seq, ts, updates)
+
+    def _check_seq(self, engine_seq: int | None) -> bool:
+        """Count the vLLM batches lost before ``engine_seq``; False for one already had."""
+        if engine_seq is not None:
+            if self.last_engine_seq is not None and engine_seq > self.last_engine_seq + 1:
+                self.engine_gaps += engine_seq - self.last_engine_seq - 1
+                log.warning(
+                    "instance %s: lost vLLM KV batches %d..%d",
+                    self.instance,
+                    self.last_engine_seq + 1,
+                    engine_seq - 1,
+                )
+            if self.last_engine_seq is not None and engine_seq <= self.last_engine_seq:
+                return False
+            self.last_engine_seq = engine_seq
+        return True
 
     def _tier(self, medium: str | None) -> _Tier | None:
         tier = _TIERS.get(medium or Tier.GPU.value)

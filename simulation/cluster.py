@@ -4,9 +4,9 @@ production routing core.
 Nothing of the router is written twice. Every request is placed by a ``router.core.RouterCore``
 (the object the ingress runs) with a registered scorer, on the clock of the simulation:
 
-- the engines are ``engines.sim.VirtualInstance``s. Their KV events leave as the bytes vLLM's
-  publisher sends, go through the forwarder's ``EngineEventTranslator`` (trusted-hash mode: the
-  trace's block ids are the chained hashes), onto an in-process event bus, and reach the core's
+- the engines are ``engines.sim.VirtualInstance``s. Their KV events (the objects vLLM's
+  publisher encodes) go through the forwarder's ``EngineEventTranslator`` (trusted-hash mode:
+  the trace's block ids are the chained hashes), onto an in-process event bus, and reach the core's
   ``CacheMap`` through its ``EngineWatcher`` and ``CacheMapIngestor`` after ``event_lag_s``;
 - load samples are taken on every engine each ``load_interval_s`` (the production interval),
   encoded as on the load bus, and read by the core's watcher after ``load_lag_s``. Only the

@@ -196,11 +196,11 @@ class WiredCluster:
 
     # -- what the engines emit ---------------------------------------------------------------
 
-    def _on_events(self, instance: str, seq: int, payload: bytes) -> None:
+    def _on_events(self, instance: str, seq: int, events: list[Any]) -> None:
         """An engine's KV event batch, through the forwarder's translator, queued for the bus
         until its lag has passed."""
         ts = self.by_id[instance].clock
-        msg = self.translators[instance].feed(payload, seq, ts)
+        msg = self.translators[instance].translate(events, seq, ts)
         if msg is not None:
             self._events[instance].append((ts, encode_message(msg)))
             self.kv_messages += 1

@@ -4,8 +4,10 @@ driven by a discrete-event loop instead of asyncio, so an hour of trace replays 
 ``VirtualInstance`` is one engine with its own clock: ``submit`` queues a request at a time,
 ``run_until(t)`` executes every step that starts before ``t`` (skipping runs of pure-decode
 steps in closed form), ``drain`` runs to idle. KV events, when a callback is given, are delivered
-per step as the exact bytes vLLM's ZMQ publisher sends (``(instance_id, seq, payload)``); first
-tokens and finishes are announced to ``on_progress``. Placement is not this module's business:
+per step as the event objects vLLM's ZMQ publisher encodes (``(instance_id, seq, events)``, for
+``EngineEventTranslator.translate``: a virtual cluster skips the bytes; the served sim engine,
+``engines.sim.engine``, publishes them encoded, as vLLM does); first tokens and finishes are
+announced to ``on_progress``. Placement is not this module's business:
 the cluster simulator (``simulation.cluster``) runs the production routing core over instances.
 
 An instance may run *slower than its profile*, as real engines do: ``slowdown`` stretches every
@@ -29,7 +31,6 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from cachemap.events import KVEventBatch, encode_vllm_batch
 from engines.base import LoadSnapshot
 from engines.sim.options import DEFAULT_OPTIONS, SimEngineOptions
 from engines.sim.profile import LatencyProfile
@@ -37,7 +38,8 @@ from engines.sim.request import SimRequest, Status, make_request
 from engines.sim.scheduler import Scheduler
 from policies.base import RequestInfo
 
-EventCallback = Callable[[str, int, bytes], None]
+# (instance id, the batch's sequence number, the step's events: vLLM's event objects)
+EventCallback = Callable[[str, int, list[Any]], None]
 # (time, request, finished): the request's first token (finished False) or its end (True)
 ProgressCallback = Callable[[float, SimRequest, bool], None]
 
@@ -187,8 +189,7 @@ class VirtualInstance:
             return
         events = self.blocks.take_events()
         if events:
-            payload = encode_vllm_batch(KVEventBatch(ts=self.clock, events=events))
-            self.on_events(self.instance_id, self.event_seq, payload)
+            self.on_events(self.instance_id, self.event_seq, events)
             self.event_seq += 1
 
     # -- what the router may read ---------------------------------------------------------------

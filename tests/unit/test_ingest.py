@@ -389,3 +389,25 @@ def test_a_bus_read_applied_together_ends_as_its_batches_applied_one_by_one(batc
         assert one.apply(m) is None
     assert _state(together) == _state(alone)
     together.check_integrity()
+
+
+def test_translate_takes_the_events_feed_decodes() -> None:
+    """A virtual engine's events go to ``translate`` without their bytes: the same message as
+    ``feed`` of the encoded batch, the same sequence checks."""
+    events = [
+        stored([1, 2], None, TOKENS[:8]),
+        stored([3], 2, TOKENS[8:]),
+        BlockRemoved(block_hashes=[3], medium="GPU"),
+    ]
+    by_bytes = EngineEventTranslator("e0", MODEL, BS)
+    by_events = EngineEventTranslator("e0", MODEL, BS)
+    msg = by_bytes.feed(batch(*events), 0, 1.5)
+    assert msg is not None and by_events.translate(events, 0, 1.5) == msg
+    assert msg.updates == [
+        Stored("GPU", OURS[:2], None, 0),
+        Stored("GPU", OURS[2:], OURS[1], 2),
+        Removed("GPU", [OURS[2]]),
+    ]
+    assert by_events.translate(events, 0, 2.0) is None  # a replayed batch
+    assert by_events.translate([BlockRemoved(block_hashes=[1], medium="GPU")], 3, 2.0) is not None
+    assert by_events.engine_gaps == 2

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from cachemap.events import BlockStored, decode_vllm_batch
+from cachemap.events import BlockStored
 from engines.base import (
     DEFAULT_TRANSFER_GBPS,
     DEFAULT_TRANSFER_LATENCY_MS,
@@ -54,18 +54,17 @@ def tokens(seed: int, n: int) -> list[int]:
     return random.Random(seed).choices(range(1000, 30000), k=n)
 
 
-def stored_hashes(payloads: list[bytes]) -> list[int]:
+def stored_hashes(batches: list[list]) -> list[int]:
     """Every ``BlockStored`` hash in the batches an instance published, in order."""
     out: list[int] = []
-    for payload in payloads:
-        _, events = decode_vllm_batch(payload)
+    for events in batches:
         for e in events:
             if isinstance(e, BlockStored):
                 out.extend(e.block_hashes)
     return out
 
 
-def virtual(name: str, profile: LatencyProfile, payloads: list[bytes] | None = None, **options):
+def virtual(name: str, profile: LatencyProfile, payloads: list[list] | None = None, **options):
     on_events = None if payloads is None else (lambda _i, _s, p: payloads.append(p))
     return VirtualInstance(name, profile, on_events=on_events, options=SimEngineOptions(**options))
 

@@ -10,7 +10,7 @@ import random
 import pytest
 
 from cachemap import BlockHasher, CacheMap, Tier
-from cachemap.events import decode_vllm_batch
+from cachemap.events import KVEventBatch, decode_vllm_batch, encode_vllm_batch
 from cachemap.ingest import CacheMapIngestor, EngineEventTranslator
 from engines.sim.options import SimEngineOptions
 from engines.sim.profile import LatencyProfile
@@ -144,7 +144,9 @@ def test_events_reach_a_cache_map_as_vllm_bytes(profile):
     translators = {}
     seqs: dict[str, list[int]] = {}
 
-    def on_events(instance: str, seq: int, payload: bytes) -> None:
+    def on_events(instance: str, seq: int, events: list) -> None:
+        # the step's events, encoded as vLLM's publisher sends them
+        payload = encode_vllm_batch(KVEventBatch(ts=0.0, events=events))
         decode_vllm_batch(payload)  # the envelope decodes as vLLM's
         seqs.setdefault(instance, []).append(seq)
         tr = translators.setdefault(instance, EngineEventTranslator(instance, "sim", BS))
