@@ -345,9 +345,14 @@ class CacheMap:
         return int(added)
 
     def _alloc(self, n: int) -> npt.NDArray[np.int64]:
-        reuse = min(n, len(self._free))
-        got = np.array(self._free[len(self._free) - reuse :], np.int64)
-        del self._free[len(self._free) - reuse :]
+        free = self._free
+        reuse = min(n, len(free))
+        if reuse == n:  # the common case once the map is warm: released slots only
+            got = np.array(free[len(free) - n :], np.int64)
+            del free[len(free) - n :]
+            return got
+        got = np.array(free[len(free) - reuse :], np.int64)
+        del free[len(free) - reuse :]
         fresh = n - reuse
         if self._next + fresh > len(self._hash):
             size = len(self._hash)

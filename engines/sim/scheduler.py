@@ -39,7 +39,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engines.base import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, LoadSnapshot
@@ -97,15 +97,19 @@ class SchedulerConfig:
         return cls(**values)
 
 
-@dataclass(slots=True)
 class Step:
-    """One scheduled step: ``(request, new tokens, tokens computed before)`` per request."""
+    """One scheduled step: ``(request, new tokens, tokens computed before)`` per request.
+    NOTE: a plain class, not a dataclass: compiled (``deploy.native``), a dataclass still runs
+    the interpreted ``__init__`` the dataclass decorator generates, once per engine step."""
 
-    scheduled: list[tuple[SimRequest, int, int]] = field(default_factory=list)
-    preempted: list[SimRequest] = field(default_factory=list)
-    admitted: list[SimRequest] = field(default_factory=list)
-    duration_s: float = 0.0
-    load_tokens: int = 0
+    __slots__ = ("admitted", "duration_s", "load_tokens", "preempted", "scheduled")
+
+    def __init__(self) -> None:
+        self.scheduled: list[tuple[SimRequest, int, int]] = []
+        self.preempted: list[SimRequest] = []
+        self.admitted: list[SimRequest] = []
+        self.duration_s = 0.0
+        self.load_tokens = 0
 
 
 class Scheduler:
