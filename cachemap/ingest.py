@@ -57,7 +57,7 @@ class _Tier(NamedTuple):
     """A tier as the translator uses it, resolved once (this runs per event)."""
 
     tier: Tier
-    slot: int  # its count in ``_Block.refs``
+    slot: int  # its count's index in ``_Block`` (``refs``, ``add``)
     value: str  # ``tier.value``, the name on the bus
 
 
@@ -69,13 +69,26 @@ _TIERS: dict[str, _Tier] = {
 class _Block:
     """What the translator knows about one engine block (one per resident block: keep small)."""
 
-    __slots__ = ("depth", "ours", "parent", "refs")
+    __slots__ = ("cpu", "depth", "gpu", "ours", "parent")
 
-    def __init__(self, ours: int, parent: EngineHash | None, depth: int, refs: list[int]) -> None:
+    def __init__(self, ours: int, parent: EngineHash | None, depth: int, slot: int) -> None:
         self.ours = ours
         self.parent = parent  # the engine hash of the parent block
         self.depth = depth
-        self.refs = refs  # announcements per tier, indexed by _Tier.slot
+        # announcements per tier (``_Tier.slot`` 0 and 1): one on ``slot`` so far
+        self.gpu = 1 if slot == 0 else 0
+        self.cpu = 1 - self.gpu
+
+    def refs(self, slot: int) -> int:
+        return self.gpu if slot == 0 else self.cpu
+
+    def add(self, slot: int, n: int) -> int:
+        """``n`` more announcements on tier ``slot``; returns its count after."""
+        if slot == 0:
+            self.gpu += n
+            return self.gpu
+        self.cpu += n
+        return self.cpu
 
 
 class EngineEventTranslator:
@@ -273,9 +286,9 @@ class EngineEventTranslator:
         for eh, oh in zip(ev.block_hashes, ours, strict=True):
             b = get(eh)
             if b is None:
-                table[eh] = _Block(oh, prev, d, [1, 0] if ti == 0 else [0, 1])
+                table[eh] = _Block(oh, prev, d, ti)
             else:
-                b.refs[ti] += 1
+                b.add(ti, 1)
             prev = eh
             d += 1
         self._emit(tier.value, ours, depth, ev.parent_block_hash, parent_ours, out)
@@ -344,7 +357,7 @@ class EngineEventTranslator:
         first = table[members[0]]
         parent = table.get(first.parent) if first.parent is not None else None
         for m in members:
-            table[m].refs[ti] += 1
+            table[m].add(ti, 1)
         ours = [table[m].ours for m in members]
         parent_ours = parent.ours if parent is not None else None
         self._emit(tier.value, ours, first.depth, first.parent, parent_ours, out)
@@ -352,30 +365,35 @@ class EngineEventTranslator:
     def _removed(self, tier: _Tier, hashes: list[EngineHash], out: list[Update]) -> None:
         """Removals of ``hashes`` (from one or more BlockRemoved events) on ``tier``."""
         ti = tier.slot
-        table = self._table
         chunks = self._chunks if tier.tier is Tier.CPU else None
         gone: list[int] = []
-        k = self.stride
         for eh in hashes:
             members = chunks.pop(eh, None) if chunks is not None else None
+            if members is None:
+                self._remove_one(eh, ti, gone)
+                continue
             for m in members or (eh,):
-                b = table.get(m)
-                if b is None or b.refs[ti] == 0:
-                    self._skip("removal of unknown block", m)
-                    continue
-                refs = b.refs
-                refs[ti] -= 1
-                if refs[ti] == 0:
-                    if k == 1 or b.depth % k == k - 1:  # a block the map keeps
-                        gone.append(b.ours)
-                    if not any(refs):
-                        del table[m]
+                self._remove_one(m, ti, gone)
         if gone:  # adjacent removals on one tier become one update: one call to the map
             last = out[-1] if out else None
             if isinstance(last, Removed) and last.tier == tier.value:
                 last.hashes.extend(gone)
             else:
                 out.append(Removed(tier.value, gone))
+
+    def _remove_one(self, eh: EngineHash, ti: int, gone: list[int]) -> None:
+        """One announcement fewer of engine block ``eh`` on tier slot ``ti``; our hash goes to
+        ``gone`` when the tier holds it no more (and the map keeps it)."""
+        b = self._table.get(eh)
+        if b is None or b.refs(ti) == 0:
+            self._skip("removal of unknown block", eh)
+            return
+        if b.add(ti, -1) == 0:
+            k = self.stride
+            if k == 1 or b.depth % k == k - 1:  # a block the map keeps
+                gone.append(b.ours)
+            if b.gpu == 0 and b.cpu == 0:
+                del self._table[eh]
 
     def _cleared(self, out: list[Update]) -> None:
         # NOTE: vLLM emits AllBlocksCleared from the GPU block pool (reset_prefix_cache), and
@@ -393,7 +411,7 @@ class EngineEventTranslator:
             if b.depth % k != k - 1:
                 continue  # not a block the map keeps
             parent = self._ancestor(b.parent, k - 1) if b.depth >= k else None
-            tiers = [t.value for t in _TIERS.values() if b.refs[t.slot]]
+            tiers = [t.value for t in _TIERS.values() if b.refs(t.slot)]
             blocks.append(SnapshotBlock(b.ours, parent, (b.depth + 1) // k - 1, tiers))
         return Snapshot(self.instance, self.seq, blocks)
 
