@@ -134,8 +134,9 @@ class LoadTracker:
         self._fresh_ts: dict[str, float] = {}
         self._oldest_fresh = float("inf")  # at most the oldest of ``_fresh_ts``
         self._last_now = -float("inf")
-        # instances whose view priced a backlog still ahead of now (``_with_backlog``)
-        self._busy: set[str] = set()
+        # instances whose view the backlog raised (``_with_backlog``): the report it raised,
+        # which only the backlog's shrinking changes until the instance is marked dirty
+        self._busy: dict[str, int] = {}
 
     def register(
         self, instance_id: str, block_size: int, latency: LatencyModel, kv_capacity_blocks: int = 0
@@ -241,8 +242,6 @@ class LoadTracker:
 
     def views(self, now: float) -> list[InstanceView]:
         order, dirty, fresh_ts = self._order, self._dirty, self._fresh_ts
-        if self._busy:
-            dirty.update(self._busy)
         if order is None or now < self._last_now:  # new members, or the clock went back
             fresh_ts.clear()
             self._oldest_fresh = float("inf")
@@ -260,6 +259,11 @@ class LoadTracker:
                 i = pos.get(iid)
                 if i is not None:
                     order[i] = self._view(iid, instances[iid], now, order[i])
+            # the rest of those the backlog raised: only its part changes with time
+            for iid, base in [b for b in self._busy.items() if b[0] not in dirty]:
+                i = pos.get(iid)
+                if i is not None:
+                    order[i] = self._rebacklogged(iid, base, now, order[i])
             if expired:
                 self._oldest_fresh = min(fresh_ts.values(), default=float("inf"))
         dirty.clear()
@@ -288,6 +292,17 @@ class LoadTracker:
         step = inst.latency.max_num_batched_tokens
         return max(pending, min(backlog, pending + step) if step > 0 else backlog)
 
+    def _rebacklogged(self, iid: str, base: int, now: float, old: InstanceView) -> InstanceView:
+        """``old`` (``iid``'s view, unchanged but for time since) with the backlog as of now
+        over ``base``, the report without it: what ``_view`` would give, without redoing the
+        rest."""
+        inst = self._instances[iid]
+        pending = self._with_backlog(inst, self._local.get(iid), base, now)
+        if pending <= base:
+            del self._busy[iid]
+        o = old
+        return _kept_or_new(iid, inst, o, o.waiting, o.running, o.gpu_kv_usage, pending, o.healthy)
+
     def _view(
         self, iid: str, inst: _Instance, now: float, old: InstanceView | None
     ) -> InstanceView:
@@ -302,43 +317,61 @@ class LoadTracker:
             kv_usage = snap.gpu_kv_usage
             # prompts the snapshot counted that have had their first token since
             queued = max(snap.queued_prefill_tokens - inst.first_token_tokens, 0)
-            pending = self._with_backlog(inst, local, queued + newer_tokens, now)
-            timed = local is not None and local.busy_until > now
+            base = queued + newer_tokens
+            pending = self._with_backlog(inst, local, base, now)
+            # the backlog raises the report now; it only shrinks as time passes, so once it
+            # does not it will not again until the instance changes (and is marked dirty)
+            timed = pending > base
             self._fresh_ts[iid] = snap.ts
             self._oldest_fresh = min(self._oldest_fresh, snap.ts)
         else:
             self._fresh_ts.pop(iid, None)
-            timed = False
+            timed, base = False, 0
             if local is not None:
                 waiting, running = len(local.unprefilled), local.prefilled
                 kv_usage, pending = 0.0, local.unprefilled_tokens
             else:
                 waiting = running = pending = 0
                 kv_usage = 0.0
-        # NOTE: a backlog ahead of now changes the view as time passes (the clock may also
-        # have stepped back past its end): rebuilt at every ``views`` until it is behind now
+        # NOTE: a backlog that raises the report changes the view as time passes: its part is
+        # redone at every ``views`` until it no longer does (``_rebacklogged``; a clock that
+        # steps back rebuilds every view)
         if timed:
-            self._busy.add(iid)
+            self._busy[iid] = base
         else:
-            self._busy.discard(iid)
+            self._busy.pop(iid, None)
         healthy = inst.failures == 0
-        if (
-            old is not None
-            and old.waiting == waiting
-            and old.running == running
-            and old.gpu_kv_usage == kv_usage
-            and old.pending_prefill_tokens == pending
-            and old.healthy == healthy
-        ):
-            return old
-        return InstanceView(
-            iid,
-            inst.block_size,
-            inst.latency,
-            inst.kv_capacity_blocks,
-            waiting=waiting,
-            running=running,
-            gpu_kv_usage=kv_usage,
-            pending_prefill_tokens=pending,
-            healthy=healthy,
-        )
+        return _kept_or_new(iid, inst, old, waiting, running, kv_usage, pending, healthy)
+
+
+def _kept_or_new(
+    iid: str,
+    inst: _Instance,
+    old: InstanceView | None,
+    waiting: int,
+    running: int,
+    kv_usage: float,
+    pending: int,
+    healthy: bool,
+) -> InstanceView:
+    """``old`` where it holds these figures (a view kept is the same object), else a new view."""
+    if (
+        old is not None
+        and old.waiting == waiting
+        and old.running == running
+        and old.gpu_kv_usage == kv_usage
+        and old.pending_prefill_tokens == pending
+        and old.healthy == healthy
+    ):
+        return old
+    return InstanceView(
+        iid,
+        inst.block_size,
+        inst.latency,
+        inst.kv_capacity_blocks,
+        waiting=waiting,
+        running=running,
+        gpu_kv_usage=kv_usage,
+        pending_prefill_tokens=pending,
+        healthy=healthy,
+    )
