@@ -369,9 +369,6 @@ class EngineEventTranslator:
         gone: list[int] = []
         for eh in hashes:
             members = chunks.pop(eh, None) if chunks is not None else None
-            if members is None:
-                self._remove_one(eh, ti, gone)
-                continue
             for m in members or (eh,):
                 self._remove_one(m, ti, gone)
         if gone:  # adjacent removals on one tier become one update: one call to the map
@@ -436,13 +433,13 @@ class Gap:
 
 class _Gathered:
     """One instance's updates gathered from consecutive event batches for ``CacheMapIngestor``:
-    per tier (in order of first use) the stored chains and the removed hashes."""
+    per tier the stored chains and the removed hashes (with those hashes as a set, for the
+    check of a store against them)."""
 
-    __slots__ = ("instance", "removed", "removed_set", "stored", "tiers")
+    __slots__ = ("instance", "removed", "removed_set", "stored")
 
     def __init__(self) -> None:
         self.instance = ""
-        self.tiers: list[str] = []
         self.stored: dict[str, list[tuple[Sequence[int], int | None, int]]] = {}
         self.removed: dict[str, list[int]] = {}
         self.removed_set: dict[str, set[int]] = {}
@@ -453,26 +450,19 @@ class _Gathered:
         gone = self.removed_set.get(u.tier)
         if gone and not gone.isdisjoint(u.hashes):
             return False
-        if u.tier not in self.stored:
-            self._use(u.tier)
-            self.stored[u.tier] = []
-        self.stored[u.tier].append((u.hashes, u.parent, u.depth))
+        self.stored.setdefault(u.tier, []).append((u.hashes, u.parent, u.depth))
         return True
 
     def add_removed(self, u: Removed) -> None:
-        if u.tier not in self.removed:
-            self._use(u.tier)
-            self.removed[u.tier] = []
-            self.removed_set[u.tier] = set()
-        self.removed[u.tier].extend(u.hashes)
-        self.removed_set[u.tier].update(u.hashes)
+        self.removed.setdefault(u.tier, []).extend(u.hashes)
+        self.removed_set.setdefault(u.tier, set()).update(u.hashes)
 
-    def _use(self, tier: str) -> None:
-        if tier not in self.tiers:
-            self.tiers.append(tier)
+    def tiers(self) -> list[str]:
+        """The tiers gathered: independent in the map, in a fixed order (the map's slot
+        numbering the same from run to run)."""
+        return list(dict.fromkeys([*self.stored, *self.removed]))
 
     def clear(self) -> None:
-        self.tiers.clear()
         self.stored.clear()
         self.removed.clear()
         self.removed_set.clear()
@@ -534,9 +524,9 @@ class CacheMapIngestor:
 
     def _flush(self, got: _Gathered) -> None:
         """Apply what ``got`` gathered (stores before removals, per tier), and empty it."""
-        if not got.tiers:
+        if not got.stored and not got.removed:
             return
-        for tier in got.tiers:
+        for tier in got.tiers():
             chains = got.stored.get(tier)
             if chains:
                 self.map.store_chains(got.instance, as_tier(tier), chains)
@@ -545,8 +535,8 @@ class CacheMapIngestor:
                 self.map.remove(got.instance, as_tier(tier), removed)
         got.clear()
 
-    def _apply_other(self, msg: BusMessage) -> Gap | None:
-        """A message other than an event batch: an instance gone, a snapshot, a last seq."""
+    def _apply_other(self, msg: InstanceGone | Snapshot | LastSeq) -> Gap | None:
+        """A message other than an event batch."""
         if isinstance(msg, InstanceGone):
             self.map.drop_instance(msg.instance)
             self._next.pop(msg.instance, None)
@@ -555,12 +545,11 @@ class CacheMapIngestor:
         if isinstance(msg, Snapshot):
             self._apply_snapshot(msg)
             return None
-        if isinstance(msg, LastSeq):
-            if msg.seq < self._next.get(msg.instance, 0):
-                return None  # we have every batch up to it
-            # the batches expected..seq were lost and nothing came after them
-            return self._gap(msg.instance, self._next.get(msg.instance, 0), msg.seq + 1)
-        raise TypeError(f"not a bus message: {type(msg).__name__}")
+        expected = self._next.get(msg.instance, 0)
+        if msg.seq < expected:
+            return None  # we have every batch up to it
+        # the batches expected..seq were lost and nothing came after them
+        return self._gap(msg.instance, expected, msg.seq + 1)
 
     def _gap(self, instance: str, expected: int, got: int) -> Gap:
         self.gaps += 1

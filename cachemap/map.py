@@ -347,13 +347,11 @@ class CacheMap:
     def _alloc(self, n: int) -> npt.NDArray[np.int64]:
         free = self._free
         reuse = min(n, len(free))
-        if reuse == n:  # the common case once the map is warm: released slots only
-            got = np.array(free[len(free) - n :], np.int64)
-            del free[len(free) - n :]
-            return got
         got = np.array(free[len(free) - reuse :], np.int64)
         del free[len(free) - reuse :]
         fresh = n - reuse
+        if not fresh:  # the common case once the map is warm: released slots only
+            return got
         if self._next + fresh > len(self._hash):
             size = len(self._hash)
             while self._next + fresh > size:
