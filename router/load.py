@@ -244,6 +244,7 @@ class LoadTracker:
         order, dirty, fresh_ts = self._order, self._dirty, self._fresh_ts
         if order is None or now < self._last_now:  # new members, or the clock went back
             fresh_ts.clear()
+            self._busy.clear()  # every view is redone, and says again where a backlog binds
             self._oldest_fresh = float("inf")
             self._pos = {iid: i for i, iid in enumerate(self._instances)}
             order = [self._view(iid, inst, now, None) for iid, inst in self._instances.items()]
@@ -300,8 +301,9 @@ class LoadTracker:
         pending = self._with_backlog(inst, self._local.get(iid), base, now)
         if pending <= base:
             del self._busy[iid]
-        o = old
-        return _kept_or_new(iid, inst, o, o.waiting, o.running, o.gpu_kv_usage, pending, o.healthy)
+        return _kept_or_new(
+            iid, inst, old, old.waiting, old.running, old.gpu_kv_usage, pending, old.healthy
+        )
 
     def _view(
         self, iid: str, inst: _Instance, now: float, old: InstanceView | None
