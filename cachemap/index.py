@@ -114,12 +114,23 @@ class HashIndex:
         """Add ``keys`` (distinct, all absent) with ``vals`` (>= 0)."""
         if len(keys) == 0:
             return
-        if (self._used + len(keys)) * 2 > self._size:
-            self._rehash(self._live + len(keys))
+        self.reserve(len(keys))
         keys = np.ascontiguousarray(keys, np.uint64)
         vals = np.ascontiguousarray(vals, np.int32)
         self._used += _insert(self._keys, self._vals, self._shift, self._mask, keys, vals)
         self._live += len(keys)
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` more entries, for a kernel that inserts them into the ``table``
+        itself (``CacheMap.store_chains``) and then says so through ``inserted``."""
+        if (self._used + n) * 2 > self._size:
+            self._rehash(self._live + n)
+
+    def inserted(self, n: int, cells: int) -> None:
+        """A kernel put ``n`` entries into the ``table`` (after ``reserve``), ``cells`` of them
+        in EMPTY cells (the rest over tombstones), probing as ``insert`` does."""
+        self._live += n
+        self._used += cells
 
     def delete(self, keys: U64) -> int:
         """Remove the present ones among ``keys``; returns how many were removed."""

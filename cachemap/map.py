@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cachemap.hashing import BlockHash, InstanceId, Tier, as_tier
-from cachemap.index import TOMBSTONE, HashIndex, _probe
+from cachemap.index import _GOLDEN, EMPTY, TOMBSTONE, HashIndex, _probe
 from cachemap.jit import KERNELS, jit
 
 _TIERS: tuple[Tier, ...] = tuple(Tier)
@@ -171,9 +171,10 @@ class CacheMap:
         self.stride = stride
         cap = max(16, initial_slots)
         self._index = HashIndex(cap)
-        # released slots, reused first (last in, first out); a list, as it grows and shrinks
-        # by a few slots per call
-        self._free: list[int] = []
+        # released slots, reused first (last in, first out): a stack, ``_free[:_n_free]``, as
+        # long as the slot columns (a slot is free at most once), that the kernels push and pop
+        self._free = np.zeros(cap, np.int64)
+        self._n_free = 0
         self._next = 0  # slots [0, _next) have been handed out at least once
         self._words = 1
         self._hash = np.zeros(cap, np.uint64)
@@ -237,6 +238,7 @@ class CacheMap:
         self._depth = grow(self._depth)
         self._hold = grow(self._hold)
         self._wide = grow(self._wide, -1)
+        self._free = grow(self._free)
 
     def _resize_rows(self, rows: int, words: int) -> None:
         for t in _TIERS:
@@ -295,73 +297,59 @@ class CacheMap:
         the same map and count as the calls one after another (a hash in two chains is one
         node, defined where it first stands). An engine's batch of KV events is mostly short
         chains (a decoded block each); one pass costs the kernels' calls once for all."""
-        starts: list[int] = []
-        roots: list[int] = []
-        rooted: list[bool] = []
-        depths: list[int] = []
         flat: list[int] = []
+        roots: list[int] = []
+        meta: list[int] = []  # per chain: start in flat, depth, rooted
         for hashes, parent, depth in chains:
             if len(hashes):
-                starts.append(len(flat))
+                meta += (len(flat), depth, parent is not None)
                 roots.append(parent if parent is not None else 0)
-                rooted.append(parent is not None)
-                depths.append(depth)
                 flat.extend(hashes)
-        if not flat:
+        n = len(flat)
+        if not n:
             return 0
         tier = as_tier(tier)
-        bit = self._bit(instance)
-        hs = np.asarray(flat, np.uint64)
+        bit = self._bit(instance)  # NOTE: before _holders: a new bit may widen the rows
         flag = _FLAG[tier]
-        # NOTE: one kernel finds the hashes, adds the holder to the known ones and lists the
-        # new ones (a hash may repeat within one call: its first position defines the node) and
-        # the narrow ones with no room left
-        added, pos, full = _store_known(*self._index.table(), hs, *self._holders(), bit, flag)
-        if len(full):
-            full = np.unique(full)
-            at_rows = self._alloc_rows(len(full))
-            # NOTE: after _alloc_rows, which may regrow the rows
-            added += _promote(*self._holders(), full, at_rows, bit, flag)
-        if len(pos):
-            at = self._alloc(len(pos))
-            self._index.insert(hs[pos], at)
-            added += _store_new(
-                self._hash,
-                self._parent,
-                self._has_parent,
-                self._depth,
-                self._hold,  # NOTE: after _alloc, which may regrow it
-                at,
-                hs,
-                pos,
-                np.asarray(starts, np.int64),
-                np.asarray(roots, np.uint64),
-                np.asarray(rooted, np.bool_),
-                np.asarray(depths, np.int64),
-                bit << 2 | flag,
-            )
-        self._count[tier][instance] += added
-        self._count_at[tier][bit] += added
-        return int(added)
-
-    def _alloc(self, n: int) -> npt.NDArray[np.int64]:
-        free = self._free
-        reuse = min(n, len(free))
-        got = np.array(free[len(free) - reuse :], np.int64)
-        del free[len(free) - reuse :]
-        fresh = n - reuse
-        if not fresh:  # the common case once the map is warm: released slots only
-            return got
+        flat += roots
+        hs = np.asarray(flat, np.uint64)
+        # NOTE: room for every hash being new, so that one kernel finds the hashes, adds the
+        # holder to the known ones, and takes slots for the new ones (a hash may repeat within
+        # one call: its first position defines the node) and puts them in the index
+        fresh = n - self._n_free
         if self._next + fresh > len(self._hash):
             size = len(self._hash)
             while self._next + fresh > size:
                 size *= 2
             self._resize(size)
-        out: npt.NDArray[np.int64] = np.concatenate(
-            [got, np.arange(self._next, self._next + fresh, dtype=np.int64)]
+        index = self._index
+        index.reserve(n)
+        added, reused, grown, cells, full = _store(
+            *index.table(),
+            *self._holders(),
+            self._hash,
+            self._parent,
+            self._has_parent,
+            self._depth,
+            self._free,
+            self._n_free,
+            self._next,
+            hs,
+            np.asarray(meta, np.int64),
+            bit,
+            flag,
         )
-        self._next += fresh
-        return out
+        self._n_free -= reused
+        self._next += grown
+        index.inserted(reused + grown, cells)
+        if len(full):  # narrow slots with no room left for the holder
+            full = np.unique(full)
+            at_rows = self._alloc_rows(len(full))
+            # NOTE: after _alloc_rows, which may regrow the rows
+            added += _promote(*self._holders(), full, at_rows, bit, flag)
+        self._count[tier][instance] += added
+        self._count_at[tier][bit] += added
+        return int(added)
 
     def remove(self, instance: str, tier: Tier, hashes: Iterable[int]) -> int:
         """Forget ``instance``'s copies of ``hashes`` on ``tier``; unknown hashes are ignored.
@@ -371,15 +359,25 @@ class CacheMap:
         if bit is None:
             return 0
         hs = np.fromiter(hashes, np.uint64)
-        dead = np.empty(len(hs), np.int64)
-        # NOTE: one kernel finds the slots, removes the holder and takes the nodes left with
-        # none out of the index (the rest of ``_recycle`` follows)
-        held, n_dead = _remove(*self._index.table(), hs, *self._holders(), bit, _FLAG[tier], dead)
+        # NOTE: one kernel finds the slots, removes the holder, takes the nodes left with none
+        # out of the index and frees their slots (``_recycle``); only their rows come back
+        held, n_dead, rows = _remove(
+            *self._index.table(),
+            hs,
+            *self._holders(),
+            bit,
+            _FLAG[tier],
+            self._has_parent,
+            self._free,
+            self._n_free,
+        )
         self._count[tier][instance] -= held
         self._count_at[tier][bit] -= held
         if n_dead:
             self._index.deleted(n_dead)
-            self._recycle(np.sort(dead[:n_dead]))
+            self._n_free += n_dead
+            if len(rows):
+                self._free_rows.extend(rows.tolist())
         return int(held)
 
     def clear(self, instance: str, tier: Tier | None = None) -> int:
@@ -449,7 +447,8 @@ class CacheMap:
         if len(rows):
             self._free_rows.extend(rows.tolist())
             self._wide[dead] = -1
-        self._free.extend(dead.tolist())
+        self._free[self._n_free : self._n_free + len(dead)] = dead
+        self._n_free += len(dead)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -549,10 +548,10 @@ class CacheMap:
         used = np.zeros(len(self._hash), np.bool_)
         keys, slots = self._index.items()
         used[slots] = True
-        free = np.array(self._free, np.int64)
+        free = self._free[: self._n_free]
         if len(np.unique(free)) != len(free) or used[free].any():
             raise RuntimeError("free list overlaps live slots")
-        if len(slots) + len(self._free) != self._next:
+        if len(slots) + len(free) != self._next:
             raise RuntimeError("slots leaked: live + free != handed out")
         if len(np.unique(slots)) != len(slots) or (self._hash[slots] != keys).any():
             raise RuntimeError("index and slot hashes disagree")
@@ -734,17 +733,22 @@ def _match(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, scale):  # type: ig
 
 
 @jit
-def _remove(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, bit, flag, dead):  # type: ignore[no-untyped-def]
+def _remove(  # type: ignore[no-untyped-def]
+    tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, bit, flag, has_parent, free, n_free
+):
     """Take instance ``bit``'s tier ``flag`` (1 GPU, 2 CPU) off the slots of ``keys`` (found in
     the index table ``tk``, ``tv``, ``shift``, ``tmask``: ``HashIndex.table``; absent keys and
-    slots without that holder are skipped, a key may repeat). Slots left with no holder go to
-    ``dead``, in order, and their keys are tombstoned in the table afterwards, as
-    ``HashIndex.delete`` would. Returns (holders removed, dead slots)."""
+    slots without that holder are skipped, a key may repeat). The slots left with no holder
+    die: their keys are tombstoned in the table afterwards, as ``HashIndex.delete`` would, and
+    they are freed as ``CacheMap._recycle`` frees them (pushed on the free stack
+    ``free[:n_free]`` in ascending order, their rows dropped). Returns (holders removed, dead
+    slots, the rows they had, in that order)."""
     w, m = bit >> 6, np.uint64(bit & 63)
     one = np.uint64(1) << m
     words = gpu.shape[1]
     inline = hold.shape[1]
     cells = np.empty(keys.shape[0], np.int64)
+    dead = np.empty(keys.shape[0], np.int64)
     held = 0
     n_dead = 0
     for i in range(keys.shape[0]):
@@ -784,7 +788,18 @@ def _remove(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, bit, flag, dead): 
             n_dead += 1
     for j in range(n_dead):
         tv[cells[j]] = TOMBSTONE
-    return held, n_dead
+    dead = np.sort(dead[:n_dead])
+    rows = np.empty(n_dead, np.int64)
+    n_rows = 0
+    for j in range(n_dead):
+        s = dead[j]
+        has_parent[s] = False
+        if wide[s] >= 0:
+            rows[n_rows] = wide[s]
+            n_rows += 1
+            wide[s] = -1
+        free[n_free + j] = s
+    return held, n_dead, rows[:n_rows]
 
 
 @jit
@@ -877,23 +892,51 @@ def _promote(hold, wide, gpu, cpu, slots, rows, bit, flag):  # type: ignore[no-u
 
 
 @jit
-def _store_new(hash_, parent, has_parent, depth, hold, at, hs, pos, starts, roots, has, d0, entry):  # type: ignore[no-untyped-def]
-    """Fill the columns of new slots ``at``, each the node of position ``pos`` of ``hs``:
-    chains laid end to end, chain ``c`` from ``starts[c]``, its first block at depth ``d0[c]``
-    below ``roots[c]`` (a parent only where ``has[c]``), with the one inline holder ``entry``.
-    Returns how many slots got it."""
-    for j in range(at.shape[0]):
-        s, p = at[j], pos[j]
+def _store(  # type: ignore[no-untyped-def]
+    tk, tv, shift, tmask, hold, wide, gpu, cpu, hash_, parent, has_parent, depth, free, n_free,
+    next_, hs, meta, bit, flag,
+):  # fmt: skip
+    """``CacheMap.store_chains``'s pass: add instance ``bit`` with tier ``flag`` to the known
+    keys among ``hs`` (``_store_known``), then give each new key (its first position) a slot,
+    from the top of the free stack ``free[:n_free]`` first (the stack's order: its last
+    ``reused`` in place), then from ``next_`` on, put it in the index table and fill the slot's
+    columns with that one holder. ``hs`` is the chains' hashes laid end to end, then each
+    chain's parent (0 for none); ``meta`` is per chain (start in ``hs``, first block's depth,
+    has a parent). The caller made room (slots, free stack and table) for every key being new.
+    Returns (holders added, slots reused, slots taken from ``next_``, EMPTY table cells used,
+    the known narrow slots with no room left for the holder)."""
+    k = meta.shape[0] // 3
+    n = hs.shape[0] - k
+    keys = hs[:n]
+    added, pos, full = _store_known(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, bit, flag)
+    new = pos.shape[0]
+    reused = min(new, n_free)
+    starts = np.empty(k, np.int64)
+    for c in range(k):
+        starts[c] = meta[3 * c]
+    entry = bit << 2 | flag
+    cells = 0
+    for j in range(new):
+        s = free[n_free - reused + j] if j < reused else next_ + j - reused
+        p = pos[j]
+        key = keys[p]
+        cell = np.int64((key * _GOLDEN) >> shift)  # as HashIndex.insert places it
+        while tv[cell] >= 0:
+            cell = (cell + 1) & tmask
+        if tv[cell] == EMPTY:
+            cells += 1
+        tk[cell] = key
+        tv[cell] = s
         c = np.searchsorted(starts, p, side="right") - 1
-        hash_[s] = hs[p]
+        hash_[s] = key
         if p > starts[c]:
-            parent[s], has_parent[s] = hs[p - 1], True
+            parent[s], has_parent[s] = keys[p - 1], True
         else:
-            parent[s], has_parent[s] = roots[c], has[c]
-        depth[s] = d0[c] + p - starts[c]
+            parent[s], has_parent[s] = hs[n + c], meta[3 * c + 2] != 0
+        depth[s] = meta[3 * c + 1] + p - starts[c]
         hold[s, :] = 0
         hold[s, 0] = entry
-    return at.shape[0]
+    return added + new, reused, new - reused, cells, full
 
 
 def _bit_counts(rows: npt.NDArray[np.uint64], n_bits: int) -> npt.NDArray[np.int64]:
@@ -908,9 +951,9 @@ def _bit_counts(rows: npt.NDArray[np.uint64], n_bits: int) -> npt.NDArray[np.int
 def warm_kernels() -> list[str]:
     """Compile the kernels, or load them from numba's on-disk cache, by running a small cache
     map through every call that uses one: a block stored new, stored again on another tier,
-    held by more instances than a narrow row holds, matched, looked up, removed, an instance
-    dropped. Returns the names of the kernels (``cachemap.jit.KERNELS``) compiled by now, in
-    definition order.
+    held by more instances than a narrow row holds, the index grown, matched, looked up,
+    removed, an instance dropped. Returns the names of the kernels (``cachemap.jit.KERNELS``)
+    compiled by now, in definition order.
 
     ``make native`` (``python -m deploy.native build``) calls it, so that the cache is filled
     when the code is installed: the first cache map a process uses then loads every kernel
@@ -922,6 +965,7 @@ def warm_kernels() -> list[str]:
     cmap.store_chains("e1", Tier.CPU, ((chain[:4], None, 0), ([100, 101], chain[3], 4)))
     for i in range(2, 130):  # past a narrow row's holders
         cmap.store(f"e{i}", Tier.GPU, chain[:2])
+    cmap.store("e0", Tier.GPU, range(1000, 4000))  # past the index's first table: a rehash
     cmap.match(chain)
     cmap.remove("e0", Tier.GPU, chain[4:])
     cmap.drop_instance("e1")
