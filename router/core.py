@@ -243,7 +243,12 @@ class RouterCore:
             ]
         match = self.cache_map.match(request.block_hashes)
         if self.inflight is not None:
-            match = self.inflight.extend(request.block_hashes, match, views)
+            view_of = (
+                {v.instance_id: v for v in views}.get
+                if excluded or allowed is not None
+                else self.load.view
+            )
+            match = self.inflight.extend(request.block_hashes, match, view_of)
         plan = None
         if self.disaggregated and candidates is None:
             if self.planner is None:

@@ -11,18 +11,18 @@ first token: the engine's events carry the blocks from then on; or its end), and
 lengthens a request's match with them.
 
 An in-flight prompt counts only on an instance where more prefill waits than one engine step
-computes (``extend`` with the views). vLLM's prefix cache gives a request the blocks computed when
-it is admitted; a request that comes while the work ahead of it fits one step is admitted
-beside its prompt's first copy and computes it again, so counting the copy there sends a burst
-of parallel calls after the first one onto one engine while others sit idle. Behind a longer
-queue it is admitted after the copy's blocks are computed. On by default
+computes (``extend`` with a lookup of the views). vLLM's prefix cache gives a request the blocks
+computed when it is admitted; a request that comes while the work ahead of it fits one step is
+admitted beside its prompt's first copy and computes it again, so counting the copy there sends
+a burst of parallel calls after the first one onto one engine while others sit idle. Behind a
+longer queue it is admitted after the copy's blocks are computed. On by default
 (``DEFAULT_INFLIGHT_PROMPTS``); what the rule measured on the routing suite, against not
 counting and against counting everywhere, is in ``docs/simulation.md``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from cachemap import Match
 from router.placement import InstanceView, queued_past_a_step
@@ -82,11 +82,13 @@ class InFlightPrompts:
         self,
         hashes: Sequence[int],
         match: Mapping[str, Match],
-        views: Sequence[InstanceView] | None = None,
+        view_of: Callable[[str], InstanceView | None] | None = None,
     ) -> Mapping[str, Match]:
         """``match`` (the cache map's answer for ``hashes``) with each instance's leading run
-        lengthened to the in-flight prompts it will hold first; with ``views``, only on the
-        instances ``queued_past_a_step``."""
+        lengthened to the in-flight prompts it will hold first; with ``view_of`` (an instance's
+        view, None for one not a candidate), only on the candidates ``queued_past_a_step``.
+        A lookup, not the views: the few instances with prompts in flight are looked up, not
+        the whole cluster walked, on every placement."""
         refs = self._refs
         first = refs.get(hashes[0]) if refs and hashes else None
         if not first:
@@ -102,9 +104,8 @@ class InFlightPrompts:
                 break
             for iid in alive:
                 runs[iid] = i + 1
-        if views is not None:
-            past = {v.instance_id for v in views if v.instance_id in runs and queued_past_a_step(v)}
-            runs = {iid: g for iid, g in runs.items() if iid in past}
+        if view_of is not None:
+            runs = {iid: g for iid, g in runs.items() if _queued_past_a_step(view_of(iid))}
         longer: dict[str, Match] = {}
         for iid, g in runs.items():
             m = match.get(iid)
@@ -117,3 +118,7 @@ class InFlightPrompts:
         out = dict(match.items())
         out.update(longer)
         return out
+
+
+def _queued_past_a_step(view: InstanceView | None) -> bool:
+    return view is not None and queued_past_a_step(view)

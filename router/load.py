@@ -271,6 +271,12 @@ class LoadTracker:
         self._last_now = now
         return list(order)
 
+    def view(self, instance_id: str) -> InstanceView | None:
+        """The view the last ``views`` call gave of ``instance_id`` (None: it gave none)."""
+        order = self._order
+        i = self._pos.get(instance_id)
+        return order[i] if order is not None and i is not None else None
+
     @staticmethod
     def _with_backlog(inst: _Instance, local: _Local | None, pending: int, now: float) -> int:
         """``pending`` (a snapshot's queued prefill tokens plus newer assignments), raised to

@@ -549,6 +549,8 @@ def test_load_tracker_views_are_kept_while_unchanged_and_equal_a_fresh_build() -
         now += rng.choice([0.0, 0.002, 0.01, 0.03, 0.3, 1.5]) if rng.random() > 0.03 else -2.0
         got = live.views(now)
         assert fields(got) == fields(replay().views(now))
+        assert all(live.view(v.instance_id) is v for v in got)  # the lookup of the same views
+        assert live.view("nobody") is None
         if kind >= 0.9 and rng.random() < 0.5:  # nothing happened: the same objects
             again = live.views(now)
             assert all(a is b for a, b in zip(again, got, strict=True))
