@@ -151,6 +151,15 @@ class HashIndex:
         """``n`` live entries were tombstoned in the ``table`` by a kernel."""
         self._live -= n
 
+    def check_counts(self) -> None:
+        """Raise RuntimeError if the live and used counts (what ``insert``, a kernel's
+        ``inserted`` and ``deleted`` said) disagree with the table (tests, debugging)."""
+        live, used = int((self._vals >= 0).sum()), int((self._vals != EMPTY).sum())
+        if (self._live, self._used) != (live, used):
+            raise RuntimeError(
+                f"index counts live {self._live}, used {self._used}; the table {live}, {used}"
+            )
+
     def items(self) -> tuple[U64, I64]:
         live = self._vals >= 0
         return self._keys[live], self._vals[live].astype(np.int64)

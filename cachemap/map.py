@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cachemap.hashing import BlockHash, InstanceId, Tier, as_tier
-from cachemap.index import _GOLDEN, EMPTY, TOMBSTONE, HashIndex, _probe
+from cachemap.index import TOMBSTONE, HashIndex, _insert, _probe
 from cachemap.jit import KERNELS, jit
 
 _TIERS: tuple[Tier, ...] = tuple(Tier)
@@ -255,9 +255,7 @@ class CacheMap:
         fresh = n - reuse
         size = len(self._rows[Tier.GPU])
         if self._next_row + fresh > size:
-            while self._next_row + fresh > size:
-                size *= 2
-            self._resize_rows(size, self._words)
+            self._resize_rows(_doubled(size, self._next_row + fresh), self._words)
         out: npt.NDArray[np.int64] = np.concatenate(
             [got, np.arange(self._next_row, self._next_row + fresh, dtype=np.int64)]
         )
@@ -316,12 +314,8 @@ class CacheMap:
         # NOTE: room for every hash being new, so that one kernel finds the hashes, adds the
         # holder to the known ones, and takes slots for the new ones (a hash may repeat within
         # one call: its first position defines the node) and puts them in the index
-        fresh = n - self._n_free
-        if self._next + fresh > len(self._hash):
-            size = len(self._hash)
-            while self._next + fresh > size:
-                size *= 2
-            self._resize(size)
+        if self._next + n - self._n_free > len(self._hash):
+            self._resize(_doubled(len(self._hash), self._next + n - self._n_free))
         index = self._index
         index.reserve(n)
         added, reused, grown, cells, full = _store(
@@ -331,8 +325,7 @@ class CacheMap:
             self._parent,
             self._has_parent,
             self._depth,
-            self._free,
-            self._n_free,
+            *self._stack(),
             self._next,
             hs,
             np.asarray(meta, np.int64),
@@ -368,16 +361,13 @@ class CacheMap:
             bit,
             _FLAG[tier],
             self._has_parent,
-            self._free,
-            self._n_free,
+            *self._stack(),
         )
         self._count[tier][instance] -= held
         self._count_at[tier][bit] -= held
         if n_dead:
             self._index.deleted(n_dead)
-            self._n_free += n_dead
-            if len(rows):
-                self._free_rows.extend(rows.tolist())
+            self._freed(n_dead, rows)
         return int(held)
 
     def clear(self, instance: str, tier: Tier | None = None) -> int:
@@ -441,14 +431,17 @@ class CacheMap:
 
     def _recycle(self, dead: npt.NDArray[np.int64]) -> None:
         """Slots ``dead`` (distinct, ascending, out of the index) and their rows become free."""
-        self._has_parent[dead] = False
-        rows = self._wide[dead]
-        rows = rows[rows >= 0]
+        self._freed(len(dead), _free_slots(dead, self._has_parent, self._wide, *self._stack()))
+
+    def _stack(self) -> tuple[npt.NDArray[np.int64], int]:
+        """The free-slot stack as the kernels take it: ``free[:n_free]``."""
+        return self._free, self._n_free
+
+    def _freed(self, n: int, rows: npt.NDArray[np.int64]) -> None:
+        """A kernel pushed ``n`` slots on the free stack (``_free_slots``), which had ``rows``."""
+        self._n_free += n
         if len(rows):
             self._free_rows.extend(rows.tolist())
-            self._wide[dead] = -1
-        self._free[self._n_free : self._n_free + len(dead)] = dead
-        self._n_free += len(dead)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -545,6 +538,7 @@ class CacheMap:
     def check_integrity(self) -> None:
         """Raise RuntimeError if the derived state disagrees with the holders (tests,
         debugging)."""
+        self._index.check_counts()
         used = np.zeros(len(self._hash), np.bool_)
         keys, slots = self._index.items()
         used[slots] = True
@@ -740,9 +734,8 @@ def _remove(  # type: ignore[no-untyped-def]
     the index table ``tk``, ``tv``, ``shift``, ``tmask``: ``HashIndex.table``; absent keys and
     slots without that holder are skipped, a key may repeat). The slots left with no holder
     die: their keys are tombstoned in the table afterwards, as ``HashIndex.delete`` would, and
-    they are freed as ``CacheMap._recycle`` frees them (pushed on the free stack
-    ``free[:n_free]`` in ascending order, their rows dropped). Returns (holders removed, dead
-    slots, the rows they had, in that order)."""
+    they are freed in ascending order (``_free_slots``). Returns (holders removed, dead slots,
+    the rows they had)."""
     w, m = bit >> 6, np.uint64(bit & 63)
     one = np.uint64(1) << m
     words = gpu.shape[1]
@@ -788,10 +781,17 @@ def _remove(  # type: ignore[no-untyped-def]
             n_dead += 1
     for j in range(n_dead):
         tv[cells[j]] = TOMBSTONE
-    dead = np.sort(dead[:n_dead])
-    rows = np.empty(n_dead, np.int64)
+    return held, n_dead, _free_slots(np.sort(dead[:n_dead]), has_parent, wide, free, n_free)
+
+
+@jit
+def _free_slots(dead, has_parent, wide, free, n_free):  # type: ignore[no-untyped-def]
+    """Free the slots ``dead`` (distinct, ascending, out of the index): pushed in that order on
+    the free stack ``free[:n_free]``, without a parent, their rows dropped. Returns those rows,
+    in order (for the caller's free rows)."""
+    rows = np.empty(dead.shape[0], np.int64)
     n_rows = 0
-    for j in range(n_dead):
+    for j in range(dead.shape[0]):
         s = dead[j]
         has_parent[s] = False
         if wide[s] >= 0:
@@ -799,7 +799,7 @@ def _remove(  # type: ignore[no-untyped-def]
             n_rows += 1
             wide[s] = -1
         free[n_free + j] = s
-    return held, n_dead, rows[:n_rows]
+    return rows[:n_rows]
 
 
 @jit
@@ -899,34 +899,30 @@ def _store(  # type: ignore[no-untyped-def]
     """``CacheMap.store_chains``'s pass: add instance ``bit`` with tier ``flag`` to the known
     keys among ``hs`` (``_store_known``), then give each new key (its first position) a slot,
     from the top of the free stack ``free[:n_free]`` first (the stack's order: its last
-    ``reused`` in place), then from ``next_`` on, put it in the index table and fill the slot's
-    columns with that one holder. ``hs`` is the chains' hashes laid end to end, then each
-    chain's parent (0 for none); ``meta`` is per chain (start in ``hs``, first block's depth,
-    has a parent). The caller made room (slots, free stack and table) for every key being new.
-    Returns (holders added, slots reused, slots taken from ``next_``, EMPTY table cells used,
-    the known narrow slots with no room left for the holder)."""
+    ``reused`` in place), then from ``next_`` on, put it in the index table (``_insert``, as
+    ``HashIndex.insert`` does) and fill the slot's columns with that one holder. ``hs`` is
+    the chains' hashes laid end to end, then each chain's parent (0 for none); ``meta`` is per
+    chain (start in ``hs``, first block's depth, has a parent). The caller made room (slots,
+    free stack and table) for every key being new. Returns (holders added, slots reused, slots
+    taken from ``next_``, EMPTY table cells used, the known narrow slots with no room left for
+    the holder)."""
     k = meta.shape[0] // 3
     n = hs.shape[0] - k
     keys = hs[:n]
     added, pos, full = _store_known(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, bit, flag)
     new = pos.shape[0]
     reused = min(new, n_free)
+    at = np.empty(new, np.int64)
+    for j in range(new):
+        at[j] = free[n_free - reused + j] if j < reused else next_ + j - reused
+    cells = _insert(tk, tv, shift, tmask, keys[pos], at)
     starts = np.empty(k, np.int64)
     for c in range(k):
         starts[c] = meta[3 * c]
     entry = bit << 2 | flag
-    cells = 0
     for j in range(new):
-        s = free[n_free - reused + j] if j < reused else next_ + j - reused
-        p = pos[j]
+        s, p = at[j], pos[j]
         key = keys[p]
-        cell = np.int64((key * _GOLDEN) >> shift)  # as HashIndex.insert places it
-        while tv[cell] >= 0:
-            cell = (cell + 1) & tmask
-        if tv[cell] == EMPTY:
-            cells += 1
-        tk[cell] = key
-        tv[cell] = s
         c = np.searchsorted(starts, p, side="right") - 1
         hash_[s] = key
         if p > starts[c]:
@@ -937,6 +933,13 @@ def _store(  # type: ignore[no-untyped-def]
         hold[s, :] = 0
         hold[s, 0] = entry
     return added + new, reused, new - reused, cells, full
+
+
+def _doubled(size: int, need: int) -> int:
+    """``size`` doubled until it holds ``need``."""
+    while size < need:
+        size *= 2
+    return size
 
 
 def _bit_counts(rows: npt.NDArray[np.uint64], n_bits: int) -> npt.NDArray[np.int64]:
