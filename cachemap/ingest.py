@@ -433,29 +433,27 @@ class Gap:
 
 class _Gathered:
     """One instance's updates gathered from consecutive event batches for ``CacheMapIngestor``:
-    per tier the stored chains and the removed hashes (with those hashes as a set, for the
-    check of a store against them)."""
+    per tier the stored chains and the removed hashes (each once, in order: a second removal
+    of a hash the map no longer holds there changes nothing)."""
 
-    __slots__ = ("instance", "removed", "removed_set", "stored")
+    __slots__ = ("instance", "removed", "stored")
 
     def __init__(self) -> None:
         self.instance = ""
         self.stored: dict[str, list[tuple[Sequence[int], int | None, int]]] = {}
-        self.removed: dict[str, list[int]] = {}
-        self.removed_set: dict[str, set[int]] = {}
+        self.removed: dict[str, dict[int, None]] = {}
 
     def add_stored(self, u: Stored) -> bool:
         """Gather ``u``; False (nothing gathered) when it stores a hash gathered as removed,
         which must reach the map after that removal."""
-        gone = self.removed_set.get(u.tier)
-        if gone and not gone.isdisjoint(u.hashes):
+        gone = self.removed.get(u.tier)
+        if gone and not gone.keys().isdisjoint(u.hashes):
             return False
         self.stored.setdefault(u.tier, []).append((u.hashes, u.parent, u.depth))
         return True
 
     def add_removed(self, u: Removed) -> None:
-        self.removed.setdefault(u.tier, []).extend(u.hashes)
-        self.removed_set.setdefault(u.tier, set()).update(u.hashes)
+        self.removed.setdefault(u.tier, {}).update(dict.fromkeys(u.hashes))
 
     def tiers(self) -> list[str]:
         """The tiers gathered: independent in the map, in a fixed order (the map's slot
@@ -465,7 +463,6 @@ class _Gathered:
     def clear(self) -> None:
         self.stored.clear()
         self.removed.clear()
-        self.removed_set.clear()
 
 
 class CacheMapIngestor:
