@@ -64,8 +64,8 @@ def stored_hashes(batches: list[list]) -> list[int]:
     return out
 
 
-def virtual(name: str, profile: LatencyProfile, payloads: list[list] | None = None, **options):
-    on_events = None if payloads is None else (lambda _i, _s, p: payloads.append(p))
+def virtual(name: str, profile: LatencyProfile, batches: list[list] | None = None, **options):
+    on_events = None if batches is None else (lambda _i, _s, events: batches.append(events))
     return VirtualInstance(name, profile, on_events=on_events, options=SimEngineOptions(**options))
 
 
