@@ -4,20 +4,23 @@ A step runs one forward pass over every token the scheduler picked (vLLM v1 mixe
 chunks and decodes in one batch). The model, in milliseconds:
 
     step_ms = base_ms
-            + prefill_pass_ms                                        (if the step prefills)
+            + prefill_pass_ms + prefill_sq_ms * T ** 2                (if the step prefills)
             + sum over prefill chunks of  prefill_token_ms * n + prefill_attn_ms * n * (c + n / 2)
             + decode_pass_ms + decode_seq_ms * batch + decode_ctx_ms * context
                                                                  (if any request decodes)
             + KV bytes loaded from the CPU tier / cpu_load_gbps
 
 where a chunk computes ``n`` new tokens after ``c`` already in the KV cache (the attention term
-is the quadratic cost of attending to the prefix), ``batch`` is the number of decoding requests
-and ``context`` the tokens they attend to in total. The two pass constants are 0 in a profile
-measured by ``kvroute profile`` (``base_ms`` holds a step's fixed cost); an engine whose
-prefilling and decoding passes each add a fixed cost (NVIDIA Dynamo's mocker: a mixed pass
-costs both) sets them. Hence
+is the quadratic cost of attending to the prefix), ``T`` the new tokens of all the step's
+chunks together, ``batch`` is the number of decoding requests and ``context`` the tokens they
+attend to in total. The two pass constants and ``prefill_sq_ms`` are 0 in a profile measured by
+``kvroute profile`` (``base_ms`` holds a step's fixed cost); an engine whose prefilling and
+decoding passes each add a fixed cost, and whose prefill pass grows with the square of its new
+tokens (NVIDIA Dynamo's mocker: a mixed pass costs both, a prefill pass ``a T^2 + b T + c``),
+sets them. Hence
 
     prefill_ms(uncached, context) = base_ms + prefill_pass_ms + prefill_token_ms * uncached
+                                    + prefill_sq_ms * uncached ** 2
                                     + prefill_attn_ms * uncached * (context + uncached / 2)
     decode_step_ms(batch, context) = base_ms + decode_pass_ms + decode_seq_ms * batch
                                      + decode_ctx_ms * context
@@ -84,6 +87,7 @@ _NON_NEGATIVE = (
     "request_overhead_ms",
     "base_ms",
     "prefill_pass_ms",
+    "prefill_sq_ms",
     "decode_pass_ms",
     "prefill_token_ms",
     "prefill_attn_ms",
@@ -124,6 +128,7 @@ class LatencyProfile:
     request_overhead_ms: float = 0.0
     long_prefill_token_threshold: int = 0
     prefill_pass_ms: float = 0.0
+    prefill_sq_ms: float = 0.0
     decode_pass_ms: float = 0.0
     notes: str = ""
     sources: tuple[str, ...] = field(default_factory=tuple)
@@ -144,9 +149,16 @@ class LatencyProfile:
             self.prefill_token_ms + self.prefill_attn_ms * (context + new_tokens / 2)
         )
 
+    def pass_ms(self, new_tokens: int) -> float:
+        """The fixed and squared part of a prefilling pass of ``new_tokens`` in all (no
+        ``base_ms``)."""
+        return self.prefill_pass_ms + self.prefill_sq_ms * new_tokens * new_tokens
+
     def prefill_s(self, uncached_tokens: int, context: int = 0) -> float:
         """A step that only prefills ``uncached_tokens`` after ``context`` cached ones."""
-        return (self.base_ms + self.prefill_pass_ms + self.chunk_ms(uncached_tokens, context)) / 1e3
+        return (
+            self.base_ms + self.pass_ms(uncached_tokens) + self.chunk_ms(uncached_tokens, context)
+        ) / 1e3
 
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """A step that only decodes: ``batch`` requests attending ``context_tokens`` in total."""
@@ -197,7 +209,7 @@ class LatencyProfile:
                 n = min(left, cap)
                 other = min(queued, budget - n, lanes)
                 queued -= other
-                fixed = self.base_ms + self.prefill_pass_ms
+                fixed = self.base_ms + self.pass_ms(n + other)
                 total += (fixed + self.chunk_ms(n, done) + self.chunk_ms(other, 0)) / 1e3
             else:
                 n = min(left, budget)
@@ -231,6 +243,7 @@ class LatencyProfile:
             self,
             base_ms=self.base_ms * factor,
             prefill_pass_ms=self.prefill_pass_ms * factor,
+            prefill_sq_ms=self.prefill_sq_ms * factor,
             decode_pass_ms=self.decode_pass_ms * factor,
             prefill_token_ms=self.prefill_token_ms * factor,
             prefill_attn_ms=self.prefill_attn_ms * factor,
@@ -282,6 +295,8 @@ class LatencyProfile:
         out["decode"] = {"seq_ms": self.decode_seq_ms, "ctx_ms": self.decode_ctx_ms}
         if self.prefill_pass_ms:
             out["prefill"]["pass_ms"] = self.prefill_pass_ms
+        if self.prefill_sq_ms:
+            out["prefill"]["sq_ms"] = self.prefill_sq_ms
         if self.decode_pass_ms:
             out["decode"]["pass_ms"] = self.decode_pass_ms
         out["sources"] = list(self.sources)

@@ -461,7 +461,7 @@ class Scheduler:
         p = self.profile
         if not step.scheduled:
             return 0.0
-        ms, batch, ctx, prefills = p.base_ms, 0, 0, False
+        ms, batch, ctx, prefills, new = p.base_ms, 0, 0, False, 0
         for r, n, before in step.scheduled:
             if n == 1 and r.num_output > 0 and before == r.num_tokens - 1:
                 batch += 1
@@ -469,8 +469,9 @@ class Scheduler:
             else:
                 ms += p.chunk_ms(n, before)
                 prefills = True
+                new += n
         if prefills:
-            ms += p.prefill_pass_ms
+            ms += p.pass_ms(new)
         if batch:
             ms += p.decode_pass_ms + p.decode_seq_ms * batch + p.decode_ctx_ms * ctx
         return ms / 1e3 + p.load_s(step.load_tokens)

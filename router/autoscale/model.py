@@ -129,6 +129,9 @@ class ProfileLike(Protocol):
     def prefill_pass_ms(self) -> float: ...
 
     @property
+    def prefill_sq_ms(self) -> float: ...
+
+    @property
     def decode_pass_ms(self) -> float: ...
 
     @property
@@ -170,15 +173,17 @@ def replica_capacity(
 
     The steady state of a colocated engine at rate ``lam``: each request spends ``W`` ms of
     GPU work beyond the steps' fixed cost ``base`` (``base_ms`` and ``decode_pass_ms``: a busy
-    engine's steps decode; ``W``: its uncached prefill chunks, each with ``prefill_pass_ms``,
-    plus ``O`` decode tokens at the mean context), and is in decode for ``O`` steps; with step
-    time ``tau`` the step holds ``lam tau`` requests' work, so ``tau = base / (1 - lam W)``, and
-    the decoding batch is ``lam O tau`` (Little). Closed form, microseconds per call."""
+    engine's steps decode; ``W``: its uncached prefill chunks, each with ``prefill_pass_ms`` and
+    ``prefill_sq_ms`` per squared token, plus ``O`` decode tokens at the mean context), and is in
+    decode for ``O`` steps; with step time ``tau`` the step holds ``lam tau`` requests' work, so
+    ``tau = base / (1 - lam W)``, and the decoding batch is ``lam O tau`` (Little). Closed form,
+    microseconds per call."""
     o = max(output_tokens, 1.0)
     u = max(uncached_tokens, 0.0)
     ctx = prompt_tokens + o / 2
     prefill_ms = u * (profile.prefill_token_ms + profile.prefill_attn_ms * (prompt_tokens - u / 2))
     prefill_ms += profile.prefill_pass_ms * math.ceil(u / profile.max_num_batched_tokens)
+    prefill_ms += profile.prefill_sq_ms * u * min(u, profile.max_num_batched_tokens)
     w_ms = prefill_ms + o * (profile.decode_seq_ms + profile.decode_ctx_ms * ctx)
     base_ms = profile.base_ms + profile.decode_pass_ms
     lam_util = max_utilization / w_ms  # per ms

@@ -10,7 +10,7 @@ import pytest
 from engines.sim.profile import PROFILES_DIR, LatencyProfile
 
 
-@pytest.mark.parametrize("name", ["cpu-small-llama", "h100-llama3.1-8b"])
+@pytest.mark.parametrize("name", ["cpu-small-llama", "h100-llama3.1-8b", "dynamo-mocker-h100"])
 def test_slowed_scales_every_timed_cost(name: str) -> None:
     p = LatencyProfile.load(name)
     slow = p.slowed(1.7)

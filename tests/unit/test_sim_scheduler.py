@@ -178,13 +178,17 @@ def run_steps(s: Scheduler, t: float, n: int) -> float:
     return t
 
 
-PASSES = [{}, {"base_ms": 0.0, "prefill_pass_ms": 3.0, "decode_pass_ms": 2.0}]
+PASSES = [
+    {},
+    {"base_ms": 0.0, "prefill_pass_ms": 3.0, "decode_pass_ms": 2.0},
+    {"base_ms": 0.0, "prefill_pass_ms": 3.0, "prefill_sq_ms": 0.01, "decode_pass_ms": 2.0},
+]
 
 
 @pytest.mark.parametrize("passes", PASSES)
 def test_step_duration_follows_the_profile(passes):
-    """A step costs ``base_ms``, plus ``prefill_pass_ms`` if it prefills and ``decode_pass_ms``
-    if it decodes (a mixed step: both)."""
+    """A step costs ``base_ms``, plus ``prefill_pass_ms`` and ``prefill_sq_ms`` per squared new
+    token if it prefills and ``decode_pass_ms`` if it decodes (a mixed step: both)."""
     s = make(budget=64, **passes)
     p = s.profile
     a = req("a", 40, out=5)
@@ -195,12 +199,25 @@ def test_step_duration_follows_the_profile(passes):
     b = req("b", 10, start=900)
     s.add(b)
     step = s.schedule(1.0)  # a decodes (context 41), b prefills 10 tokens
-    want_ms = p.base_ms + p.prefill_pass_ms + p.chunk_ms(10, 0)
+    want_ms = p.base_ms + p.prefill_pass_ms + p.prefill_sq_ms * 100 + p.chunk_ms(10, 0)
     want_ms += p.decode_pass_ms + p.decode_seq_ms + p.decode_ctx_ms * 41
     assert step.duration_s == pytest.approx(want_ms / 1e3)
     s.complete(step, 1.0 + step.duration_s)
     step = s.schedule(2.0)  # both decode
     assert step.duration_s == pytest.approx(p.decode_step_s(2, 42 + 11))
+
+
+def test_a_pass_squares_the_new_tokens_of_all_its_chunks():
+    """``prefill_sq_ms`` squares a pass's new tokens together (Dynamo's mocker: ``a T^2``), not
+    chunk by chunk: two prompts prefilled in one pass cost more than each alone."""
+    s = make(budget=64, base_ms=0.0, prefill_pass_ms=3.0, prefill_sq_ms=0.01)
+    p = s.profile
+    s.add(req("a", 20, out=1))
+    s.add(req("b", 30, start=900, out=1))
+    step = s.schedule(0.0)
+    assert sorted(n for _, n, _ in step.scheduled) == [20, 30]
+    want_ms = 3.0 + 0.01 * 50**2 + p.chunk_ms(20, 0) + p.chunk_ms(30, 0)
+    assert step.duration_s == pytest.approx(want_ms / 1e3)  # 12 ms over squares chunk by chunk
 
 
 def test_cpu_hits_charge_the_load_time():
