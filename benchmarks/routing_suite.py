@@ -3,9 +3,12 @@
 Workloads (``WORKLOADS``): the shared Mooncake conversation trace (``conversation``), the
 synthetic ``to-b``, ``mix``, ``agentic`` and ``rag`` (``loadgen.synthetic``), and the Azure LLM
 inference 2023 conversation trace (``azure-conv``, its prefixes drawn by
-``loadgen.traces.PrefixModel``). Each run is the first ``--requests`` requests of the workload
-(a trace's first requests, its gaps divided by the rate scale; a synthetic workload generated
-at ``SYNTH_BASE_RATE`` times the rate scale for as long as that many requests take).
+``loadgen.traces.PrefixModel``). Any trace file ``kvroute simulate --trace`` reads (Mooncake or
+Bailian JSONL, Azure or BurstGPT CSV) is a workload too, named by its path in ``--workloads``:
+the suite's loads, seeds and table apply to it unchanged. Each run is the first ``--requests``
+requests of the workload (a trace's first requests, its gaps divided by the rate scale; a
+synthetic workload generated at ``SYNTH_BASE_RATE`` times the rate scale for as long as that
+many requests take).
 
 Loads, by rule, per workload: L1 is the rate scale at which round_robin's TTFT p50 is twice its
 idle p50 (the p50 at rate scale ``IDLE_SCALE``), found by bisection in log scale on
@@ -80,6 +83,8 @@ WORKLOADS: dict[str, str] = {
     "rag": "rag",
     "azure-conv": "azure_llm_2023_conv.csv",
 }
+# a workload that names a file with one of these is a trace (``loadgen.traces.load_trace``)
+TRACE_SUFFIXES = (".jsonl", ".csv")
 SYNTH_BASE_RATE = SynthParams().rate  # req/s of a synthetic workload at rate scale 1
 IDLE_SCALE = 0.05  # the rate scale whose round_robin p50 is the idle p50
 MAX_SCALE = 256.0  # the search gives up above this rate scale (``capped`` in its output)
@@ -114,8 +119,8 @@ def make_plan(
 ) -> tuple[list[Planned], int]:
     """The first ``requests`` requests of ``workload`` at rate scale ``scale``, seeded:
     ``(plan, block size of its hash ids)``."""
-    source = WORKLOADS[workload]
-    if source.endswith((".jsonl", ".csv")):
+    source = WORKLOADS.get(workload, workload)  # else a trace file's path (``_workloads``)
+    if source.endswith(TRACE_SUFFIXES):
         key = (source, seed if source.endswith(".csv") else 0)  # a CSV's prefixes are seeded
         if key not in _traces:
             trace = load_trace(traces / source, prefix_model=PrefixModel(seed=seed))
@@ -394,19 +399,44 @@ def table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _names(raw: str, valid: list[str], flag: str) -> list[str]:
+def _workloads(raw: str) -> list[str]:
+    """``--workloads``: suite names, or trace files by path (resolved, and read once here so
+    that a bad file is named before any run)."""
+    names = []
+    for x in (x.strip() for x in raw.split(",")):
+        if x.endswith(TRACE_SUFFIXES) and x not in WORKLOADS:
+            path = Path(x).resolve()
+            if not path.is_file():
+                raise ValueError(f"--workloads: no trace file {x!r}")
+            try:
+                if not load_trace(path).requests:
+                    raise ValueError("no requests in it")
+            except (OSError, ValueError) as e:
+                raise ValueError(f"--workloads: cannot read trace {x!r}: {e}") from None
+            x = str(path)
+        names.append(x)
+    traces = [x for x in names if x.endswith(TRACE_SUFFIXES)]
+    shown = [*WORKLOADS, "a trace file (.jsonl, .csv)"]
+    return _names(",".join(names), [*WORKLOADS, *traces], "--workloads", shown)
+
+
+def _names(raw: str, valid: list[str], flag: str, shown: list[str] | None = None) -> list[str]:
     out = [x.strip() for x in raw.split(",") if x.strip()]
     bad = [x for x in out if x not in valid]
     if bad or not out:
         raise ValueError(
-            f"{flag}: unknown {bad[0] if bad else '(none)'}; valid: {', '.join(valid)}"
+            f"{flag}: unknown {bad[0] if bad else '(none)'}; valid: {', '.join(shown or valid)}"
         )
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated [all]")
+    ap.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help="comma-separated suite workloads or trace files (.jsonl, .csv) [all]",
+    )
     ap.add_argument(
         "--routers",
         default=",".join(scorer_names()),
@@ -449,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     try:
-        workloads = _names(args.workloads, list(WORKLOADS), "--workloads")
+        workloads = _workloads(args.workloads)
         routers = [label for label, _, _ in parse_routers(args.routers)]
         for v, flag in (
             (args.seeds, "--seeds"),

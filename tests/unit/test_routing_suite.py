@@ -58,9 +58,42 @@ def test_suite_runs_tiny_and_reuses_its_loads(suite, tmp_path, capsys):
     assert "searching" not in captured.err and "16 simulations" in captured.err
 
 
-def test_suite_flags_name_the_bad_value(suite, capsys):
+def test_a_trace_file_is_a_workload(suite, tmp_path, capsys):
+    """A Mooncake-layout trace the suite does not know, by path: its load searched by the rule
+    and every cell filled, keyed by the resolved path."""
+    trace = tmp_path / "held_out.jsonl"
+    lines = []
+    for i in range(60):  # 6 conversations of 10 turns, each turn one more block of history
+        conv, turn = i % 6, i // 6
+        ids = [1000 * conv + k for k in range(turn + 2)]
+        lines.append(
+            json.dumps(
+                {"timestamp": 250 * i, "input_length": 512 * len(ids) - 100,
+                 "output_length": 20, "hash_ids": ids}
+            )
+        )  # fmt: skip
+    trace.write_text("\n".join(lines) + "\n")
+    args = [*TINY[2:], "--workloads", f"to-b,{trace}"]
+    assert suite.main(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    key = str(trace.resolve())
+    assert set(doc["results"]) == {"to-b", key}
+    assert doc["loads"][key]["l1_scale"] > 0
+    for load in ("L1", "L2"):
+        cell = doc["results"][key][load]["kv_ttft"]
+        assert cell["completed"] == [40, 40]
+        assert cell["hit_rate"]["mean"] > 0  # the later turns find their history
+
+
+def test_suite_flags_name_the_bad_value(suite, capsys, tmp_path):
     assert suite.main(["--workloads", "to-b,chat"]) == 2
     assert "--workloads: unknown chat" in capsys.readouterr().err
+    assert suite.main(["--workloads", "/nonexistent/t.jsonl"]) == 2
+    assert "--workloads: no trace file '/nonexistent/t.jsonl'" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    assert suite.main(["--workloads", str(bad)]) == 2
+    assert f"--workloads: cannot read trace {str(bad)!r}" in capsys.readouterr().err
     assert suite.main(["--routers", "nope"]) == 2
     assert "--router nope: router: unknown scorer 'nope'" in capsys.readouterr().err
     assert suite.main(["--loads", "/nonexistent/x.json"]) == 2
