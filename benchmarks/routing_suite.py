@@ -110,6 +110,16 @@ METRICS: tuple[str, ...] = (
 _traces: dict[tuple[str, int], tuple[list[TraceRequest], int]] = {}
 
 
+def _trace(path: Path, seed: int) -> tuple[list[TraceRequest], int]:
+    """A trace's requests and block size, loaded once per process (a CSV's prefixes drawn with
+    ``seed``; a JSONL trace carries its own)."""
+    key = (str(path), seed if path.suffix == ".csv" else 0)
+    if key not in _traces:
+        trace = load_trace(path, prefix_model=PrefixModel(seed=seed))
+        _traces[key] = (trace.requests, trace.block_size)
+    return _traces[key]
+
+
 def make_plan(
     workload: str,
     scale: float,
@@ -121,11 +131,7 @@ def make_plan(
     ``(plan, block size of its hash ids)``."""
     source = WORKLOADS.get(workload, workload)  # else a trace file's path (``_workloads``)
     if source.endswith(TRACE_SUFFIXES):
-        key = (source, seed if source.endswith(".csv") else 0)  # a CSV's prefixes are seeded
-        if key not in _traces:
-            trace = load_trace(traces / source, prefix_model=PrefixModel(seed=seed))
-            _traces[key] = (trace.requests, trace.block_size)
-        reqs, block = _traces[key]
+        reqs, block = _trace(traces / source, seed)
         return build_schedule(reqs, time_scale=1.0 / scale, max_requests=requests), block
     reqs = generate_count(source, requests, SYNTH_BASE_RATE * scale, seed)
     return build_schedule(reqs), SYNTH_BLOCK_SIZE
@@ -400,33 +406,29 @@ def table(doc: dict[str, Any]) -> str:
 
 
 def _workloads(raw: str) -> list[str]:
-    """``--workloads``: suite names, or trace files by path (resolved, and read once here so
-    that a bad file is named before any run)."""
-    names = []
+    """``--workloads``: suite names, or trace files by path (resolved, and loaded here, into
+    the cache ``make_plan`` reads, so that a bad file is named before any run)."""
+    out = []
     for x in (x.strip() for x in raw.split(",")):
-        if x.endswith(TRACE_SUFFIXES) and x not in WORKLOADS:
-            path = Path(x).resolve()
-            if not path.is_file():
-                raise ValueError(f"--workloads: no trace file {x!r}")
-            try:
-                if not load_trace(path).requests:
-                    raise ValueError("no requests in it")
-            except (OSError, ValueError) as e:
-                raise ValueError(f"--workloads: cannot read trace {x!r}: {e}") from None
-            x = str(path)
-        names.append(x)
-    traces = [x for x in names if x.endswith(TRACE_SUFFIXES)]
-    shown = [*WORKLOADS, "a trace file (.jsonl, .csv)"]
-    return _names(",".join(names), [*WORKLOADS, *traces], "--workloads", shown)
-
-
-def _names(raw: str, valid: list[str], flag: str, shown: list[str] | None = None) -> list[str]:
-    out = [x.strip() for x in raw.split(",") if x.strip()]
-    bad = [x for x in out if x not in valid]
-    if bad or not out:
-        raise ValueError(
-            f"{flag}: unknown {bad[0] if bad else '(none)'}; valid: {', '.join(shown or valid)}"
-        )
+        if not x:
+            continue
+        if x in WORKLOADS:
+            out.append(x)
+            continue
+        if not x.endswith(TRACE_SUFFIXES):
+            valid = ", ".join([*WORKLOADS, "a trace file (.jsonl, .csv)"])
+            raise ValueError(f"--workloads: unknown {x}; valid: {valid}")
+        path = Path(x).resolve()
+        if not path.is_file():
+            raise ValueError(f"--workloads: no trace file {x!r}")
+        try:
+            if not _trace(path, 0)[0]:
+                raise ValueError("no requests in it")
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--workloads: cannot read trace {x!r}: {e}") from None
+        out.append(str(path))
+    if not out:
+        raise ValueError("--workloads: none given")
     return out
 
 
