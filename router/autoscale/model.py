@@ -183,7 +183,8 @@ def replica_capacity(
     ctx = prompt_tokens + o / 2
     prefill_ms = u * (profile.prefill_token_ms + profile.prefill_attn_ms * (prompt_tokens - u / 2))
     prefill_ms += profile.prefill_pass_ms * math.ceil(u / profile.max_num_batched_tokens)
-    prefill_ms += profile.prefill_sq_ms * u * min(u, profile.max_num_batched_tokens)
+    full, rest = divmod(u, profile.max_num_batched_tokens)
+    prefill_ms += profile.prefill_sq_ms * (full * profile.max_num_batched_tokens**2 + rest**2)
     w_ms = prefill_ms + o * (profile.decode_seq_ms + profile.decode_ctx_ms * ctx)
     base_ms = profile.base_ms + profile.decode_pass_ms
     lam_util = max_utilization / w_ms  # per ms

@@ -90,6 +90,18 @@ def test_capacity_model_follows_hits_and_the_tpot_slo(profile):
     assert profile.base_ms / (1 - lam * w) <= 0.8 * 50 + 1e-6
 
 
+def test_capacity_model_prices_each_chunk_as_its_own_pass():
+    """Dynamo's mocker profile: a prompt's uncached tokens in full 8,192-token passes and one of
+    the rest, each ``a T^2 + b T + c`` (``prefill_sq_ms``), as the sim engine prices them."""
+    mocker = LatencyProfile.load("dynamo-mocker-h100")
+    u, out = 20_000, 10
+    passes = 2 * mocker.pass_ms(8192) + mocker.pass_ms(3616)  # the fixed and squared parts
+    w = passes + u * mocker.prefill_token_ms + out * mocker.decode_ctx_ms * (u + out / 2)
+    # no TPOT bound and far from the batch limits: the utilisation bound sets the rate
+    assert replica_capacity(mocker, u, u, out, None) == pytest.approx(0.85 / w * 1e3)
+    assert passes == pytest.approx(3 * 16.50142 + 4.209989e-07 * (2 * 8192**2 + 3616**2))
+
+
 def test_forecaster_extrapolates_rises_but_not_falls():
     f = Forecaster(4)
     for k, r in enumerate([1.0, 2.0, 3.0, 4.0]):
