@@ -243,12 +243,9 @@ class RouterCore:
             ]
         match = self.cache_map.match(request.block_hashes)
         if self.inflight is not None:
-            view_of = (
-                {v.instance_id: v for v in views}.get
-                if excluded or allowed is not None
-                else self.load.view
-            )
-            match = self.inflight.extend(request.block_hashes, match, view_of)
+            # NOTE: every instance's view, not only the candidates': like the cache map's own
+            # answer, the match may name instances that are no candidate, which scorers skip
+            match = self.inflight.extend(request.block_hashes, match, self.load.view)
         plan = None
         if self.disaggregated and candidates is None:
             if self.planner is None:

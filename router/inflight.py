@@ -86,7 +86,7 @@ class InFlightPrompts:
     ) -> Mapping[str, Match]:
         """``match`` (the cache map's answer for ``hashes``) with each instance's leading run
         lengthened to the in-flight prompts it will hold first; with ``view_of`` (an instance's
-        view, None for one not a candidate), only on the candidates ``queued_past_a_step``.
+        view, None for one without), only on the instances ``queued_past_a_step``.
         A lookup, not the views: the few instances with prompts in flight are looked up, not
         the whole cluster walked, on every placement."""
         refs = self._refs
