@@ -73,6 +73,6 @@ def test_in_flight_prompts_count_only_behind_more_than_a_step_of_prefill() -> No
     ]
     got = f.extend([1, 2, 3], {"b": Match(1, 1)}, {v.instance_id: v for v in views}.get)
     assert got == {"a": Match(3, 3), "b": Match(1, 1)}  # b's 2 in-flight blocks: not counted
-    # an instance that is no candidate (no view) is not lengthened
+    # an instance the lookup has no view of is not lengthened
     assert f.extend([1, 2, 3], {"b": Match(1, 1)}, {"b": views[1]}.get) == {"b": Match(1, 1)}
     assert f.extend([1, 2, 3], {"b": Match(1, 1)}) == {"a": Match(3, 3), "b": Match(2, 2)}

@@ -25,6 +25,16 @@ def test_slowed_scales_every_timed_cost(name: str) -> None:
         p.slowed(0)
 
 
+def test_a_capped_prompt_shares_one_squared_pass_with_the_queue() -> None:
+    """With a per-request prefill cap the request's chunk and the queue's share each step, and
+    ``prefill_sq_ms`` squares their tokens together, as the sim engine's step does."""
+    p = LatencyProfile.load("dynamo-mocker-h100").with_limits(100, 40)
+    # one step: the request's 30 tokens beside 40 of the queue's 200 (one request's cap)
+    want_ms = p.pass_ms(70) + p.chunk_ms(30, 0) + p.chunk_ms(40, 0)
+    assert p.ttft_s(30, queued=200, queued_requests=1) == pytest.approx(want_ms / 1e3)
+    assert p.pass_ms(70) == pytest.approx(p.prefill_pass_ms + p.prefill_sq_ms * 70**2)
+
+
 def test_every_shipped_profile_reads_back_what_to_dict_writes() -> None:
     for path in sorted(PROFILES_DIR.glob("*.json")):
         profile = LatencyProfile.load(path)
