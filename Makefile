@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvroute-installed
 
-.PHONY: native serve test test-unit test-integration test-engine lint format typecheck redis ssh prometheus bench clean
+.PHONY: native serve test test-unit test-integration test-engine lint format typecheck redis mooncake ssh prometheus bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,7 @@ native: $(STAMP)
 	$(PY) -m deploy.native build --strict
 
 # `make serve PORT=8100 HOST=0.0.0.0 ARGS='--router round_robin'`: any flag of `kvroute serve`.
-serve: native
+serve: native mooncake
 	$(VENV)/bin/kvroute serve $(if $(PORT),--port $(PORT)) $(if $(HOST),--host $(HOST)) $(ARGS)
 
 # A real Redis server for the integration tier (Debian package; root on CI machines).
@@ -31,6 +31,14 @@ redis:
 	@command -v redis-server >/dev/null || { \
 		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
+
+# The cluster KV pool (engines/pool, docs/pool.md): the Mooncake wheel (pyproject) links
+# libibverbs.so.1 even over TCP (Debian package; root on CI machines).
+mooncake: $(STAMP)
+	@$(PY) -c "import ctypes; ctypes.CDLL('libibverbs.so.1')" 2>/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+		$$SUDO apt-get update -qq && \
+		$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1; }
 
 # `ray up` with Ray's local node provider (tests/integration/test_ray_up_local.py) needs an SSH
 # server and rsync (Debian packages; root on CI machines).
@@ -52,14 +60,14 @@ prometheus:
 # The unit tier runs on two workers (pytest-xdist): its tests are CPU-bound and independent.
 # The engine and integration tiers run on two workers too, a module at a time, every Ray module
 # on one worker (tests/conftest.py; why and what it measured: docs/development.md).
-test: native redis ssh prometheus lint typecheck
+test: native redis mooncake ssh prometheus lint typecheck
 	$(PY) -m pytest --durations=10 -n 2 tests/unit
 	$(PY) -m pytest --durations=30 -n 2 --dist loadgroup tests/engine tests/integration
 
 test-unit: native
 	$(PY) -m pytest -n 2 tests/unit
 
-test-integration: native redis ssh prometheus
+test-integration: native redis mooncake ssh prometheus
 	$(PY) -m pytest tests/integration
 
 test-engine: native
