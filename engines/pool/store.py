@@ -332,16 +332,27 @@ class PoolStore:
         ptrs: list[int],
         sizes: Sequence[int],
         ok: list[bool],
+        config: Any,
     ) -> None:
         ks, szs = [keys[i] for i in idxs], [sizes[i] for i in idxs]
-        codes = self._call("put", len(idxs), self._store.batch_put_from, ks, ptrs, szs)
+        fn = self._store.batch_put_from
+        codes = self._call("put", len(idxs), fn, ks, ptrs, szs, config)
         if codes is not None:
             self._settle("put", keys, codes, szs, ok, idxs)
 
-    def put_blocks(self, keys: Sequence[str], values: Sequence[object]) -> list[bool]:
+    @property
+    def segment_name(self) -> str | None:
+        """This client's segment in the pool (``host:port``), ``None`` when not connected."""
+        with self._lock:
+            return None if self._store is None else str(self._store.get_hostname())
+
+    def put_blocks(
+        self, keys: Sequence[str], values: Sequence[object], segment: str | None = None
+    ) -> list[bool]:
         """Store each value (a contiguous ndarray, bytes or memoryview) under its key; a key
-        already in the pool keeps its first value (Mooncake answers success). Per block: stored
-        (or already there), or ``False`` with the fault counted."""
+        already in the pool keeps its first value (Mooncake answers success). ``segment``: the
+        segment to place them in (a ``segment_name``; Mooncake's choice otherwise). Per block:
+        stored (or already there), or ``False`` with the fault counted."""
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys for {len(values)} values")
         with self._lock:
@@ -353,8 +364,13 @@ class PoolStore:
             sizes = [v.nbytes for v in views]
             direct = [i for i, v in enumerate(views) if self._in_registered(v)]
             staged = [i for i, v in enumerate(views) if not self._in_registered(v)]
+            from mooncake.store import ReplicateConfig
+
+            config = ReplicateConfig()
+            if segment is not None:
+                config.preferred_segment = segment
             if direct:
-                self._put_run(keys, direct, [_ptr(views[i]) for i in direct], sizes, ok)
+                self._put_run(keys, direct, [_ptr(views[i]) for i in direct], sizes, ok, config)
             assert self._staging is not None
             for run in self._staged_runs(sizes, staged):
                 if time.monotonic() < self._down_until:
@@ -365,7 +381,7 @@ class PoolStore:
                     self._staging[off : off + sizes[i]] = views[i]
                     ptrs.append(_ptr(self._staging) + off)
                     off += sizes[i]
-                self._put_run(keys, run, ptrs, sizes, ok)
+                self._put_run(keys, run, ptrs, sizes, ok, config)
             self._counts["put_ok"] += sum(ok)
             return ok
 
@@ -448,3 +464,20 @@ class PoolStore:
                     break
             self._counts["removed"] += removed
             return removed
+
+    def locate(self, key: str) -> list[str]:
+        """The segments (``segment_name``s) holding a memory replica of ``key``; empty when it
+        is not in the pool or on a fault. What a router needs to price a load by its path."""
+        with self._lock:
+            if not self._available(1):
+                return []
+            try:
+                replicas = self._store.get_replica_desc(key)
+                return [
+                    str(r.get_memory_descriptor().buffer_descriptor.transport_endpoint)
+                    for r in replicas
+                    if r.is_memory_replica()
+                ]
+            except Exception as e:  # any failure of the pool is a miss, never fatal
+                self._fault("error", 1, f"locate {key!r} raised {e!r}")
+                return []

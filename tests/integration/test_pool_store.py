@@ -150,6 +150,16 @@ def test_registered_memory_moves_without_staging(
     assert np.array_equal(np.stack(out), src)
 
 
+def test_a_put_lands_in_the_segment_asked_for(two_clients: tuple[PoolStore, PoolStore]) -> None:
+    a, b = two_clients
+    assert a.segment_name != b.segment_name
+    for i, target in enumerate((a, b)):
+        key = pool_keys(NS, [600 + i])
+        assert a.put_blocks(key, _blocks(1, seed=10 + i), segment=target.segment_name) == [True]
+        assert b.locate(key[0]) == [target.segment_name]
+    assert b.locate(pool_keys(NS, [699])[0]) == []
+
+
 def test_missing_and_wrong_size_blocks_are_counted_misses(
     two_clients: tuple[PoolStore, PoolStore],
 ) -> None:
