@@ -257,6 +257,19 @@ class PoolStore:
                 self._fault("register", 1, f"cannot register {arr.nbytes} bytes")
             return bool(ok)
 
+    def unregister(self, arr: npt.NDArray[Any]) -> None:
+        """Undo ``register(arr)`` (before the memory is freed or reused for something else)."""
+        with self._lock:
+            kept = [r for r in self._registered if r[2] is not arr]
+            if len(kept) == len(self._registered):
+                return
+            self._registered = kept
+            if self._store is not None:
+                try:
+                    self._store.unregister_buffer(_ptr(arr))
+                except Exception as e:  # any failure of the pool is a miss, never fatal
+                    self._fault("register", 1, f"cannot unregister: {e!r}")
+
     def _in_registered(self, arr: npt.NDArray[Any]) -> bool:
         start, end = _ptr(arr), _ptr(arr) + arr.nbytes
         return any(s <= start and end <= s + n for s, n, _ in self._registered)
