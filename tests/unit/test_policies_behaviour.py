@@ -212,6 +212,36 @@ def test_history_predictor_learns_next_turn_probability() -> None:
     assert abs(p - (5 + 0.5) / (20 + 1)) < 1e-9
 
 
+def test_history_predictor_remembers_a_turn_for_its_ttl_and_forgets_it_after_twice() -> None:
+    pred = HistoryPredictor(session_ttl_s=100.0)
+    pred.observe(RequestInfo(category="text_1", session_id=1), 0.0)
+    pred.observe(RequestInfo(category="text_1", session_id=2), 99.0)
+    pred.observe(RequestInfo(category="text_1", session_id=3), 150.0)  # 1 and 2 grow old
+    pred.observe(RequestInfo(category="text_2", session_id=4, parent_id=2), 198.0)
+    assert pred.counts()["text_1"] == (3, 1)  # 99 s later: still known
+    pred.observe(RequestInfo(category="text_1", session_id=5), 350.0)  # over 2 ttl: all go
+    assert len(pred) == 1
+    pred.observe(RequestInfo(category="text_2", session_id=6, parent_id=3), 351.0)
+    assert pred.counts()["text_1"] == (4, 1)  # 201 s later: forgotten, not credited
+    with pytest.raises(ValueError, match="session_ttl_s"):
+        HistoryPredictor(session_ttl_s=0.0)
+    with pytest.raises(ValueError, match="max_sessions"):
+        HistoryPredictor(max_sessions=1)
+
+
+def test_history_predictor_holds_at_most_max_sessions_oldest_going_first() -> None:
+    pred = HistoryPredictor(max_sessions=4)
+    for s in range(1, 8):
+        pred.observe(RequestInfo(category="text_1", session_id=s), float(s))
+        assert len(pred) <= 4
+    for parent in range(1, 8):  # 1-4 went (two halves of 2); 5-7 are still held
+        pred.observe(RequestInfo(category="text_2", parent_id=parent))  # (holds nothing)
+    assert pred.counts()["text_1"] == (7, 3)
+    lpc = LPCPolicy(10, session_ttl_s=5.0, max_sessions=8)
+    assert isinstance(lpc.predictor, HistoryPredictor)
+    assert (lpc.predictor.session_ttl_s, lpc.predictor.max_sessions) == (5.0, 8)
+
+
 def test_prefix_reuse_sends_a_prompt_tail_first_and_learns_counts() -> None:
     pr = PrefixReusePolicy(100, refit_every=10)
     now = 0.0
