@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,20 @@ pytest.importorskip("mooncake.store", reason="the Mooncake wheel is not installe
 _MiB = 1 << 20
 BLOCK = 64 * 1024  # bytes of one test block
 SEGMENT = 16 * _MiB  # Mooncake's smallest segment
+CLIENT_TTL_S = 3
+
+# Another node: joins the pool, stores four blocks in its own segment, says so, then waits.
+HOLDER = """
+import sys, time
+import numpy as np
+from engines.pool import PoolStore, StoreConfig
+s = PoolStore(StoreConfig(sys.argv[1], sys.argv[2]))
+assert s.connect()
+keys = sys.argv[3:]
+ok = s.put_blocks(keys, [np.full(65536, i, np.uint8) for i in range(len(keys))], s.segment_name)
+print(s.segment_name if all(ok) else "", flush=True)
+time.sleep(600)
+"""
 NS = PoolNamespace("tiny-llama", "test/NHD/layers=2", "bfloat16", 32)
 
 
@@ -58,7 +73,8 @@ def _no_master_survives() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def master(_no_master_survives: None) -> Iterator[PoolMaster]:
-    with PoolMaster(MasterConfig(host="127.0.0.1")) as m:
+    # a dead client's segment leaves the pool CLIENT_TTL_S after its last heartbeat
+    with PoolMaster(MasterConfig(host="127.0.0.1", client_ttl_s=CLIENT_TTL_S)) as m:
         yield m
 
 
@@ -236,6 +252,42 @@ def test_a_killed_master_is_a_miss_and_the_pool_returns_after_a_restart(
         time.sleep(0.2)
     assert np.array_equal(got[0], value[0])
     assert b.exists(keys) == [False, False]
+
+
+def test_a_dead_nodes_blocks_are_misses_then_leave_the_pool(
+    two_clients: tuple[PoolStore, PoolStore], master: PoolMaster
+) -> None:
+    """The node holding a block dies: reading it is a transfer fault at once (a miss, not a
+    hang); after the master's client TTL its blocks are gone from the pool."""
+    _, b = two_clients
+    keys = pool_keys(NS, [800, 801])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, master.master_address, master.metadata_url, *keys],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert holder.stdout is not None
+        segment = holder.stdout.readline().strip()
+        assert segment, "the holder could not store its blocks"
+        assert b.locate(keys[0]) == [segment]
+        out = [np.zeros(BLOCK, np.uint8) for _ in keys]
+        assert b.get_blocks(keys, out) == [True, True]
+        assert out[1][0] == 1
+    finally:
+        holder.kill()
+        holder.wait()
+    before = b.stats().get("fault_transfer", 0)
+    t0 = time.monotonic()
+    assert b.get_blocks(keys, out) == [False, False]
+    assert time.monotonic() - t0 < 1.0
+    assert b.stats()["fault_transfer"] == before + 2
+    deadline = time.monotonic() + CLIENT_TTL_S + 10
+    while b.exists(keys) != [False, False]:
+        assert time.monotonic() < deadline, "the dead node's blocks stayed in the pool"
+        time.sleep(0.5)
 
 
 def test_a_client_without_a_master_answers_misses() -> None:
