@@ -4,17 +4,39 @@ bounded in size, standard JSON, an object) and a bearer key. Every failure is an
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 
-import msgspec
 from fastapi import Request
 
 from router.api_errors import APIError
 
-# NOTE: msgspec's decoder, not json.loads: a 1k-token-id prompt's body decodes in ~31 us
-# against ~74, and it refuses what is not JSON (NaN, Infinity, invalid UTF-8) with the byte
-_json_decoder = msgspec.json.Decoder()
+# NOTE: json.loads with a hook per object, not msgspec's decoder (~2x faster: 1k token ids in
+# 17 against 54 us, 4 MB of them in 24 against 48 ms): msgspec keeps the last of a key given
+# twice, and two parsers that read one body differently (a proxy's, a WAF's, ours) are how
+# a request slips past a check.
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"the key {key[:64]!r} appears twice in one object")
+            seen.add(key)
+    return out
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON (RFC 8259)")
+
+
+def decode_json(raw: bytes) -> Any:
+    """``raw`` as standard JSON (RFC 8259: UTF-8, no NaN or Infinity, each key once per
+    object); ``ValueError`` or ``RecursionError`` otherwise."""
+    return json.loads(raw, object_pairs_hook=_unique_keys, parse_constant=_not_json)
 
 
 def check_json_content_type(request: Request) -> None:
@@ -44,7 +66,7 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
     (``check_json_content_type``); 413 as soon as it is known to exceed ``limit`` bytes (from
     Content-Length, or while streaming it in), so an oversized body is never held whole; 400
     for a body that is not standard JSON (RFC 8259: no NaN or Infinity) or is nested past the
-    parser's depth."""
+    parser's depth, or has a key twice in one object."""
     check_json_content_type(request)
     too_large = APIError(
         413, f"request body exceeds the limit of {limit} bytes", code="request_too_large"
@@ -59,8 +81,8 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
             raise too_large
         chunks.append(chunk)
     try:
-        body = _json_decoder.decode(b"".join(chunks))
-    except (msgspec.DecodeError, UnicodeDecodeError) as e:  # NaN and Infinity: not JSON
+        body = decode_json(b"".join(chunks))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, a key given twice
         raise APIError(400, f"malformed JSON body: {e}") from None
     except RecursionError:
         raise APIError(400, "malformed JSON body: nested too deeply") from None
@@ -69,20 +91,31 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
     return body
 
 
-def authorized(request: Request, keys: frozenset[str]) -> bool:
-    """The request's bearer token is one of ``keys`` (compared in constant time)."""
+def bearer_token(request: Request) -> str:
+    """The request's bearer token ("" without one); the scheme's case does not matter."""
     auth = request.headers.get("authorization", "")
-    token = auth[7:] if auth.lower().startswith("bearer ") else ""
-    return any(secrets.compare_digest(token, k) for k in keys)
+    return auth[7:] if auth[:7].lower() == "bearer " else ""
+
+
+def authorized(request: Request, keys: frozenset[str]) -> bool:
+    """The request's bearer token is one of ``keys`` (compared in constant time, as bytes: a
+    header may carry any byte, and ``compare_digest`` refuses non-ASCII text)."""
+    token = bearer_token(request).encode()
+    return any(secrets.compare_digest(token, k.encode()) for k in keys)
+
+
+def unauthorized(kind: str) -> APIError:
+    """The 401 of a missing or wrong key (``kind``: "API" or "admin", which names the error's
+    message and code)."""
+    return APIError(
+        401,
+        f"missing or invalid {kind} key",
+        type_="authentication_error",
+        code=f"invalid_{kind.lower()}_key",
+    )
 
 
 def require_key(request: Request, keys: frozenset[str], kind: str) -> None:
-    """401 unless the request's bearer token is one of ``keys`` (``kind``: "API" or "admin",
-    which names the error's message and code)."""
+    """401 unless the request's bearer token is one of ``keys`` (``unauthorized``)."""
     if not authorized(request, keys):
-        raise APIError(
-            401,
-            f"missing or invalid {kind} key",
-            type_="authentication_error",
-            code=f"invalid_{kind.lower()}_key",
-        )
+        raise unauthorized(kind)
