@@ -4,8 +4,10 @@ Two gates, both optional:
 
 - **SLO gate**: with a TTFT SLO, a request whose best placement estimate already breaks it is
   rejected at once; Retry-After is the estimated excess (the queue must drain that much).
-- **Concurrency gate**: at most ``max_in_flight`` requests run; the next ``max_queue`` wait in
-  FIFO order for at most ``max_wait_s``; beyond that, or after waiting too long, reject.
+- **Concurrency gate**: at most ``max_in_flight`` engine requests run (an HTTP request takes a
+  slot per engine request it makes: ``n`` choices, a batch's prompts times ``n``); the next
+  ``max_queue`` HTTP requests wait in FIFO order for at most ``max_wait_s``; beyond that, or
+  after waiting too long, reject.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Admission:
         self.max_queue = max_queue
         self.max_wait_s = max_wait_s
         self._running = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[tuple[asyncio.Future[None], int]] = deque()
         self.rejected_slo = 0
         self.rejected_queue = 0
 
@@ -70,17 +72,21 @@ class Admission:
                 estimated_ttft_s - self.slo_ttft_s,
             )
 
-    async def acquire(self) -> Ticket:
-        """Take one of ``max_in_flight`` slots, waiting in the bounded queue if needed; raises
-        ``Rejected`` when the queue is full or the wait exceeds ``max_wait_s``."""
-        if self._running < self.max_in_flight:
-            self._running += 1
-            return Ticket(self)
+    async def acquire(self, slots: int = 1) -> Ticket:
+        """Take ``slots`` of the ``max_in_flight`` slots (one per engine request: a request's
+        ``n`` choices, a batch's prompts times ``n``; at most all of them), waiting in the
+        bounded FIFO queue if needed; raises ``Rejected`` when the queue is full or the wait
+        exceeds ``max_wait_s``."""
+        slots = max(1, min(slots, self.max_in_flight))
+        if not self._waiters and self._running + slots <= self.max_in_flight:
+            self._running += slots
+            return Ticket(self, slots)
         if len(self._waiters) >= self.max_queue:
             self.rejected_queue += 1
             raise Rejected("server is at capacity and its queue is full", self.max_wait_s)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        waiter = (fut, slots)
+        self._waiters.append(waiter)
         try:
             await asyncio.wait_for(fut, self.max_wait_s)
         except TimeoutError:
@@ -88,33 +94,44 @@ class Admission:
             raise Rejected("timed out waiting for capacity", self.max_wait_s) from None
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
-                self._release()  # the slot was handed to us just as we were cancelled
+                self._release(slots)  # the slots were granted just as we were cancelled
             raise
         finally:
-            if fut in self._waiters:
-                self._waiters.remove(fut)
-        # NOTE: the releasing request handed its slot over; _running was not decremented.
-        return Ticket(self)
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+                self._grant()  # a large request leaving the head may let smaller ones in
+        # NOTE: ``_grant`` counted the slots in ``_running`` when it granted them.
+        return Ticket(self, slots)
 
-    def _release(self) -> None:
+    def _release(self, slots: int) -> None:
+        self._running -= slots
+        self._grant()
+
+    def _grant(self) -> None:
+        """Admit waiters in FIFO order while the one at the head fits."""
         while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)  # hand the slot over
+            fut, slots = self._waiters[0]
+            if fut.done():  # timed out or cancelled: it removes itself
+                self._waiters.popleft()
+                continue
+            if self._running + slots > self.max_in_flight:
                 return
-        self._running -= 1
+            self._waiters.popleft()
+            self._running += slots
+            fut.set_result(None)
 
 
 class Ticket:
-    """One admitted request's slot; ``release`` is idempotent (streams release from several
+    """One admitted request's slots; ``release`` is idempotent (streams release from several
     exits: normal end, client disconnect, background cleanup)."""
 
-    __slots__ = ("_admission",)
+    __slots__ = ("_admission", "slots")
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, slots: int = 1) -> None:
         self._admission: Admission | None = admission
+        self.slots = slots
 
     def release(self) -> None:
         if self._admission is not None:
-            self._admission._release()
+            self._admission._release(self.slots)
             self._admission = None
