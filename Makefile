@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvroute-installed
 
-.PHONY: native serve test test-unit test-integration test-engine lint format typecheck redis mooncake ssh prometheus bench clean
+.PHONY: native serve test test-unit test-integration test-hostile test-engine lint format typecheck redis mooncake ssh prometheus bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,13 +62,16 @@ prometheus:
 # on one worker (tests/conftest.py; why and what it measured: docs/development.md).
 test: native redis mooncake ssh prometheus lint typecheck
 	$(PY) -m pytest --durations=10 -n 2 tests/unit
-	$(PY) -m pytest --durations=30 -n 2 --dist loadgroup tests/engine tests/integration
+	$(PY) -m pytest --durations=30 -n 2 --dist loadgroup tests/engine tests/integration tests/hostile
 
 test-unit: native
 	$(PY) -m pytest -n 2 tests/unit
 
 test-integration: native redis mooncake ssh prometheus
 	$(PY) -m pytest tests/integration
+
+test-hostile: native
+	$(PY) -m pytest tests/hostile
 
 test-engine: native
 	$(PY) -m pytest -m engine tests

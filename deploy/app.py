@@ -137,6 +137,7 @@ class IngressDeployment:
                 api_keys=api_keys(self.cfg.router),
                 admin_keys=admin_keys(self.cfg.router),
                 metrics_admin=self.cfg.router.metrics_admin,
+                open_service_routes=self.cfg.router.open_service_routes,
                 router_id=serve.get_replica_context().replica_id.unique_id,
                 rate_limit=self.cfg.router.rate_limit_rps,
                 rate_burst=self.cfg.router.rate_limit_burst,

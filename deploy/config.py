@@ -26,6 +26,7 @@ from router.autoscale import (
     create_policy,
 )
 from router.inflight import DEFAULT_INFLIGHT_PROMPTS
+from router.keys import ApiKeys
 from router.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_OVERLOAD_FACTOR
 from router.placement import create_scorer, scorer_names
 from router.pools import Pool, check_pools
@@ -80,7 +81,22 @@ class RouterConfig(StrictModel):
         description="client API keys; prefer api_key_file or $KVROUTE_API_KEYS (comma-"
         "separated) in production, which count too: a config file is not a secret store",
     )
-    api_key_file: str | None = Field(None, description="a file of client API keys, one per line")
+    api_key_file: str | None = Field(
+        None,
+        description="a file of client API keys, one per line: '<id> <secret>', or a bare "
+        "'<secret>' (its id is its fingerprint); the id names the client in rate limits, and "
+        "each key reads and writes its own cache namespace (key_namespaces)",
+    )
+    key_namespaces: dict[str, list[str]] = Field(
+        default_factory=dict,
+        description="cache namespaces shared by several API keys: namespace name -> key ids; "
+        "every other key's KV is visible to it alone (a salt from its id, never its secret)",
+    )
+    open_service_routes: bool = Field(
+        False,
+        description="/metrics and /openapi.json answer without a key when API keys are set "
+        "(they name the engines and their load); metrics_admin still applies",
+    )
     allow_unauthenticated: bool = Field(
         False,
         description="serve an address other than loopback (host) without client API keys: "
@@ -176,10 +192,15 @@ def admin_keys(cfg: RouterConfig) -> frozenset[str]:
     return frozenset(_keys(ADMIN_KEY_ENV, cfg.admin_key_file, "admin_key_file"))
 
 
-def api_keys(cfg: RouterConfig) -> frozenset[str]:
+def api_keys(cfg: RouterConfig) -> ApiKeys:
     """The client API keys: ``cfg.api_keys``, ``cfg.api_key_file`` and ``$KVROUTE_API_KEYS``
-    (none: the API is open)."""
-    return frozenset([*cfg.api_keys, *_keys(API_KEYS_ENV, cfg.api_key_file, "api_key_file")])
+    (none: the API is open), each ``<secret>`` or ``<id> <secret>``, in the cache namespaces
+    ``cfg.key_namespaces`` names (``router.keys``)."""
+    entries = [*cfg.api_keys, *_keys(API_KEYS_ENV, cfg.api_key_file, "api_key_file")]
+    try:
+        return ApiKeys(entries, cfg.key_namespaces)
+    except ValueError as e:
+        raise ValueError(f"router.api_key_file / router.key_namespaces: {e}") from None
 
 
 def is_loopback(host: str) -> bool:

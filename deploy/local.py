@@ -77,6 +77,7 @@ class LocalStack:
         self.client = LocalEngineClient(self.engines)
         self.dispatcher = Dispatcher(self.state, self.client)
         self.forwarders: list[KvEventForwarder] = []
+        self.tokenizer = tokenizer  # the ingress's
         self.app: FastAPI = build_app(
             IngressConfig(model, max_model_len, block_size, **ingress),
             self.dispatcher,

@@ -28,6 +28,10 @@ EngineKind = Literal["sim", "vllm"]
 # a request category (``kvroute_category``, x-kvroute-category): the CPU-tier policies keep
 # state per category, so it is a short name, and an ingress takes a bounded number of them
 CATEGORY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$"
+# the categories every ingress knows from its start (docs/api.md): a client's new names never
+# crowd them out; a new name past the ingress's bound is carried as ``OVERFLOW_CATEGORY``
+DOCUMENTED_CATEGORIES = ("text", "search", "image", "file")
+OVERFLOW_CATEGORY = "other"
 NonEmpty = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 # vLLM's rule for a cache salt: 1-128 characters, none of '@', '/', '\\', NUL

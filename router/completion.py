@@ -45,12 +45,18 @@ class Completions:
         self.prepare, self.metrics = prepare, metrics
 
     async def single(
-        self, request: Request, req: ChatCompletionRequest | CompletionRequest, chat: bool
+        self,
+        request: Request,
+        req: ChatCompletionRequest | CompletionRequest,
+        chat: bool,
+        namespace: str | None = None,
     ) -> Response:
-        """A request with one prompt: its ``n`` choices, all where the first was placed."""
+        """A request with one prompt: its ``n`` choices, all where the first was placed, taking
+        ``n`` admission slots (each choice is an engine request). ``namespace``: the client
+        key's cache namespace (``router.keys``)."""
         dispatcher, metrics = self.dispatcher, self.metrics
         with tracing.span("kvroute.ingress", request.headers) as span:
-            routed, response_id = self.prepare(request, req)
+            routed, response_id = await self.prepare(request, req, namespace=namespace)
             prompt_ids = routed.request.prompt_token_ids
             span.set_attribute("kvroute.prompt_tokens", len(prompt_ids))
             children = choice_requests(routed, req.n)
@@ -58,7 +64,7 @@ class Completions:
                 req, chat, self.tokenizer, response_id, len(prompt_ids), prompt_token_ids=prompt_ids
             )
             queued_at = time.monotonic()
-            ticket = await dispatcher.state.admission.acquire()
+            ticket = await dispatcher.state.admission.acquire(len(children))
             metrics.admitted(builder, queued_at, routed.request.stream)
             streams: ChoiceStreams | None = None
             handed_off = False
@@ -148,26 +154,33 @@ class Completions:
     # -- a batch of prompts ----------------------------------------------------------------
 
     async def batch(
-        self, request: Request, req: CompletionRequest, prompts: list[str | list[int]]
+        self,
+        request: Request,
+        req: CompletionRequest,
+        prompts: list[str | list[int]],
+        namespace: str | None = None,
     ) -> Response:
         """A completions body with several prompts, as vLLM's serving_completion runs it: every
-        prompt checked first (a 400 before any runs), then each a request of its own (admitted
-        and placed on its own), all at once; prompt ``k``'s choice ``i`` is choice ``k * n + i``
-        of one response, whose usage is the sum. Streamed, chunks interleave as they come and
-        the 200 waits for every prompt's first output (an engine's refusal is still a 4xx)."""
+        prompt checked first (a 400 before any runs), then admitted together, taking an
+        admission slot per engine request (prompts x ``n``), and each placed on its own, all at
+        once; prompt ``k``'s choice ``i`` is choice ``k * n + i`` of one response, whose usage
+        is the sum. Streamed, chunks interleave as they come and the 200 waits for every
+        prompt's first output (an engine's refusal is still a 4xx)."""
         n = req.n
         with tracing.span("kvroute.ingress", request.headers) as span:
-            prepared = [self.prepare(request, req, p) for p in prompts]
+            prepared = [await self.prepare(request, req, p, namespace) for p in prompts]
             response_id = prepared[0][1]
             span.set_attribute(
                 "kvroute.prompt_tokens",
                 sum(len(r.request.prompt_token_ids) for r, _ in prepared),
             )
+            queued_at = time.monotonic()
             batch = _Batch(self.dispatcher)
             handed_off = False
+            batch.ticket = await self.dispatcher.state.admission.acquire(len(prompts) * n)
             try:
                 for routed, _ in prepared:
-                    batch.runs.append(await self._open(req, routed, response_id))
+                    batch.runs.append(self._open(req, routed, response_id, queued_at))
                 items = batch.start()
                 if req.stream:
                     head = await _batch_head(items, batch.runs, n)
@@ -182,24 +195,19 @@ class Completions:
                 if not handed_off:
                     await batch.close()
 
-    async def _open(self, req: CompletionRequest, routed: RoutedRequest, response_id: str) -> _Run:
-        """One prompt of a batch admitted and placed, its engine streams not yet started."""
-        dispatcher = self.dispatcher
+    def _open(
+        self, req: CompletionRequest, routed: RoutedRequest, response_id: str, queued_at: float
+    ) -> _Run:
+        """One prompt of an admitted batch placed, its engine streams not yet started."""
         prompt_ids = routed.request.prompt_token_ids
         children = choice_requests(routed, req.n)
         builder = ResponseBuilder(
             req, False, self.tokenizer, response_id, len(prompt_ids), prompt_token_ids=prompt_ids
         )
-        queued_at = time.monotonic()
-        ticket = await dispatcher.state.admission.acquire()
         self.metrics.admitted(builder, queued_at, routed.request.stream)
-        try:
-            first = self._place_first(children[0], queued_at)
-            streams = ChoiceStreams(dispatcher, children, first)
-        except BaseException:
-            ticket.release()
-            raise
-        return _Run(builder, streams, ticket, children[0].request.expected_cached_tokens)
+        first = self._place_first(children[0], queued_at)
+        streams = ChoiceStreams(self.dispatcher, children, first)
+        return _Run(builder, streams, children[0].request.expected_cached_tokens)
 
     async def _batch_body(
         self, items: AsyncIterator[tuple[int, Any]], runs: list[_Run], n: int
@@ -264,12 +272,11 @@ class Completions:
 
 @dataclass
 class _Run:
-    """One prompt of a completions batch: its response builder, engine streams, admission
-    ticket, and the router's estimate of its cached prefix."""
+    """One prompt of a completions batch: its response builder, engine streams, and the
+    router's estimate of its cached prefix."""
 
     builder: ResponseBuilder
     streams: ChoiceStreams
-    ticket: Ticket
     expected_cached_tokens: int
 
 
@@ -277,10 +284,12 @@ class _Run:
 class _Batch:
     """The runs of a batch's prompts, their engine streams merged once started: ``start()``
     yields ``(k, (index, placement, output))`` for prompt ``k`` as outputs arrive, and raises
-    the first failure; ``close()`` ends every stream and releases every ticket."""
+    the first failure; ``close()`` ends every stream and releases the batch's admission
+    ``ticket``."""
 
     dispatcher: Dispatcher
     runs: list[_Run] = field(default_factory=list)
+    ticket: Ticket | None = None
     queue: asyncio.Queue[tuple[int, Any, BaseException | None]] = field(
         default_factory=asyncio.Queue
     )
@@ -319,7 +328,8 @@ class _Batch:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         for run in self.runs:
             await run.streams.close()
-            run.ticket.release()
+        if self.ticket is not None:
+            self.ticket.release()
 
 
 async def _batch_head(

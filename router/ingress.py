@@ -20,8 +20,9 @@ from router.api import ChatCompletionRequest, CompletionRequest
 from router.api_errors import APIError, validation_error
 from router.completion import Completions
 from router.dispatch import Dispatcher
-from router.http_checks import read_json_body, require_key
+from router.http_checks import authorized, bearer_token, read_json_body, require_key, unauthorized
 from router.ingress_config import IngressConfig
+from router.keys import ApiKey
 from router.kv_control import KvControl, kv_routes
 from router.metrics import RouterMetrics
 from router.openapi import (
@@ -63,17 +64,23 @@ class Ingress:
 
     # -- client checks -------------------------------------------------------------------
 
-    def check_auth(self, request: Request) -> None:
-        if self.config.api_keys:
-            require_key(request, self.config.api_keys, "API")
+    def check_auth(self, request: Request) -> ApiKey | None:
+        """The client's key (401 unless it is one of the API keys), None when the API is open."""
+        keys = self.config.api_keys
+        if not keys:
+            return None
+        key = keys.identify(bearer_token(request))
+        if key is None:
+            raise unauthorized("API")
+        return key
 
-    def check_rate(self, request: Request) -> None:
-        """One request of this client's allowance (its key, or its address without keys)."""
+    def check_rate(self, request: Request, key: ApiKey | None) -> None:
+        """One request of this client's allowance: its key's id (never the header's text, which
+        has many spellings of one key), or its address without keys."""
         if self.limiter is None:
             return
         config = self.config
-        auth = request.headers.get("authorization", "")
-        client = auth if config.api_keys else (request.client.host if request.client else "")
+        client = key.id if key is not None else (request.client.host if request.client else "")
         wait = self.limiter.take(client, time.monotonic())
         if wait > 0:
             raise Rejected(
@@ -82,6 +89,17 @@ class Ingress:
                 wait,
                 code="rate_limited",
             )
+
+    def check_service(self, request: Request, what: str) -> None:
+        """``/metrics`` and ``/openapi.json``: an admin key with ``metrics_admin`` (``/metrics``
+        only), else an API key when keys are set, unless the config opens them."""
+        config = self.config
+        if what == "/metrics" and config.metrics_admin:
+            self.check_admin(request, what)
+        elif config.api_keys and not config.open_service_routes:
+            admin = bool(config.admin_keys) and authorized(request, config.admin_keys)
+            if not admin:
+                self.check_auth(request)
 
     def check_admin(self, request: Request, what: str = "the KV control API") -> None:
         if not self.config.admin_keys:
@@ -111,9 +129,9 @@ class Ingress:
         return {"status": "ok", "instances": len(self.dispatcher.state.load.instance_ids())}
 
     def prometheus(self, request: Request) -> Response:
-        if self.config.metrics_admin:
-            self.check_admin(request, "/metrics")
+        self.check_service(request, "/metrics")
         self.metrics.observe(self.dispatcher)
+        self.metrics.category_overflow.set(self.prepare.category_overflow)
         if self.config.autoscale is not None:
             self.metrics.autoscaled(self.config.autoscale())
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
@@ -140,18 +158,20 @@ class Ingress:
         """A chat or completions request; admission's and the rate limit's refusals raise
         ``Rejected`` (429 + Retry-After, ``rejected``). A completions body with several prompts
         is vLLM's batch (``Completions.batch``)."""
-        self.check_auth(request)
-        self.check_rate(request)
+        key = self.check_auth(request)
+        self.check_rate(request, key)
         body = await self.read_body(request)
+        self.prepare.precheck(body, chat)  # what the body's size alone refuses, before parsing
         model = ChatCompletionRequest if chat else CompletionRequest
         try:
             req: ChatCompletionRequest | CompletionRequest = model.model_validate(body)
         except ValidationError as e:
             raise validation_error(e, model) from None
         self.check_model(req.model)
+        namespace = key.namespace if key is not None else None
         if isinstance(req, CompletionRequest) and len(prompts := req.prompts()) > 1:
-            return await self.completions.batch(request, req, prompts)
-        return await self.completions.single(request, req, chat)
+            return await self.completions.batch(request, req, prompts, namespace)
+        return await self.completions.single(request, req, chat, namespace)
 
     # -- readiness -----------------------------------------------------------------------
 
@@ -240,7 +260,8 @@ class RouterIdHeader:
 def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTokenizer) -> FastAPI:
     """The FastAPI app of one ingress: the OpenAI endpoints, ``/health``, ``/metrics`` and the
     KV control API, over ``dispatcher``'s router state and engines."""
-    app = FastAPI(title="kvroute", docs_url=None, redoc_url=None)
+    # NOTE: no FastAPI /openapi.json route: ours checks a key first (``check_service``)
+    app = FastAPI(title="kvroute", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(RouterIdHeader, router_id=config.router_id)
     ingress = Ingress(config, dispatcher, tokenizer)
     _add_error_handlers(app, ingress)
@@ -261,11 +282,20 @@ def build_app(config: IngressConfig, dispatcher: Dispatcher, tokenizer: PromptTo
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
             app.openapi_schema = with_bearer_scheme(
-                doc, api_keys=bool(config.api_keys), metrics_admin=config.metrics_admin
+                doc,
+                api_keys=bool(config.api_keys),
+                metrics_admin=config.metrics_admin,
+                metrics_keyed=bool(config.api_keys) and not config.open_service_routes,
             )
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_document(request: Request) -> JSONResponse:
+        ingress.check_service(request, "/openapi.json")
+        return JSONResponse(openapi())
+
     return app
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.api_fields import EngineKind
+from router.keys import ApiKeys
 
 
 @dataclass
@@ -17,7 +18,9 @@ class IngressConfig:
     model: str  # the served model name clients ask for
     max_model_len: int
     block_size: int
-    api_keys: frozenset[str] = field(default_factory=frozenset)
+    # the client keys (none: the API is open); each authenticates an id (rate limits) and a
+    # cache namespace (``router.keys``). A set of secrets is taken too, each its own client.
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
     # requests per second per API key (per client address without keys), bursts of rate_burst;
     # None: no limit. Over it: 429 with Retry-After.
     rate_limit: float | None = None
@@ -42,8 +45,16 @@ class IngressConfig:
     session_header: str = "x-session-id"
     continuation_header: str = "x-kvroute-continuation"
     # distinct request categories (kvroute_category, x-kvroute-category) this ingress passes
-    # to the engines' CPU-tier policies, which keep state per category; a new one past it: 400
+    # to the engines' CPU-tier policies, which keep state per category, the documented ones
+    # included; a new one past it is carried as ``api_fields.OVERFLOW_CATEGORY``
     max_categories: int = 64
+    # /metrics and /openapi.json answer without a key even when API keys are set (they name
+    # the engines and their load); off by default
+    open_service_routes: bool = False
     # the online autoscaling decisions of the app's pools (``deploy.autoscaling``'s
     # ``DecisionPoller``: a ``DecisionLog.snapshot``), shown in /metrics; None: none autoscale
     autoscale: Callable[[], Mapping[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.api_keys, ApiKeys):  # a set of bare secrets
+            self.api_keys = ApiKeys(self.api_keys)

@@ -44,6 +44,7 @@ from router.api_fields import CATEGORY_PATTERN, CacheSalt, ChatMessage, StrictBo
 from router.dispatch import EngineClient
 from router.openapi import ADMIN_ERRORS, BODY_ERRORS, error_responses
 from router.openapi import json_body_schema as _schema
+from router.keys import NAME_PATTERN, tenant_salt
 from router.placement import InstanceView, cached_tokens
 from router.state import RouterState
 from router.tokenizer import PromptTokenizer
@@ -68,6 +69,18 @@ class KvPrompt(_Body):
     messages: list[ChatMessage] = Field(None, min_length=1)  # type: ignore[arg-type]
     token_ids: list[Annotated[int, Field(ge=0)]] = Field(None, min_length=1)  # type: ignore[arg-type]
     cache_salt: CacheSalt | None = None  # as the OpenAI endpoints take it
+    namespace: str | None = Field(
+        None,
+        pattern=NAME_PATTERN,
+        description="the cache namespace of the API keys whose KV this prompt is (their id, or "
+        "the name router.key_namespaces gives them); with API keys set, a prompt with none "
+        "matches no client's requests",
+    )
+
+    @property
+    def salt(self) -> str | None:
+        """The cache salt the prompt's KV is hashed and stored under (``router.keys``)."""
+        return tenant_salt(self.namespace, self.cache_salt)
 
     @model_validator(mode="after")
     def _one(self) -> KvPrompt:
@@ -207,7 +220,7 @@ class KvControl:
 
     def lookup(self, body: LookupBody) -> LookupResponse:
         ids = self.tokens(body)
-        _, match = self.state.observe(self.hasher(ids, cache_salt=body.cache_salt))
+        _, match = self.state.observe(self.hasher(ids, cache_salt=body.salt))
         rows = [self._cache(iid, match.get(iid), len(ids)) for iid in self.known(None)]
         rows.sort(key=lambda r: (-r.cached_tokens, -r.gpu_tokens, r.instance))
         return LookupResponse(
@@ -234,7 +247,7 @@ class KvControl:
         if body.instances is not None:
             targets = self.known(body.instances)
         else:
-            views, match = self.state.observe(self.hasher(ids, cache_salt=body.cache_salt))
+            views, match = self.state.observe(self.hasher(ids, cache_salt=body.salt))
             targets = least_loaded_without(views, match, len(ids) // self.state.block_size)
             targets = targets[: body.count]
             if not targets:
@@ -264,7 +277,7 @@ class KvControl:
     async def _run_all(
         self, body: PinBody, ids: list[int], targets: list[str], pin: bool | None
     ) -> list[InstanceResult]:
-        hashes = self.hasher(ids, cache_salt=body.cache_salt)
+        hashes = self.hasher(ids, cache_salt=body.salt)
         hints = PolicyHints(f"{body.category}_1", 1, pin=pin)
 
         async def one(iid: str) -> InstanceResult:
@@ -274,7 +287,7 @@ class KvControl:
                 ids,
                 SamplingParams(max_tokens=1, temperature=0.0),
                 kv_transfer_params=hints.merged_into(None),
-                cache_salt=body.cache_salt,
+                cache_salt=body.salt,
             )
             routed = RoutedRequest(
                 request, "", hashes, category=hints.category, target_instance=iid

@@ -236,6 +236,11 @@ class RouterMetrics:
             "Requests moved to another engine after their first token (prompt + tokens so far)",
             registry=r,
         )
+        self.category_overflow = Gauge(
+            "kvroute_category_overflow",
+            "Requests whose new category was past router.max_categories (carried as 'other')",
+            registry=r,
+        )
         self.overrides = Gauge(
             "kvroute_placement_overrides",
             "Requests Serve delivered to another engine than placement chose",

@@ -147,10 +147,13 @@ def openapi_responses(chat: bool) -> dict[int | str, dict[str, Any]]:
     }
 
 
-def with_bearer_scheme(doc: dict[str, Any], api_keys: bool, metrics_admin: bool) -> dict[str, Any]:
+def with_bearer_scheme(
+    doc: dict[str, Any], api_keys: bool, metrics_admin: bool, metrics_keyed: bool = False
+) -> dict[str, Any]:
     """``doc`` (FastAPI's document, changed in place) with the bearer scheme declared (always)
     and required by the operations that check a key: /v1/* with ``api_keys`` configured, the KV
-    control API (the admin key), /metrics when it is the admins' (``metrics_admin``)."""
+    control API (the admin key), /metrics when it is the admins' (``metrics_admin``) or needs
+    a client's key (``metrics_keyed``)."""
     doc.setdefault("components", {})["securitySchemes"] = {
         "bearer": {
             "type": "http",
@@ -160,7 +163,8 @@ def with_bearer_scheme(doc: dict[str, Any], api_keys: bool, metrics_admin: bool)
     }
     for path, ops in doc["paths"].items():
         admin = path.startswith("/v1/kv/") or (path == "/metrics" and metrics_admin)
-        if admin or (path.startswith("/v1/") and api_keys):
+        keyed = (path.startswith("/v1/") and api_keys) or (path == "/metrics" and metrics_keyed)
+        if admin or keyed:
             for op in ops.values():
                 op["security"] = [{"bearer": []}]
     return doc

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 import uuid
+from functools import partial
+from typing import Any
 
 from fastapi import Request
 
@@ -13,9 +15,11 @@ from engines.base import EngineRequest, RoutedRequest
 from policies.hints import PolicyHints
 from router.api import ChatCompletionRequest, CompletionRequest, checked_token_ids
 from router.api_errors import APIError
-from router.api_fields import CATEGORY_PATTERN
+from router.api_fields import CATEGORY_PATTERN, DOCUMENTED_CATEGORIES, OVERFLOW_CATEGORY
 from router.hints import conversation_ids, parse_continuation
 from router.ingress_config import IngressConfig
+from router.keys import tenant_salt
+from router.prepare_limits import COUNTED_ROLES, INLINE_CHARS, PrepareLanes, PromptBounds
 from router.tokenizer import PromptTokenizer
 
 
@@ -29,46 +33,82 @@ class RequestPreparer:
         which only Ray's ``PrefixCacheAffinityRouter`` reads); without it the text is empty."""
         self.config, self.tokenizer, self.prompt_text = config, tokenizer, prompt_text
         self.hasher = BlockHasher(config.model, config.block_size)
-        self.categories: set[str] = set()  # those passed on so far (``max_categories``)
+        self.bounds = PromptBounds(
+            config.max_model_len,
+            tokenizer.longest_token_chars(),
+            tokenizer.message_tokens(COUNTED_ROLES),
+        )
+        self.lanes = PrepareLanes()
+        # those passed on (``max_categories``): the documented ones from the start
+        self.categories: set[str] = {*DOCUMENTED_CATEGORIES, OVERFLOW_CATEGORY}
+        self.category_overflow = 0  # requests whose new category was past the bound
 
     def category(self, request: Request, req: ChatCompletionRequest | CompletionRequest) -> str:
-        """The request's type (header, else body, else "text"): a short name, one of at most
-        ``max_categories`` distinct ones (each is state in every engine's CPU-tier policy)."""
+        """The request's type (header, else body, else "text"): a short name. The documented
+        ones are always known; a new name is taken while fewer than ``max_categories`` are known
+        (each is state in every engine's CPU-tier policy), and past that it is carried as
+        ``OVERFLOW_CATEGORY`` (counted in ``category_overflow``), so no client can lock
+        another's categories out, and no answer names what other clients sent."""
         config = self.config
         header = request.headers.get(config.category_header)
         kind = header or req.kvroute_category or "text"
-        param = config.category_header if header else "kvroute_category"
         if header and not re.match(CATEGORY_PATTERN, header):
+            param = config.category_header
             raise APIError(
                 400, f"{param} must match {CATEGORY_PATTERN}, got {header[:64]!r}", param=param
             )
         if kind not in self.categories:
             if len(self.categories) >= config.max_categories:
-                raise APIError(
-                    400,
-                    f"{param}: at most {config.max_categories} distinct request categories; "
-                    f"known: {', '.join(sorted(self.categories))}",
-                    param=param,
-                    code="too_many_categories",
-                )
+                self.category_overflow += 1
+                return OVERFLOW_CATEGORY
             self.categories.add(kind)
         return kind
 
-    def __call__(
+    def precheck(self, body: dict[str, Any], chat: bool) -> None:
+        """The cheap refusals of a raw body, before it is validated (``PromptBounds``)."""
+        self.bounds.check(body, chat)
+
+    async def __call__(
         self,
         request: Request,
         req: ChatCompletionRequest | CompletionRequest,
         prompt: str | list[int] | None = None,
+        namespace: str | None = None,
+    ) -> tuple[RoutedRequest, str]:
+        """``prepared``, with the tokenizer and chat template run off the event loop unless the
+        prompt is small (``PrepareLanes``)."""
+        self._check_limits(req)
+        chars = _prompt_chars(req, prompt)
+        work = partial(self.prepared, request, req, prompt, namespace, checked=True)
+        if chars <= INLINE_CHARS:
+            return work()
+        # what reads the request's headers or the category table runs here, on the loop
+        category = self.category(request, req)
+        return await self.lanes.run(chars, partial(work, category=category))
+
+    def prepared(
+        self,
+        request: Request,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompt: str | list[int] | None = None,
+        namespace: str | None = None,
+        *,
+        checked: bool = False,
+        category: str | None = None,
     ) -> tuple[RoutedRequest, str]:
         """The engine request and routing record of a validated body (tokenized once, chat
         template for chats; checked against the context, hashed, with its policy hints), and
         the response's id: the body's ``request_id`` prefixed as OpenAI's ids are, or else
         the engine request's (always a random one). ``prompt``: which of a completions body's
-        prompts (default: its first)."""
+        prompts (default: its first). ``namespace``: the client key's cache namespace
+        (``router.keys``): the request's KV and session are salted with it."""
         config = self.config
         chat = isinstance(req, ChatCompletionRequest)
-        self._check_limits(req)
+        if not checked:
+            self._check_limits(req)
         session = request.headers.get(config.session_header) or req.session_id or req.user
+        if namespace is not None and session is not None:
+            session = f"{namespace}/{session}"
         node = parent = None
         if isinstance(req, ChatCompletionRequest):
             messages = [m.for_template() for m in req.messages]
@@ -81,7 +121,7 @@ class RequestPreparer:
             turn = 1
         ids = self._truncated(req, ids)
         max_tokens = self._max_tokens(req, len(ids))
-        category = f"{self.category(request, req)}_{turn}"
+        category = f"{category or self.category(request, req)}_{turn}"
         continuation = self._continuation(request, req)
         hints = (
             PolicyHints(category, turn, node, parent, continuation)
@@ -94,13 +134,14 @@ class RequestPreparer:
             raise APIError(400, str(e)) from None
         prefix = "chatcmpl-" if chat else "cmpl-"
         rid = prefix + uuid.uuid4().hex
+        salt = tenant_salt(namespace, req.cache_salt)
         engine_req = EngineRequest(
             rid,
             ids,
             sampling,
             # a client's kv_transfer_params is empty (``RouterOnlyParams``): the hints alone
             kv_transfer_params=hints.merged_into(None),
-            cache_salt=req.cache_salt,
+            cache_salt=salt,
             # whole at the end unless someone reads it first: the client, or the ingress's
             # stop strings (an engine that detokenizes applies them itself)
             stream=bool(req.stream) or (bool(sampling.stop) and config.engine_kind == "sim"),
@@ -108,7 +149,7 @@ class RequestPreparer:
         routed = RoutedRequest(
             engine_req,
             text,
-            self.hasher(ids, cache_salt=req.cache_salt),
+            self.hasher(ids, cache_salt=salt),
             session_key=session,
             category=category,
         )
@@ -197,3 +238,13 @@ class RequestPreparer:
         if req.kvroute_continuation is not None:
             continuation = req.kvroute_continuation
         return continuation
+
+
+def _prompt_chars(
+    req: ChatCompletionRequest | CompletionRequest, prompt: str | list[int] | None
+) -> int:
+    """What tokenizing the prompt costs, in characters (a token id counts as a few)."""
+    if isinstance(req, ChatCompletionRequest):
+        return sum(len(m.text()) + 16 for m in req.messages)
+    p = req.prompts()[0] if prompt is None else prompt
+    return len(p) if isinstance(p, str) else 4 * len(p)

@@ -40,14 +40,19 @@ class PromptTokenizer:
     def chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Apply the chat template with the generation prompt and tokenize, as vLLM does for a
         chat: render the template to text, then encode it without adding special tokens."""
+        return self._template_ids(messages, True)
+
+    def _template_ids(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool
+    ) -> list[int]:
         if self._backend is None:
             out = self._tok.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=True
+                list(messages), add_generation_prompt=add_generation_prompt, tokenize=True
             )
             ids = out["input_ids"] if not isinstance(out, list) else out
             return [int(t) for t in ids]
         text: str = self._tok.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
         )
         return self._encode_fast(text, add_special_tokens=False)
 
@@ -64,6 +69,30 @@ class PromptTokenizer:
         (encoding,) = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
         ids: list[int] = encoding.ids
         return ids
+
+    def longest_token_chars(self) -> int | None:
+        """The most characters of text one token covers, where a text's every character is in
+        some token (a byte-level BPE with no normalizer: ``len(text) / this`` bounds its tokens
+        from below); None for other tokenizers (a normalizer or pre-tokenizer may drop text)."""
+        b = self._backend
+        if b is None or b.normalizer is not None or "ByteLevel" not in repr(b.pre_tokenizer):
+            return None
+        # a byte-level token's string has one character per byte it covers; an added token's
+        # is the text it matches
+        return max(map(len, self._tok.get_vocab()))
+
+    def message_tokens(self, roles: Sequence[str]) -> int:
+        """The fewest tokens the chat template adds for one more (empty) message of any of
+        ``roles``; 0 when a role adds none or the template refuses such a chat."""
+        least = None
+        for role in roles:
+            msg = {"role": role, "content": ""}
+            try:
+                one, two = (len(self._template_ids([msg] * k, False)) for k in (1, 2))
+            except Exception:  # a template may refuse any shape: no bound then
+                return 0
+            least = two - one if least is None else min(least, two - one)
+        return max(least or 0, 0)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         text: str = self._tok.decode(list(token_ids), skip_special_tokens=True)

@@ -1,5 +1,5 @@
 """Test tiers by folder: tests/unit -> unit, tests/integration -> integration, tests/engine ->
-engine (also marked explicitly in those modules). `make test-*` selects by folder or marker."""
+engine (also marked explicitly in those modules), tests/hostile -> hostile. `make test-*` selects by folder or marker."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from deploy.ray_token import use_session_token
 from tests import home_guard
 
-_TIERS = {"unit", "integration", "engine"}
+_TIERS = {"unit", "integration", "engine", "hostile"}
 _HOME_BEFORE = pytest.StashKey[dict[str, home_guard.Manifest]]()
 
 # vLLM reports usage statistics into ~/.config/vllm unless told not to (engines and Ray workers

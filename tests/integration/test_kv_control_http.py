@@ -22,6 +22,7 @@ from engines.tiny_model import build_tiny_model
 from router.admission import Admission
 from router.api_errors import APIError
 from router.kv_control import KvControl, PinBody
+from router.keys import fingerprint
 from router.tokenizer import PromptTokenizer
 from tests.support import Server, free_port, settle
 
@@ -78,7 +79,11 @@ class Api:
         self.base = f"http://127.0.0.1:{port}"
 
     def kv(self, op: str, body: dict[str, Any], key: str | None = ADMIN) -> httpx.Response:
+        """``op`` with ``body``; a prompt's KV is that of the client key's namespace (its
+        fingerprint: ``router.keys``), as the client's requests see it."""
         headers = {"authorization": f"Bearer {key}"} if key else {}
+        if op != "clear":
+            body = {"namespace": fingerprint(KEY), **body}
         return httpx.post(f"{self.base}/v1/kv/{op}", json=body, headers=headers, timeout=60)
 
     def ok(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -150,7 +155,8 @@ def test_admin_key_and_bad_bodies(api: Api) -> None:
     # a category is state in every engine's CPU-tier policy: short names only, as for clients
     odd = api.kv("warm", {"text": "hi", "category": "x" * 200})
     assert odd.status_code == 400 and odd.json()["error"]["param"] == "category"
-    spec = httpx.get(f"{api.base}/openapi.json").json()["paths"]
+    spec = httpx.get(f"{api.base}/openapi.json", headers={"authorization": f"Bearer {KEY}"})
+    spec = spec.json()["paths"]
     assert "requestBody" in spec["/v1/kv/pin"]["post"]
     assert "messages" in str(spec["/v1/kv/lookup"]["post"]["requestBody"])
 

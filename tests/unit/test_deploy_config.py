@@ -140,9 +140,24 @@ def test_api_keys_come_from_the_config_the_environment_and_a_file(
 
     monkeypatch.setenv("KVROUTE_API_KEYS", "e1,e2")
     keys = tmp_path / "api.keys"
-    keys.write_text("f1\n")
-    cfg = RouterConfig(api_keys=["y1"], api_key_file=str(keys), rate_limit_rps=5)
-    assert api_keys(cfg) == {"y1", "e1", "e2", "f1"}
+    keys.write_text("f1\nteam-a  sk-a\nteam-b sk-b\n")
+    cfg = RouterConfig(
+        api_keys=["y1"],
+        api_key_file=str(keys),
+        rate_limit_rps=5,
+        key_namespaces={"shared": ["team-a", "team-b"]},
+    )
+    got = api_keys(cfg)
+    assert len(got) == 6 and all(got.identify(s) for s in ("y1", "e1", "e2", "f1", "sk-a"))
+    a, b, f1 = got.identify("sk-a"), got.identify("sk-b"), got.identify("f1")
+    assert a is not None and b is not None and f1 is not None
+    assert (a.id, a.namespace, b.namespace) == ("team-a", "shared", "shared")
+    # a bare key is named by its fingerprint, its own namespace; the secret is in neither
+    assert f1.id.startswith("fp-") and f1.namespace == f1.id and "f1" not in repr(f1)
+    assert got.identify("Bearer sk-a") is None and got.identify("sk-") is None
+    bad = RouterConfig(api_keys=["k1"], key_namespaces={"ns": ["nobody"]})
+    with pytest.raises(ValueError, match="key_namespaces.*nobody"):
+        api_keys(bad)
 
 
 def test_ray_serve_env_is_set_where_the_operator_set_nothing_and_on_every_ray_start(

@@ -526,7 +526,7 @@ def test_completion_prompts_get_special_tokens_as_vllm_adds_them(tmp_path) -> No
     http = Request({"type": "http", "headers": []})
 
     def ids(body: dict[str, Any]) -> list[int]:
-        routed, _ = prepare(http, CompletionRequest.model_validate({**COMPLETION, **body}))
+        routed, _ = prepare.prepared(http, CompletionRequest.model_validate({**COMPLETION, **body}))
         return routed.request.prompt_token_ids
 
     assert ids({})[0] == bos and ids({"add_special_tokens": True}) == ids({})
@@ -554,8 +554,8 @@ def test_prompt_text_goes_only_to_a_request_router_that_reads_it() -> None:
     )
     ids = CompletionRequest.model_validate({**COMPLETION, "prompt": list(range(40, 80))})
     for req, text in ((chat, "hello there"), (ids, " ".join(map(str, range(40, 80))))):
-        with_text, _ = peer(http, req)
-        without, _ = own(http, req)
+        with_text, _ = peer.prepared(http, req)
+        without, _ = own.prepared(http, req)
         assert with_text.prompt == text and without.prompt == ""
         assert without.request.prompt_token_ids == with_text.request.prompt_token_ids
         assert without.block_hashes == with_text.block_hashes
