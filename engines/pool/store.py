@@ -114,6 +114,7 @@ class PoolStore:
         self._down_until = 0.0
         self._registered: list[tuple[int, int, npt.NDArray[Any]]] = []
         self._staging: npt.NDArray[np.uint8] | None = None
+        self._closed = False
 
     # -- faults -------------------------------------------------------------------------------
 
@@ -149,6 +150,9 @@ class PoolStore:
     def _available(self, n: int) -> bool:
         """Whether to call into Mooncake now: connected, and the master not known to be down
         (past the back-off, its port must accept a connection first)."""
+        if self._closed:
+            self._counts["skipped_closed"] += n
+            return False
         if self._store is None and not self._connect_locked():
             self._fault("not_connected", n, "no pool client (setup failed); answering misses")
             return False
@@ -171,6 +175,7 @@ class PoolStore:
         """Set the client up and mount its segment; ``False`` (logged, counted) on failure, in
         which case every call answers misses and the next call after the back-off retries."""
         with self._lock:
+            self._closed = False
             return self._connect_locked()
 
     def _connect_locked(self) -> bool:
@@ -195,6 +200,9 @@ class PoolStore:
             )
             return False
         os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "3")
+        # Mooncake's INFO lines (dozens per setup) stay out of engine logs; its warnings and
+        # errors, and this module's fault lines, do not
+        os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
         # read by the transfer engine at setup: the address peers connect to for this client
         os.environ["MC_TCP_BIND_ADDRESS"] = c.local_hostname
         store = MooncakeDistributedStore()
@@ -233,8 +241,10 @@ class PoolStore:
         return True
 
     def close(self) -> None:
-        """Unmount the segment (its blocks leave the pool) and drop the client."""
+        """Unmount the segment (its blocks leave the pool) and drop the client; later calls
+        answer misses (``skipped_closed``)."""
         with self._lock:
+            self._closed = True
             store, self._store = self._store, None
             if store is not None:
                 try:

@@ -301,3 +301,6 @@ def test_a_client_without_a_master_answers_misses() -> None:
     assert store.exists(pool_keys(NS, [1])) == [False]
     assert store.stats()["fault_setup"] == 1
     assert store.stats()["fault_not_connected"] == 3
+    store.close()
+    assert store.exists(pool_keys(NS, [1])) == [False]
+    assert store.stats()["skipped_closed"] == 1
