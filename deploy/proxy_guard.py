@@ -193,8 +193,8 @@ def guarded_protocol_class() -> type[asyncio.Protocol]:
 
         def _expired(self, what: str) -> None:
             self._deadline = None
-            if self.transport.is_closing():
-                return
+            if self.transport.is_closing() or self.transport.get_protocol() is not self:
+                return  # closed, or upgraded to a WebSocket (its own protocol now)
             if self.flow.read_paused:  # the app is not reading: not the client's delay
                 self._arm(1.0, what)
                 return
