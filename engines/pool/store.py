@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -94,7 +94,8 @@ def _ptr(arr: npt.NDArray[Any]) -> int:
 
 def _as_bytes_view(value: object) -> npt.NDArray[np.uint8]:
     """A flat uint8 view of a contiguous buffer (ndarray, bytes, memoryview)."""
-    arr = np.asarray(value) if isinstance(value, np.ndarray) else np.frombuffer(value, np.uint8)  # type: ignore[call-overload]
+    # bytes, memoryview and the like: numpy reads any object with the buffer protocol
+    arr = value if isinstance(value, np.ndarray) else np.frombuffer(cast(bytes, value), np.uint8)
     if not arr.flags.c_contiguous:
         raise ValueError("a pool value must be C-contiguous")
     return arr.reshape(-1).view(np.uint8)
