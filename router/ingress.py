@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -20,7 +22,15 @@ from router.api import ChatCompletionRequest, CompletionRequest
 from router.api_errors import APIError, validation_error
 from router.completion import Completions
 from router.dispatch import Dispatcher
-from router.http_checks import authorized, bearer_token, read_json_body, require_key, unauthorized
+from router.http_checks import (
+    authorized,
+    bearer_token,
+    declared_length,
+    json_object,
+    read_body,
+    require_key,
+    unauthorized,
+)
 from router.ingress_config import IngressConfig
 from router.keys import ApiKey
 from router.kv_control import KvControl, kv_routes
@@ -38,6 +48,7 @@ from router.ratelimit import RateLimiter
 from router.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Ingress:
@@ -121,7 +132,29 @@ class Ingress:
             )
 
     async def read_body(self, request: Request) -> dict[str, Any]:
-        return await read_json_body(request, self.config.max_body_bytes)
+        """The body as a JSON object (``http_checks``), parsed as ``parsed_body`` says."""
+        return await self.parsed_body(request, json_object)
+
+    async def parsed_body(self, request: Request, parse: Callable[[bytes], T]) -> T:
+        """``parse`` of the body's bytes; a body of more than a few KiB is parsed off the event
+        loop (``PrepareLanes``), and refused (429) from its Content-Length, before it is read,
+        when that lane is full."""
+        lanes = self.prepare.lanes
+        lanes.check_room(declared_length(request))
+        raw = await read_body(request, self.config.max_body_bytes)
+        return await lanes.run(len(raw), partial(parse, raw))
+
+    def _validated(self, raw: bytes, chat: bool) -> ChatCompletionRequest | CompletionRequest:
+        """A chat or completions body parsed and validated; what its size alone refuses
+        (``RequestPreparer.precheck``) is refused before validation. Off the loop for a large
+        body, where the parsed body is also dropped."""
+        body = json_object(raw)
+        self.prepare.precheck(body, chat)
+        model = ChatCompletionRequest if chat else CompletionRequest
+        try:
+            return model.model_validate(body)
+        except ValidationError as e:
+            raise validation_error(e, model) from None
 
     # -- endpoints -----------------------------------------------------------------------
 
@@ -160,13 +193,7 @@ class Ingress:
         is vLLM's batch (``Completions.batch``)."""
         key = self.check_auth(request)
         self.check_rate(request, key)
-        body = await self.read_body(request)
-        self.prepare.precheck(body, chat)  # what the body's size alone refuses, before parsing
-        model = ChatCompletionRequest if chat else CompletionRequest
-        try:
-            req: ChatCompletionRequest | CompletionRequest = model.model_validate(body)
-        except ValidationError as e:
-            raise validation_error(e, model) from None
+        req = await self.parsed_body(request, partial(self._validated, chat=chat))
         self.check_model(req.model)
         namespace = key.namespace if key is not None else None
         if isinstance(req, CompletionRequest) and len(prompts := req.prompts()) > 1:
