@@ -16,6 +16,7 @@ from pydantic import (
     model_validator,
 )
 
+from deploy.proxy_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from engines.base import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS
 from engines.config import BusConfig, EngineConfig, EngineDeploymentConfig, StrictModel
 from router.autoscale import (
@@ -44,7 +45,12 @@ API_KEYS_ENV = "KVROUTE_API_KEYS"
 # with Serve's own proxy it gained nothing here and holds a replica open while it drains.
 # Every process of the cluster reads these when it starts, so they go on ``ray start``
 # (deploy/cluster*.yaml) or into the environment of the driver that starts a local Ray.
-RAY_SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"}
+RAY_SERVE_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    # Serve's proxy reads it when it starts: kvroute's header checks and client deadlines
+    PROXY_CALLBACK_ENV: PROXY_CALLBACK,
+}
 
 
 def apply_ray_serve_env() -> dict[str, str]:

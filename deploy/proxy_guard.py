@@ -19,10 +19,10 @@ and whose Starlette middlewares it wraps around its own ASGI app, outside Serve'
   headers; past that the client gets a 408 (when no response has started) and the connection is
   closed, which the app sees as a disconnect.
 
-Every process of a Ray cluster reads the hook from its environment when it starts:
-``proxy_guard_env()`` is what ``kvroute serve`` puts there before it starts a local Ray; a
-cluster's ``ray start`` needs the same variables. Imports only the standard library and, when the
-proxy calls it, Starlette and uvicorn (no kvroute router code in the proxy process).
+Every process of a Ray cluster reads the hook from its environment when it starts: it is in
+``deploy.config.RAY_SERVE_ENV``, which ``kvroute serve`` puts there before it starts a local Ray
+and every ``ray start`` of the cluster files carries. Imports only the standard library and,
+when the proxy calls it, Starlette and uvicorn (no kvroute router code in the proxy process).
 """
 
 from __future__ import annotations
@@ -63,11 +63,6 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 logger = logging.getLogger(__name__)
-
-
-def proxy_guard_env() -> dict[str, str]:
-    """The environment that installs the guards in Serve's proxy (what an operator set wins)."""
-    return {PROXY_CALLBACK_ENV: os.environ.get(PROXY_CALLBACK_ENV, PROXY_CALLBACK)}
 
 
 def timeout_from_env(name: str, default: float) -> float:

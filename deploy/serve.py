@@ -11,7 +11,6 @@ import threading
 from typing import Any
 
 from deploy.config import RAY_PREFIX_ROUTER, ServeConfig, apply_ray_serve_env
-from deploy.proxy_guard import proxy_guard_env
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,8 +84,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     if not args.ray_address:  # a cluster's processes take theirs from its ray start
         check_local_models(cfg)
-        apply_ray_serve_env()
-        os.environ.update(proxy_guard_env())  # Serve's proxy: header checks, client timeouts
+        apply_ray_serve_env()  # Serve's mode, and its proxy's guard (deploy.proxy_guard)
     import ray
     from ray import serve
 

@@ -1,20 +1,13 @@
 """The hostile-client suite (issue 61): what a client can send to break or starve the router.
-
-Importing it puts Serve's proxy guard (``deploy.proxy_guard``) into this process's environment,
-as ``kvroute serve`` does before it starts a local Ray, so the shared Ray that the Ray modules run
-on (tests/conftest.py, started after collection) runs Serve's proxy with it.
-"""
+The shared Ray its Ray modules run on starts with ``deploy.config.RAY_SERVE_ENV``
+(tests/conftest.py), as ``kvroute serve`` starts one: Serve's proxy runs with kvroute's guard
+(``deploy.proxy_guard``)."""
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from typing import Any
-
-from deploy.proxy_guard import proxy_guard_env
-
-os.environ.update(proxy_guard_env())
 
 
 def hostile_config(port: int, name: str) -> dict[str, Any]:

@@ -156,7 +156,7 @@ def test_api_keys_come_from_the_config_the_environment_and_a_file(
     assert f1.id.startswith("fp-") and f1.namespace == f1.id and "f1" not in repr(f1)
     assert got.identify("Bearer sk-a") is None and got.identify("sk-") is None
     bad = RouterConfig(api_keys=["k1"], key_namespaces={"ns": ["nobody"]})
-    with pytest.raises(ValueError, match="key_namespaces.*nobody"):
+    with pytest.raises(ValueError, match=r"key_namespaces.*nobody"):
         api_keys(bad)
 
 
@@ -172,9 +172,10 @@ def test_ray_serve_env_is_set_where_the_operator_set_nothing_and_on_every_ray_st
 
     monkeypatch.setenv("RAY_SERVE_THROUGHPUT_OPTIMIZED", "0")
     monkeypatch.delenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", raising=False)
+    monkeypatch.delenv("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", raising=False)
     assert apply_ray_serve_env() == {
+        **RAY_SERVE_ENV,
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0",
-        "RAY_SERVE_ENABLE_DIRECT_INGRESS": RAY_SERVE_ENV["RAY_SERVE_ENABLE_DIRECT_INGRESS"],
     }
     prefix = " ".join(f"{k}={v}" for k, v in RAY_SERVE_ENV.items())
     deploy = Path(__file__).resolve().parents[2] / "deploy"
