@@ -13,6 +13,7 @@ import time
 from typing import Any, cast
 
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
 
@@ -138,6 +139,7 @@ class IngressDeployment:
                 admin_keys=admin_keys(self.cfg.router),
                 metrics_admin=self.cfg.router.metrics_admin,
                 open_service_routes=self.cfg.router.open_service_routes,
+                client_aborts=(TaskCancelledError,),
                 router_id=serve.get_replica_context().replica_id.unique_id,
                 rate_limit=self.cfg.router.rate_limit_rps,
                 rate_burst=self.cfg.router.rate_limit_burst,

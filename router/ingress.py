@@ -257,6 +257,12 @@ class Ingress:
         )
 
     def internal_error(self, e: Exception) -> JSONResponse:
+        if isinstance(e, self.config.client_aborts):
+            # nobody reads this answer: counted as nginx counts it, logged without a traceback
+            log.info("client closed the connection mid-request (%s)", type(e).__name__)
+            return self.api_error(
+                APIError(499, "client closed request", type_="client_error", code="client_closed")
+            )
         log.exception("internal error")
         return self.api_error(
             APIError(500, f"internal error: {type(e).__name__}", type_="server_error")
