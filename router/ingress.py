@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engines.base import EngineError
@@ -257,7 +258,7 @@ class Ingress:
         )
 
     def internal_error(self, e: Exception) -> JSONResponse:
-        if isinstance(e, self.config.client_aborts):
+        if isinstance(e, (ClientDisconnect, *self.config.client_aborts)):
             # nobody reads this answer: counted as nginx counts it, logged without a traceback
             log.info("client closed the connection mid-request (%s)", type(e).__name__)
             return self.api_error(

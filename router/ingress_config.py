@@ -51,8 +51,9 @@ class IngressConfig:
     # /metrics and /openapi.json answer without a key even when API keys are set (they name
     # the engines and their load); off by default
     open_service_routes: bool = False
-    # what the server raises in a handler when the client has gone (Ray Serve's ASGI receive:
-    # ray's TaskCancelledError): counted as kvroute_errors_total{status="499"}, logged at INFO
+    # what the server raises in a handler when the client has gone, besides Starlette's
+    # ClientDisconnect (Ray Serve's ASGI receive: ray's TaskCancelledError): counted as
+    # kvroute_errors_total{status="499"}, logged at INFO
     client_aborts: tuple[type[Exception], ...] = ()
     # the online autoscaling decisions of the app's pools (``deploy.autoscaling``'s
     # ``DecisionPoller``: a ``DecisionLog.snapshot``), shown in /metrics; None: none autoscale

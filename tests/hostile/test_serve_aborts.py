@@ -52,9 +52,9 @@ def test_dropped_streams_are_counted_as_client_aborts_not_500s(base: str) -> Non
         # before the first token (the 200 not sent yet) and after it
         timeout = httpx.Timeout(30, read=0.05)
         async with httpx.AsyncClient(timeout=timeout) as client:
-            await asyncio.gather(*(_drop(client, base, i, False) for i in range(30)))
+            await asyncio.gather(*(_drop(client, base, i, False) for i in range(100)))
         async with httpx.AsyncClient(timeout=30) as client:
-            await asyncio.gather(*(_drop(client, base, i, True) for i in range(30, 90)))
+            await asyncio.gather(*(_drop(client, base, i, True) for i in range(100, 300)))
 
     asyncio.run(run())
 
