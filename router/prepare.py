@@ -176,7 +176,7 @@ class RequestPreparer:
             # vLLM's rule: a completions prompt gets the tokenizer's special tokens unless
             # the request says add_special_tokens: false
             special = req.add_special_tokens is not False
-            return self.tokenizer.encode(prompt, special), prompt
+            return self.tokenizer.encode(prompt, special), prompt if self.prompt_text else ""
         ids = checked_token_ids(prompt, self.tokenizer.vocab_size, "prompt")
         return ids, " ".join(map(str, ids[:256])) if self.prompt_text else ""
 

@@ -553,7 +553,9 @@ def test_prompt_text_goes_only_to_a_request_router_that_reads_it() -> None:
         {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
     )
     ids = CompletionRequest.model_validate({**COMPLETION, "prompt": list(range(40, 80))})
-    for req, text in ((chat, "hello there"), (ids, " ".join(map(str, range(40, 80))))):
+    words = CompletionRequest.model_validate({**COMPLETION, "prompt": "hello there"})
+    stand_in = " ".join(map(str, range(40, 80)))
+    for req, text in ((chat, "hello there"), (ids, stand_in), (words, "hello there")):
         with_text, _ = peer.prepared(http, req)
         without, _ = own.prepared(http, req)
         assert with_text.prompt == text and without.prompt == ""
