@@ -73,6 +73,7 @@ from simulation.jobs import DEFAULT_JOBS, run_each
 from simulation.options import parse_router, parse_routers
 from simulation.settings import Perturbation, SimSettings, ideal_ttfts
 from simulation.simulate_cmd import excess_ttfts
+from simulation.tenants import check_tenants, isolate
 
 WORKLOADS: dict[str, str] = {
     # name: a trace file under TRACES, or a ``loadgen.synthetic`` workload
@@ -274,9 +275,11 @@ def run_suite(
     log: Callable[[str], None] = lambda _m: None,
     inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS,
     engine: dict[str, Any] | None = None,
+    tenants: int = 0,
 ) -> dict[str, Any]:
     """The suite's JSON document (see the module); ``engine``: sim engine options for the
-    routers' runs (``kvroute simulate --engine``'s)."""
+    routers' runs (``kvroute simulate --engine``'s); ``tenants``: their workloads split into
+    that many isolated tenants (``kvroute simulate --tenants``; the loads are found without)."""
     q = int(quick)
     n = requests or REQUESTS[q]
     nb = bisect_requests or BISECT_REQUESTS[q]
@@ -296,6 +299,7 @@ def run_suite(
         for load, key in (("L1", "l1_scale"), ("L2", "l2_scale")):
             for seed in range(seeds):
                 plan, block = make_plan(w, chosen[w][key], seed, n)
+                plan = isolate(plan, tenants, seed)
                 span = plan[-1].offset_s - plan[0].offset_s if plan else 0.0
                 spans.setdefault(w, {}).setdefault(load, []).append(round(span, 2))
                 ideal = ideal_ttfts(plan, block, truth, settings_for(seed, instances))
@@ -327,8 +331,10 @@ def run_suite(
         row["completed"] = [x["completed"] for x in runs]
         row["wall_s"] = round(sum(x["wall_s"] for x in runs), 2)
         results.setdefault(w, {}).setdefault(load, {})[r] = row
+    meta_tenants = {"tenants": tenants} if tenants > 1 else {}
     return {
         "meta": {
+            **meta_tenants,
             "instances": instances,
             "inflight_prompts": inflight_prompts,
             "engine": dict(engine or {}),
@@ -479,6 +485,14 @@ def main(argv: list[str] | None = None) -> int:
         help="a sim engine option for the routers' runs, as kvroute simulate --engine takes it "
         "(e.g. queued_until_first_token=false: report what is still to schedule)",
     )
+    ap.add_argument(
+        "--tenants",
+        type=int,
+        default=0,
+        metavar="K",
+        help="split each run's workload into K isolated tenants, as kvroute simulate --tenants "
+        "(0 or 1: one shared cache) [0]",
+    )
     args = ap.parse_args(argv)
     try:
         workloads = _workloads(args.workloads)
@@ -494,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
             if v is not None and v < 10:
                 raise ValueError(f"{flag} must be >= 10, got {v}")
         engine = parse_options(args.engine, "--engine")
+        check_tenants(args.tenants)
         settings_for(0, 1, engine=engine).validate()  # a bad option, named before the run
         if args.bisect_steps is not None and args.bisect_steps < 0:
             raise ValueError(f"--bisect-steps must be >= 0, got {args.bisect_steps}")
@@ -523,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         log=lambda m: print(m, file=sys.stderr, flush=True),
         inflight_prompts=args.inflight_prompts,
         engine=engine,
+        tenants=args.tenants,
     )
     print_json(doc, args.out)
     print(table(doc), file=sys.stderr)

@@ -40,6 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="kv_ttft,round_robin",
         help="comma-separated scorers, each NAME or NAME@key=value+key=value [kv_ttft,round_robin]",
     )
+    c.add_argument(
+        "--tenants",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K tenants, each session drawn into one by --seed, their blocks keyed apart as the "
+        "ingress keys API keys' namespaces (simulation.tenants); 0 or 1: one shared cache [0]",
+    )
     add_engine_arguments(c)
     d = p.add_argument_group("prefill/decode disaggregation")
     d.add_argument(
@@ -197,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
     from simulation.cluster import simulate
     from simulation.jobs import run_each
     from simulation.settings import ideal_ttfts
+    from simulation.tenants import isolate
 
     _check(args)
     # before the workload is read: a bad flag fails fast
@@ -208,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     plan, block_size, source = plan_workload(args)
     if not plan:
         raise ValueError("the workload has no requests (check --duration / --max-requests)")
+    plan = isolate(plan, args.tenants, args.seed)
     ideal = ideal_hit_rate((p.req for p in plan), block_size)
     ideal_s = ideal_ttfts(plan, block_size, truth, settings)
     span = plan[-1].offset_s if len(plan) > 1 else 0.0
@@ -302,8 +312,10 @@ def _print_autoscale(policy: str, results: dict[str, Any]) -> None:
 def _check(args: argparse.Namespace) -> None:
     """The flags ``run`` cannot simulate with, refused before anything runs."""
     from simulation.jobs import check_jobs
+    from simulation.tenants import check_tenants
 
     check_positives(args, "--slo-ttft-ms", "--slo-tpot-ms", "--instances")
+    check_tenants(args.tenants)
     check_jobs(args.jobs)
     if args.admit and args.slo_ttft_ms is None:
         raise ValueError("--admit needs --slo-ttft-ms")
@@ -325,6 +337,8 @@ def _assumptions(
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tpot_ms": args.slo_tpot_ms,
         "admission": bool(args.admit),
+        # absent without isolation: the output of a run without the flag
+        **({"tenants": args.tenants} if args.tenants > 1 else {}),
     }
 
 
