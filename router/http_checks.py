@@ -62,17 +62,19 @@ def check_json_content_type(request: Request) -> None:
 
 
 async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
-    """The body as a JSON object; 415 unless declared ``application/json``
+    """The body as a JSON object: ``json_object(await read_body(request, limit))``."""
+    return json_object(await read_body(request, limit))
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body's bytes; 415 unless declared ``application/json``
     (``check_json_content_type``); 413 as soon as it is known to exceed ``limit`` bytes (from
-    Content-Length, or while streaming it in), so an oversized body is never held whole; 400
-    for a body that is not standard JSON (RFC 8259: no NaN or Infinity) or is nested past the
-    parser's depth, or has a key twice in one object."""
+    Content-Length, or while streaming it in), so an oversized body is never held whole."""
     check_json_content_type(request)
     too_large = APIError(
         413, f"request body exceeds the limit of {limit} bytes", code="request_too_large"
     )
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared_length(request) > limit:
         raise too_large
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -80,8 +82,21 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise too_large
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def declared_length(request: Request) -> int:
+    """The body's Content-Length, 0 when absent or malformed."""
+    declared = request.headers.get("content-length", "")
+    return int(declared) if declared.isdigit() else 0
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object; 400 for a body that is not standard JSON (RFC 8259: no NaN or
+    Infinity), is nested past the parser's depth, has a key twice in one object, or is not an
+    object."""
     try:
-        body = decode_json(b"".join(chunks))
+        body = decode_json(raw)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, NaN, a key given twice
         raise APIError(400, f"malformed JSON body: {e}") from None
     except RecursionError:
