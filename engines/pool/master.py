@@ -27,7 +27,7 @@ from types import TracebackType
 
 from engines.ports import free_port
 
-__all__ = ["MasterConfig", "PoolMaster", "PoolUnavailable", "find_master_binary"]
+__all__ = ["MasterConfig", "PoolMaster", "PoolUnavailable", "find_master_binary", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -285,3 +285,42 @@ class PoolMaster:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m engines.pool --host IP ...``: run a master in the foreground until
+    SIGTERM or SIGINT (a cluster's head: ``deploy/node-setup.sh pool``)."""
+    import argparse
+    import signal
+    import threading
+
+    p = argparse.ArgumentParser(prog="python -m engines.pool", description=main.__doc__)
+    p.add_argument("--host", default="127.0.0.1", help="the address both servers bind")
+    p.add_argument("--rpc-port", type=int, default=0)
+    p.add_argument("--metadata-port", type=int, default=0)
+    p.add_argument("--metrics-port", type=int, default=0)
+    p.add_argument("--client-ttl-s", type=int, default=10, help="seconds (Mooncake's default)")
+    p.add_argument("--log-dir", type=Path, help="the servers' logs (default: a temporary dir)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    config = MasterConfig(
+        host=args.host,
+        rpc_port=args.rpc_port,
+        metadata_port=args.metadata_port,
+        metrics_port=args.metrics_port,
+        client_ttl_s=args.client_ttl_s,
+    )
+    with PoolMaster(config, log_dir=args.log_dir) as master:
+        print(f"pool master {master.master_address} metadata {master.metadata_url}", flush=True)
+        while not stop.wait(1.0):
+            if not master.running():
+                log.error("pool: a server exited; log tail:\n%s", master._log_tail())
+                return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
