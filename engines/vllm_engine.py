@@ -11,7 +11,8 @@ A CPU KV tier (``cpu_tier``) runs vLLM's ``OffloadingConnector`` with a kvroute 
 connector) through ``MultiConnector``; vLLM refuses it on its CPU build.
 
 Any script that starts one needs an ``if __name__ == "__main__"`` guard: vLLM spawns its engine
-core process.
+core process. That process, and its workers, end when the one hosting the engine dies, even by
+SIGKILL (``engines.vllm_watchdog``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from engines import offload
+from engines import offload, vllm_watchdog
 from engines.base import (
     Engine,
     EngineError,
@@ -198,6 +199,10 @@ class VllmEngine(Engine):
             **self._args,
         )
         from engines.pd.nixl import side_channel_environ
+
+        # NOTE: vLLM loads it as a plugin too; here it also holds where VLLM_PLUGINS leaves it out
+        # (a forked engine core: a spawned one has only the plugin)
+        vllm_watchdog.install()
 
         try:
             # NOTE: vLLM's NixlConnector reads its side channel from the environment only; the
