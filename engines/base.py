@@ -137,6 +137,12 @@ class EngineOutput(msgspec.Struct):
     # the engine refused the request as invalid (a client error, e.g. a JSON schema its
     # structured-output backend cannot compile): the only output, finished, reason "error"
     error: str | None = None
+    # on a final output of a request that made a token: seconds from its first token to this
+    # output, on the engine's own monotonic clock. An interval, so no clock is compared across
+    # processes: the ingress, which gets a response nobody streams whole, dates its first token
+    # that long before the response came (``router.metrics.RequestTimer``). Outputs merged into
+    # one keep the last's, which is the merged output's.
+    first_token_age_s: float | None = None
 
 
 def refusal(request_id: str, prompt_tokens: int, reason: Exception | str) -> EngineOutput:

@@ -407,6 +407,7 @@ class VllmEngine(Engine):
             n, min(max(request.expected_cached_tokens, 0), n - 1)
         )
         completion = 0
+        first_at = 0.0  # when its first token came (time.monotonic(); 0: not yet)
         try:
             from vllm.exceptions import VLLMClientError
 
@@ -430,6 +431,8 @@ class VllmEngine(Engine):
                         return
                     c = out.outputs[0] if out.outputs else None
                     ids = list(c.token_ids) if c is not None else []
+                    if ids and not first_at:
+                        first_at = time.monotonic()
                     completion += len(ids)
                     st.started, st.generated = True, completion
                     reason = c.finish_reason if c is not None else None
@@ -457,6 +460,9 @@ class VllmEngine(Engine):
                         kv_transfer_params=out.kv_transfer_params if out.finished else None,
                         logprobs=_logprobs(c.logprobs, len(ids)) if c is not None else None,
                         stop_reason=c.stop_reason if c is not None and out.finished else None,
+                        first_token_age_s=time.monotonic() - first_at
+                        if out.finished and first_at
+                        else None,
                     )
             finally:
                 await stream.aclose()  # an early close aborts the request in vLLM

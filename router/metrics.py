@@ -30,10 +30,16 @@ its first token of any choice, so it includes the admission queue, placement and
 queue and prefill (a prefill/decode split: both legs); the inter-token latency is one sample
 per output of a choice after its first (the gap since that choice's previous output, as vLLM
 samples one per engine step); the queue time is the wait in admission before dispatch. TTFT
-and inter-token samples come only from requests whose engine output streams (every streamed
-request; a non-streamed one when the ingress applies stop strings): a response the engine
-delivers whole has no first-token time here, and counts in the latency, queue and token series
-only.
+counts every request that made a token. One whose engine output streams (every streamed request;
+a non-streamed one when the ingress applies stop strings) is timed at its first token's arrival.
+One the engine delivers whole (a non-streamed request) is timed when it ends: its first token
+came ``EngineOutput.first_token_age_s`` before its final output, an interval on the engine's own
+clock (no clock is compared across processes or machines; what the ingress adds is the
+response's way back, which a streamed first token takes too), and its time per output token
+comes from the same interval. Inter-token samples come only from outputs that stream to the
+ingress: a response delivered whole has no gaps that the ingress or its client sees (vLLM's
+server samples them from its engine core's per-step timestamps, which it receives for every
+request; kvroute's ingress receives one output).
 """
 
 from __future__ import annotations
@@ -475,7 +481,9 @@ class RouterMetrics:
 class RequestTimer:
     """One request's clock at the ingress (``time.monotonic()``): observes its TTFT at the first
     token of any choice, an inter-token latency per later output of a choice, and at the end
-    its latency and each choice's time per output token."""
+    its latency and each choice's time per output token. Without ``token_times`` (outputs
+    delivered whole) a choice's first token is dated by its engine (``first_token_age_s``) and
+    the TTFT, from the earliest choice, is observed at the end."""
 
     __slots__ = ("_first", "_last", "_m", "_n", "arrived", "choices", "first", "token_times")
 
@@ -489,13 +497,27 @@ class RequestTimer:
         self._last: list[float] = [0.0] * choices  # its latest output
         self._n = [0] * choices  # its tokens
 
-    def tokens(self, index: int, count: int, instance: str, now: float | None = None) -> None:
-        """``count`` (> 0) new tokens of choice ``index`` arrived from ``instance``."""
+    def tokens(
+        self,
+        index: int,
+        count: int,
+        instance: str,
+        now: float | None = None,
+        first_token_age_s: float | None = None,
+    ) -> None:
+        """``count`` (> 0) new tokens of choice ``index`` arrived from ``instance``;
+        ``first_token_age_s``: the output's ``EngineOutput.first_token_age_s``."""
         now = time.monotonic() if now is None else now
         m = self._m
         m.generation_tokens.labels(instance).inc(count)
         self._n[index] += count
         if not self.token_times:
+            # the choice's first token came before the output that carries it, by the engine's
+            # interval (never before the request arrived)
+            first = now if first_token_age_s is None else now - first_token_age_s
+            seen = self._first[index]
+            self._first[index] = max(first if seen is None else min(seen, first), self.arrived)
+            self._last[index] = now
             return
         if self._first[index] is None:
             self._first[index] = now
@@ -511,7 +533,10 @@ class RequestTimer:
         m = self._m
         m.e2e.labels(instance).observe(now - self.arrived)
         if not self.token_times:
-            return
+            firsts = [f for f in self._first if f is not None]
+            if firsts:
+                self.first = min(firsts)
+                m.ttft.labels(instance).observe(self.first - self.arrived)
         for first, last, n in zip(self._first, self._last, self._n, strict=True):
             if first is not None and n > 1:
                 m.tpot.labels(instance).observe((last - first) / (n - 1))

@@ -147,7 +147,7 @@ class ResponseBuilder:
         c.token_ids.extend(ids)
         c.new_ids.extend(ids)
         if ids and self.timer is not None:
-            self.timer.tokens(index, len(ids), instance_id)
+            self.timer.tokens(index, len(ids), instance_id, None, out.first_token_age_s)
         if out.finished and not c.done:
             c.done = True
             c.finish_reason = _openai_reason(out.finish_reason)

@@ -217,6 +217,7 @@ class SimEngine(Engine):
         usage = Usage(req.prompt_len, req.num_output, req.reported_cached_tokens)
         # a "stop" finish is always a stop token here (the sim has no EOS): vLLM reports its id
         stop_reason = req.token_ids[-1] if req.finish_reason == "stop" and req.token_ids else None
+        first = req.first_token_s  # the monotonic end of the step that made it (-1: none yet)
         return EngineOutput(
             req.request_id,
             tokens,
@@ -226,6 +227,7 @@ class SimEngine(Engine):
             usage,
             kv_transfer_params=req.kv_transfer_params,
             stop_reason=stop_reason,
+            first_token_age_s=max(time.monotonic() - first, 0.0) if first >= 0 else None,
         )
 
     # -- the step loop ---------------------------------------------------------------------------

@@ -98,18 +98,45 @@ def test_the_latencies_are_measured_from_arrival_on_the_ingress_clock() -> None:
     assert _value(m, bucket, instance="sim-1", le="0.25") == 0
 
 
-def test_a_response_delivered_whole_has_no_first_token_time() -> None:
-    """A non-streamed request whose engine sends its output whole: latency, queue and tokens,
-    but no TTFT or ITL (its one output arrives at the end)."""
+def test_a_response_delivered_whole_is_timed_from_its_engines_first_token() -> None:
+    """A non-streamed request whose engine sends its output whole (issue 59): its first token
+    came ``first_token_age_s`` (the engine's interval) before the output did; TTFT (from the
+    earliest choice) and time per output token at the end, no ITL (no gaps were seen)."""
+    m, b = RouterMetrics("m", "r1"), _builder(n=2, stream=False)
+    b.arrived = 100.0
+    timer = m.admitted(b, time.monotonic(), token_times=False)
+    timer.tokens(1, 3, "sim-0", now=101.0, first_token_age_s=0.2)  # its first token at 100.8
+    timer.tokens(0, 5, "sim-0", now=101.5, first_token_age_s=0.8)  # 100.7: the request's first
+    assert _value(m, "kvroute_time_to_first_token_seconds_count", instance="sim-0") == 0
+    timer.finished("sim-0", now=101.6)
+
+    def s(name: str) -> float:
+        return _value(m, name, instance="sim-0")
+
+    assert s("kvroute_time_to_first_token_seconds_count") == 1
+    assert s("kvroute_time_to_first_token_seconds_sum") == pytest.approx(0.7)
+    assert s("kvroute_inter_token_latency_seconds_count") == 0
+    assert s("kvroute_request_time_per_output_token_seconds_sum") == pytest.approx(0.8 / 4 + 0.1)
+    assert s("kvroute_e2e_request_latency_seconds_sum") == pytest.approx(1.6)
+    assert s("kvroute_generation_tokens_total") == 8
+
+
+def test_a_whole_output_without_the_engines_interval_dates_its_tokens_at_arrival() -> None:
+    """An engine that does not say when its first token came: the output's arrival bounds it;
+    an age longer than the request's life is cut at its arrival."""
     m, b = RouterMetrics("m", "r1"), _builder(stream=False)
     m.admitted(b, time.monotonic(), token_times=False)
     b.add(0, _out([11, 12, 13], finished=True), "sim-0")
     m.finished(b)
-    assert _value(m, "kvroute_time_to_first_token_seconds_count", instance="sim-0") == 0
+    assert _value(m, "kvroute_time_to_first_token_seconds_count", instance="sim-0") == 1
     assert _value(m, "kvroute_inter_token_latency_seconds_count", instance="sim-0") == 0
-    assert _value(m, "kvroute_request_time_per_output_token_seconds_count", instance="sim-0") == 0
     assert _value(m, "kvroute_e2e_request_latency_seconds_count", instance="sim-0") == 1
     assert _value(m, "kvroute_generation_tokens_total", instance="sim-0") == 3
+    timer = m.admitted(b, time.monotonic(), token_times=False)
+    timer.tokens(0, 2, "sim-0", now=b.arrived + 1.0, first_token_age_s=5.0)
+    timer.finished("sim-0", now=b.arrived + 1.0)
+    ttft = _value(m, "kvroute_time_to_first_token_seconds_sum", instance="sim-0")
+    assert ttft == pytest.approx(0.0, abs=0.05)  # the first request's few µs, and 0
 
 
 def test_n_choices_share_one_ttft_and_each_has_its_own_itl_and_time_per_token() -> None:
