@@ -408,7 +408,7 @@ class ServeConfig(StrictModel):
     )
     tokenizer: str | None = Field(None, description="HF tokenizer dir; default: the model's")
     pool: PoolConfig = Field(
-        default_factory=PoolConfig, description="the cluster KV pool (docs/pool.md); off"
+        default_factory=PoolConfig, description="the cluster KV pool (docs/pool.md)"
     )
 
     @model_validator(mode="after")

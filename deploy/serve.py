@@ -98,6 +98,9 @@ def local_pool(cfg: ServeConfig) -> Iterator[ServeConfig]:
         master.start()
     except PoolUnavailable as e:
         raise ValueError(f"pool.enabled: {e}") from None
+    except BaseException:  # Ctrl-C while it starts: nothing of it stays
+        master.stop()
+        raise
     try:
         print(
             f"kvroute: pool master {master.master_address}, metadata {master.metadata_url}",
@@ -133,36 +136,43 @@ def run(args: argparse.Namespace) -> int:
         check_local_models(cfg)
         apply_ray_serve_env()  # Serve's mode, and its proxy's guard (deploy.proxy_guard)
     stop = threading.Event()
-    serving = threading.Event()
+    unwind = threading.Event()  # set: a signal unwinds at once (the pool's master stops too)
+    unwind.set()
 
     def on_signal(*_: object) -> None:
-        if not serving.is_set():  # starting: unwind (the pool's master stops on the way out)
-            raise KeyboardInterrupt
         stop.set()
+        if unwind.is_set():
+            raise KeyboardInterrupt
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     with contextlib.ExitStack() as stack:
         if not args.ray_address:  # before Ray: its workers may inherit nothing of it
             cfg = stack.enter_context(local_pool(cfg))
-        _serve(args, cfg, stop, serving)
+        _serve(args, cfg, stop, unwind)
     return 0
 
 
 def _serve(
-    args: argparse.Namespace, cfg: ServeConfig, stop: threading.Event, serving: threading.Event
+    args: argparse.Namespace, cfg: ServeConfig, stop: threading.Event, unwind: threading.Event
 ) -> None:
     import ray
     from ray import serve
 
     from deploy.app import build_serve_app, wait_until_ready
 
-    if args.ray_address:
-        ray.init(address=args.ray_address)
-    else:
-        need = sum(p.instances * p.resources.num_cpus for p in cfg.engine_pools) + 1
-        ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False)
+    # NOTE: a ray.init interrupted half-way leaves Ray's agents running (measured): a signal
+    # while it starts is acted on once it returns
+    unwind.clear()
     try:
+        if args.ray_address:
+            ray.init(address=args.ray_address)
+        else:
+            need = sum(p.instances * p.resources.num_cpus for p in cfg.engine_pools) + 1
+            ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False)
+        if stop.is_set():
+            return
+        unwind.set()
         if args.ray_address:
             head = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
             cfg = cluster_pool(cfg, head)
@@ -183,9 +193,11 @@ def _serve(
             f"router {cfg.router.scorer}: http://{cfg.host}:{cfg.port}/v1",
             flush=True,
         )
-        serving.set()
+        unwind.clear()
         stop.wait()
         print("kvroute: shutting down", flush=True)
     finally:
-        serve.shutdown()
+        unwind.clear()
+        if ray.is_initialized():
+            serve.shutdown()
         ray.shutdown()
