@@ -42,9 +42,9 @@ from router.api import checked_token_ids
 from router.api_errors import APIError, validation_error
 from router.api_fields import CATEGORY_PATTERN, CacheSalt, ChatMessage, StrictBody
 from router.dispatch import EngineClient
+from router.keys import NAME_PATTERN, tenant_salt
 from router.openapi import ADMIN_ERRORS, BODY_ERRORS, error_responses
 from router.openapi import json_body_schema as _schema
-from router.keys import NAME_PATTERN, tenant_salt
 from router.placement import InstanceView, cached_tokens
 from router.state import RouterState
 from router.tokenizer import PromptTokenizer

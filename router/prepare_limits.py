@@ -101,14 +101,18 @@ class Lane:
         self.jobs = 0  # running and waiting
         self.refused = 0
 
-    async def run(self, job: Callable[[], T]) -> T:
+    def check_room(self) -> None:
+        """``Rejected`` (429) when every worker is busy and ``max_waiting`` jobs wait."""
         if self.jobs >= self.workers + self.max_waiting:
             self.refused += 1
             raise Rejected(
-                f"the ingress is preparing {self.jobs} {self.name} prompts; retry shortly",
+                f"the ingress is preparing {self.jobs} {self.name} requests; retry shortly",
                 1.0,
                 code="overloaded",
             )
+
+    async def run(self, job: Callable[[], T]) -> T:
+        self.check_room()
         self.jobs += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(self._pool, job)
@@ -120,19 +124,30 @@ class Lane:
 
 
 class PrepareLanes:
-    """Where a prompt of ``chars`` characters is prepared: inline, the ``medium`` lane or the
-    ``large`` one (the module docstring)."""
+    """Where a job of ``size`` (a prompt's characters, a body's bytes) runs: inline, the
+    ``medium`` lane or the ``large`` one (the module docstring)."""
 
     def __init__(self, medium_workers: int = 2, large_waiting: int = 4) -> None:
         self.medium = Lane("medium", medium_workers, 64)
         self.large = Lane("large", 1, large_waiting)
 
-    async def run(self, chars: int, job: Callable[[], T]) -> T:
-        if chars <= INLINE_CHARS:
+    def lane(self, size: int) -> Lane | None:
+        if size <= INLINE_CHARS:
+            return None
+        return self.medium if size <= LARGE_CHARS else self.large
+
+    def check_room(self, size: int) -> None:
+        """``Rejected`` when a job of ``size`` would find its lane full: for a body, from its
+        Content-Length, before it is read (a flood of huge bodies costs the loop nothing)."""
+        lane = self.lane(size)
+        if lane is not None:
+            lane.check_room()
+
+    async def run(self, size: int, job: Callable[[], T]) -> T:
+        lane = self.lane(size)
+        if lane is None:
             return job()
-        if chars <= LARGE_CHARS:
-            return await self.medium.run(job)
-        return await self.large.run(lambda: _trimmed(job))
+        return await lane.run(job if lane is self.medium else lambda: _trimmed(job))
 
     def close(self) -> None:
         self.medium.close()

@@ -1,5 +1,6 @@
 """Test tiers by folder: tests/unit -> unit, tests/integration -> integration, tests/engine ->
-engine (also marked explicitly in those modules), tests/hostile -> hostile. `make test-*` selects by folder or marker."""
+engine (also marked explicitly in those modules), tests/hostile -> hostile. `make test-*` selects
+by folder or marker."""
 
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ from engines.sim.options import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from router.admission import Admission
 from router.api_errors import APIError
-from router.kv_control import KvControl, PinBody
 from router.keys import fingerprint
+from router.kv_control import KvControl, PinBody
 from router.tokenizer import PromptTokenizer
 from tests.support import Server, free_port, settle
 
