@@ -39,6 +39,7 @@ def _alive(pid: int) -> bool:
 def test_serve_starts_the_pool_master_on_loopback_and_stops_it() -> None:
     cfg = ServeConfig.validated({"pool": {"enabled": True, "segment_gib": 1}})
     pids: list[int] = []
+    before = _children()  # the test process may run other children (an xdist worker's Ray)
     with local_pool(cfg) as served:
         pool = served.engine.pool
         assert pool is not None and pool.segment_gib == 1
@@ -46,7 +47,7 @@ def test_serve_starts_the_pool_master_on_loopback_and_stops_it() -> None:
         metadata = pool.metadata_url.removeprefix("http://").removesuffix("/metadata")
         assert metadata.startswith("127.0.0.1:")
         assert _answers(pool.master_address) and _answers(metadata)
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _child(int(p))]
+        pids = sorted(_children() - before)
         assert len(pids) == 2, pids  # mooncake_master and the metadata server
     assert not _answers(pool.master_address) and not _answers(metadata)
     assert not [p for p in pids if _alive(p)]
@@ -76,3 +77,7 @@ def _child(pid: int) -> bool:
     except OSError:
         return False
     return int(text[text.rindex(")") + 2 :].split()[1]) == os.getpid() and _alive(pid)
+
+
+def _children() -> set[int]:
+    return {int(p) for p in os.listdir("/proc") if p.isdigit() and _child(int(p))}

@@ -21,6 +21,7 @@ from deploy.config import ServeConfig
 from engines.base import LOAD_INTERVAL_S
 from engines.bus_ray import RayEventBus
 from engines.deployment import open_buses
+from router.keys import fingerprint
 from tests.support import (
     free_port,
     instance_gauge,
@@ -34,6 +35,7 @@ from tests.support import (
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 KEY, ADMIN = "sk-serve", "sk-serve-admin"
+CLIENT_NS = fingerprint(KEY)  # the client key's cache namespace, for the KV control API
 LONG = "Shared system prompt about routing and caching. " * 40
 
 
@@ -123,7 +125,7 @@ def test_openai_client_end_to_end(served: tuple[str, ServeConfig], client: opena
     first = client.chat.completions.create(model="sim-tiny", messages=msgs, max_tokens=5)
     assert first.usage.completion_tokens == 5
     # KV events travel engine -> forwarder -> Ray bus -> each ingress replica's map
-    lookups(served[0], {"messages": msgs}, some_cached)
+    lookups(served[0], {"messages": msgs, "namespace": CLIENT_NS}, some_cached)
     again = client.chat.completions.create(model="sim-tiny", messages=msgs, max_tokens=5)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     text = client.completions.create(model="sim-tiny", prompt="route me", max_tokens=3)
@@ -230,7 +232,8 @@ def test_placements_are_honoured_and_follow_ups_hit(
     # (The by-value pickling that once lost the RouterState is caught by test_serve_router:
     # with sequential requests on idle engines Serve's own choice happens to agree.)
     def overrides() -> float:
-        return metric(served[0], "kvroute_placement_overrides")[""]
+        admin = {"authorization": f"Bearer {ADMIN}"}
+        return metric(served[0], "kvroute_placement_overrides", admin)[""]
 
     before = overrides()
     hits = []
@@ -243,7 +246,7 @@ def test_placements_are_honoured_and_follow_ups_hit(
         )
         follow_up = [{"role": "system", "content": system}, {"role": "user", "content": "b"}]
         # the first request's KV events reach every ingress replica's map
-        lookups(served[0], {"messages": follow_up}, some_cached)
+        lookups(served[0], {"messages": follow_up, "namespace": CLIENT_NS}, some_cached)
         again = client.chat.completions.create(model="sim-tiny", max_tokens=2, messages=follow_up)
         assert first.usage is not None and again.usage is not None
         details = again.usage.prompt_tokens_details
