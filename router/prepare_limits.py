@@ -119,9 +119,6 @@ class Lane:
         finally:
             self.jobs -= 1
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
 
 class PrepareLanes:
     """Where a job of ``size`` (a prompt's characters, a body's bytes) runs: inline, the
@@ -148,10 +145,6 @@ class PrepareLanes:
         if lane is None:
             return job()
         return await lane.run(job if lane is self.medium else lambda: _trimmed(job))
-
-    def close(self) -> None:
-        self.medium.close()
-        self.large.close()
 
 
 def _trimmed(job: Callable[[], T]) -> T:
