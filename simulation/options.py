@@ -65,6 +65,40 @@ def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
         "it sent them, on engines where more prefill waits than one step computes "
         "(router.inflight; on by default)",
     )
+    add_pool_arguments(c)
+
+
+# the ``SimSettings`` fields ``add_pool_arguments``' flags set, by the same names
+POOL_FLAGS = ("pool_gib", "pool_gbps", "pool_latency_ms", "pool_policy")
+
+
+def add_pool_arguments(c: argparse._ArgumentGroup) -> None:
+    """The cluster KV pool's flags (``engines.sim.pool``; off by default)."""
+    from engines.sim.pool import DEFAULT_POOL_GBPS, DEFAULT_POOL_LATENCY_MS
+
+    c.add_argument(
+        "--pool-gib",
+        type=float,
+        default=0.0,
+        help="a KV pool of this many GiB in all, shared by every engine: each stores the "
+        "prompt blocks it computes and loads the further leading blocks of a prompt it finds "
+        "there (engines.sim.pool) [0: no pool]",
+    )
+    c.add_argument(
+        "--pool-gbps",
+        type=float,
+        default=DEFAULT_POOL_GBPS,
+        help=f"each engine's link to the pool, GB/s [{DEFAULT_POOL_GBPS:g}]",
+    )
+    c.add_argument(
+        "--pool-latency-ms",
+        type=float,
+        default=DEFAULT_POOL_LATENCY_MS,
+        help=f"the pool's latency per load, ms [{DEFAULT_POOL_LATENCY_MS:g}]",
+    )
+    c.add_argument(
+        "--pool-policy", default="lru", help="the pool's eviction policy (policies/) [lru]"
+    )
 
 
 def add_truth_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,6 +131,7 @@ def sim_settings(args: argparse.Namespace, instances: int, slo_ttft_s: float | N
         prefill_instances=getattr(args, "prefill_instances", 0),
         event_stride=args.event_stride,
         inflight_prompts=args.inflight_prompts,
+        **{k: getattr(args, k) for k in POOL_FLAGS if hasattr(args, k)},
     )
     if settings.prefill_instances:
         local = args.pd_max_local_prefill_tokens

@@ -14,6 +14,7 @@ from typing import Any
 
 from engines.base import LOAD_INTERVAL_S
 from engines.sim.options import SimEngineOptions
+from engines.sim.pool import DEFAULT_POOL_GBPS, DEFAULT_POOL_LATENCY_MS, SimPool
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest
 from loadgen.records import RequestRecord
@@ -127,6 +128,26 @@ class SimSettings:
     # its cache leaves with it
     handover_prefixes: int = 0
     handover_history_s: float = DEFAULT_HANDOVER_HISTORY_S
+    # the cluster's KV pool (``engines.sim.pool``, issue 58): GiB in all (0: no pool), each
+    # engine's link to it (GB/s, and ms per load) and its eviction policy (``policies/``)
+    pool_gib: float = 0.0
+    pool_gbps: float = DEFAULT_POOL_GBPS
+    pool_latency_ms: float = DEFAULT_POOL_LATENCY_MS
+    pool_policy: str = "lru"
+
+    def pool(self, truth: LatencyProfile, block_size: int) -> SimPool | None:
+        """A new pool for one simulated cluster of ``truth`` engines with ``block_size``-token
+        blocks (``pool_gib`` of them, at least one block), or None when ``pool_gib`` is 0."""
+        if not self.pool_gib:
+            return None
+        block_bytes = block_size * truth.kv_bytes_per_token
+        return SimPool(
+            max(int(self.pool_gib * (1 << 30)) // block_bytes, 1),
+            block_bytes,
+            gbps=self.pool_gbps,
+            latency_ms=self.pool_latency_ms,
+            policy=self.pool_policy,
+        )
 
     def gpu_blocks(self, truth: LatencyProfile, block_size: int) -> int:
         """Each engine's GPU KV blocks: ``num_gpu_blocks`` when set, else the profile's
@@ -157,6 +178,7 @@ class SimSettings:
             raise ValueError(
                 f"--prefill-instances must be in [1, --instances), got {self.prefill_instances}"
             )
+        self._validate_pool()
         unknown = sorted(set(self.engine) - set(ENGINE_OPTIONS))
         if unknown:
             raise ValueError(
@@ -166,6 +188,23 @@ class SimSettings:
             SimEngineOptions(**self.engine)
         except ValueError as e:
             raise ValueError(f"--engine: {e}") from None
+
+    def _validate_pool(self) -> None:
+        from policies.base import OfflinePolicy
+        from policies.registry import get_policy_class
+
+        if not (self.pool_gib >= 0 and math.isfinite(self.pool_gib)):
+            raise ValueError(f"--pool-gib must be a number >= 0 (0: no pool), got {self.pool_gib}")
+        if not (self.pool_gbps > 0 and math.isfinite(self.pool_gbps)):
+            raise ValueError(f"--pool-gbps must be a positive number, got {self.pool_gbps}")
+        if not (self.pool_latency_ms >= 0 and math.isfinite(self.pool_latency_ms)):
+            raise ValueError(f"--pool-latency-ms must be a number >= 0, got {self.pool_latency_ms}")
+        try:
+            cls = get_policy_class(self.pool_policy)
+        except ValueError as e:
+            raise ValueError(f"--pool-policy: {e}") from None
+        if issubclass(cls, OfflinePolicy):
+            raise ValueError(f"--pool-policy: {self.pool_policy!r} needs the future (offline)")
 
 
 @dataclass(slots=True)

@@ -339,6 +339,17 @@ def _assumptions(
         "admission": bool(args.admit),
         # absent without isolation: the output of a run without the flag
         **({"tenants": args.tenants} if args.tenants > 1 else {}),
+        # absent without a pool, as above
+        **({"pool": _pool_meta(settings)} if settings.pool_gib else {}),
+    }
+
+
+def _pool_meta(settings: Any) -> dict[str, Any]:
+    return {
+        "gib": settings.pool_gib,
+        "gbps": settings.pool_gbps,
+        "latency_ms": settings.pool_latency_ms,
+        "policy": settings.pool_policy,
     }
 
 

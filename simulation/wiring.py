@@ -104,6 +104,8 @@ class WiredCluster:
         self.by_id: dict[str, VirtualInstance] = {}
         self._index: dict[str, int] = {}
         self._truth, self._options = truth, options
+        # the cluster's KV pool, shared by every engine (joiners too); None: off
+        self.pool = s.pool(truth, bs)
         # membership: whether each engine publishes load samples (routable: ready and not
         # leaving), and its billing (from, to: NaN while held)
         self._publishing: list[bool] = []
@@ -177,6 +179,7 @@ class WiredCluster:
             slowdown=slowdown,
             jitter=p.jitter,
             seed=p.seed * 100_003 + i,
+            pool=self.pool,
         )
         self.instances.append(inst)
         self.by_id[iid] = inst

@@ -20,6 +20,12 @@ any ``policies/`` policy. A lookup extends a GPU hit with blocks resident on CPU
 copied back into new GPU blocks (the caller charges the load time). The policy sees each
 request's lifecycle (``begin_request`` at first admission, ``end_request`` with the blocks it
 loaded as the reuse when it finishes); blocks enter the tier at eviction, outside any request.
+
+Cluster pool (optional, ``engines.sim.pool``): one ``SimPool`` shared by a simulated cluster's
+engines (``pool``, set by the owner). A lookup's third tier: the leading blocks after the GPU
+and CPU-tier hit that the pool holds are loaded into new GPU blocks (``pool_hit``,
+``allocate_new(n_pool=...)``; the caller charges ``pool_load_s``), and the prompt blocks a step
+computes are stored to it (``store_to_pool``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import msgspec
 
 from cachemap.events import AllBlocksCleared, BlockRemoved, BlockStored
 from engines.sim.cpu_tier import CPUTier
+from engines.sim.pool import SimPool
 from engines.sim.request import SimRequest
 from policies.base import EvictionPolicy, RequestInfo
 
@@ -97,6 +104,9 @@ class KVBlockManager:
         self.cpu: CPUTier | None = None
         if cpu_capacity_blocks:
             self.cpu = CPUTier(cpu_capacity_blocks, cpu_policy, block_size, self.events)
+        # the cluster's KV pool (``engines.sim.pool``), shared with the other engines; set by
+        # the engine's owner (a virtual cluster), None: no pool
+        self.pool: SimPool | None = None
         self.now_s = 0.0
 
     # -- state -------------------------------------------------------------------------------
@@ -198,6 +208,28 @@ class KVBlockManager:
             n_cpu = j - len(hit)
         return hit, n_cpu
 
+    def pool_hit(self, req: SimRequest, start: int) -> int:
+        """How many blocks from ``start`` (the GPU and CPU-tier hit) the pool holds, readable
+        now: the lookup's third tier, within the same ``num_tokens - 1`` bound."""
+        pool = self.pool
+        if pool is None or not len(pool):
+            return 0
+        end = min((req.num_tokens - 1) // self.block_size, len(req.block_hashes))
+        return pool.match(req.block_hashes, start, end, self.now_s)
+
+    def pool_load_s(self, n_pool: int) -> float:
+        """Seconds a load of ``n_pool`` blocks from the pool takes (0 without one)."""
+        return self.pool.load_s(n_pool) if self.pool is not None else 0.0
+
+    def store_to_pool(self, req: SimRequest, before: int, n: int, end_s: float) -> None:
+        """A step computed tokens ``before:before + n`` of ``req``, ending at ``end_s``: the
+        prompt blocks it completed go to the pool (vLLM's ``MooncakeStoreConnector``)."""
+        if self.pool is not None:
+            bs = self.block_size
+            end = min(before + n, req.prompt_len) // bs
+            if end > before // bs:
+                self.pool.put(req.block_hashes, before // bs, end, end_s)
+
     def allocate_new(
         self,
         req: SimRequest,
@@ -207,10 +239,12 @@ class KVBlockManager:
         max_model_len: int,
         full_sequence_must_fit: bool = True,
         delay_cache_blocks: bool = False,
+        n_pool: int = 0,
     ) -> bool:
         """Admit a waiting request with its lookup result (``KVCacheManager.allocate_slots``).
         ``delay_cache_blocks``: the new blocks are filled by a KV transfer, so they are cached
-        (``cache_blocks``) when it completes, not now (vLLM's option of that name)."""
+        (``cache_blocks``) when it completes, not now (vLLM's option of that name).
+        ``n_pool``: blocks after the CPU-tier hit loaded from the pool (``pool_hit``)."""
         bs, n_hit = self.block_size, len(hit)
         evictable = sum(1 for b in hit if b.ref_cnt == 0)
         free = self.num_free
@@ -218,7 +252,7 @@ class KVBlockManager:
             full = cdiv(min(req.num_tokens, max_model_len), bs)
             if max(full - n_hit, 0) + evictable > free:
                 return False
-        computed = (n_hit + n_cpu) * bs
+        computed = (n_hit + n_cpu + n_pool) * bs
         need_slot = min(computed + num_new_tokens, max_model_len)
         if max(cdiv(need_slot, bs) - n_hit, 0) + evictable > free:
             return False
@@ -239,6 +273,9 @@ class KVBlockManager:
         req.blocks.extend(self._get_new_blocks(cdiv(need_slot, bs) - n_hit))
         if n_cpu:
             self.cpu.protected = frozenset()  # type: ignore[union-attr]
+        if n_pool and self.pool is not None:
+            start = n_hit + n_cpu
+            self.pool.load(req.block_hashes[start : start + n_pool], self.now_s)
         if not delay_cache_blocks:
             self._cache_blocks(req, min(computed + num_new_tokens, req.num_tokens))
         return True

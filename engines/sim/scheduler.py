@@ -102,7 +102,7 @@ class Step:
     NOTE: a plain class, not a dataclass: compiled (``deploy.native``), a dataclass still runs
     the interpreted ``__init__`` the dataclass decorator generates, once per engine step."""
 
-    __slots__ = ("admitted", "duration_s", "load_tokens", "preempted", "scheduled")
+    __slots__ = ("admitted", "duration_s", "load_tokens", "pool_s", "preempted", "scheduled")
 
     def __init__(self) -> None:
         self.scheduled: list[tuple[SimRequest, int, int]] = []
@@ -110,6 +110,7 @@ class Step:
         self.admitted: list[SimRequest] = []
         self.duration_s = 0.0
         self.load_tokens = 0
+        self.pool_s = 0.0  # loads from the cluster's pool: network time, not the profile's
 
 
 class Scheduler:
@@ -347,14 +348,15 @@ class Scheduler:
             r = waiting[0]
             blocks.begin_request(r)  # once per request
             hit, n_cpu = blocks.lookup(r)
-            computed = (len(hit) + n_cpu) * bs
+            n_pool = blocks.pool_hit(r, len(hit) + n_cpu) if blocks.pool is not None else 0
+            computed = (len(hit) + n_cpu + n_pool) * bs
             if r.remote_prefill and r.kv_ready_s < 0:
                 if not self._start_pull(r, hit, n_cpu):
                     self._admission_blocked = True
                     break
                 continue
             n = min(r.num_tokens - computed, budget, cap)
-            if not blocks.allocate_new(r, n, hit, n_cpu, cfg.max_model_len):
+            if not blocks.allocate_new(r, n, hit, n_cpu, cfg.max_model_len, n_pool=n_pool):
                 self._admission_blocked = True
                 break
             waiting.popleft()
@@ -368,6 +370,7 @@ class Scheduler:
                 self.cached_tokens_admitted += computed
                 self.cpu_cached_tokens_admitted += n_cpu * bs
             step.load_tokens += n_cpu * bs
+            step.pool_s += blocks.pool_load_s(n_pool)
             step.admitted.append(r)
             step.scheduled.append((r, n, computed))
             r.num_computed = computed + n
@@ -485,7 +488,9 @@ class Scheduler:
         cfg, blocks = self.config, self.blocks
         out: list[tuple[SimRequest, list[int]]] = []
         finished = False
-        for r, _, _ in step.scheduled:
+        for r, n, before in step.scheduled:
+            if blocks.pool is not None:
+                blocks.store_to_pool(r, before, n, end_s)
             if r.status != Status.RUNNING or r.num_computed < r.num_tokens:
                 continue
             toks = r.append_outputs(1, cfg.vocab_size, cfg.token_offset)

@@ -33,6 +33,7 @@ from typing import Any
 
 from engines.base import LoadSnapshot
 from engines.sim.options import DEFAULT_OPTIONS, SimEngineOptions
+from engines.sim.pool import SimPool
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest, Status, make_request
 from engines.sim.scheduler import Scheduler
@@ -48,7 +49,8 @@ class VirtualInstance:
     """One sim engine on a virtual clock, shaped by ``options`` (``SimEngineOptions``). Its
     ``block_size`` may differ from the profile's (e.g. a trace's 512-token blocks for speed);
     the KV capacity in tokens stays the profile's. ``slowdown``, ``jitter`` and ``seed``: how it
-    runs slower than its profile (above)."""
+    runs slower than its profile (above). ``pool``: the cluster's KV pool it stores to and loads
+    from (``engines.sim.pool``), shared with the other engines; None: none."""
 
     def __init__(
         self,
@@ -61,6 +63,7 @@ class VirtualInstance:
         slowdown: float = 1.0,
         jitter: float = 0.0,
         seed: int = 0,
+        pool: SimPool | None = None,
     ) -> None:
         if not (slowdown > 0 and math.isfinite(slowdown)):
             raise ValueError(f"slowdown must be a positive number, got {slowdown}")
@@ -72,6 +75,7 @@ class VirtualInstance:
             profile, options, enable_events=on_events is not None, engine_id=instance_id
         )
         self.blocks = self.scheduler.blocks
+        self.blocks.pool = pool
         self.on_events = on_events
         self.on_progress = on_progress
         self.slowdown, self.jitter = slowdown, jitter
@@ -162,7 +166,8 @@ class VirtualInstance:
             self.steps += 1
             self._flush_events()
             return
-        end = self.clock + step.duration_s * self._stretch(1)
+        # NOTE: a pool load is network time: not stretched (0.0 without a pool)
+        end = self.clock + step.duration_s * self._stretch(1) + step.pool_s
         progress = self.on_progress
         for r, _ in sched.complete(step, end):
             if progress is not None and r.first_token_s == end:
