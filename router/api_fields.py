@@ -32,6 +32,10 @@ CATEGORY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$"
 # crowd them out; a new name past the ingress's bound is carried as ``OVERFLOW_CATEGORY``
 DOCUMENTED_CATEGORIES = ("text", "search", "image", "file")
 OVERFLOW_CATEGORY = "other"
+# the engines get a category per type and turn (``text_2``); turns past this share one label
+# (``text_64``), so a client's chats of ever more messages cannot grow the policies' state
+# (LPC learns per label); the hints' ``turn`` itself stays exact
+MAX_CATEGORY_TURN = 64
 NonEmpty = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0)]
 # vLLM's rule for a cache salt: 1-128 characters, none of '@', '/', '\\', NUL

@@ -15,7 +15,12 @@ from engines.base import EngineRequest, RoutedRequest
 from policies.hints import PolicyHints
 from router.api import ChatCompletionRequest, CompletionRequest, checked_token_ids
 from router.api_errors import APIError
-from router.api_fields import CATEGORY_PATTERN, DOCUMENTED_CATEGORIES, OVERFLOW_CATEGORY
+from router.api_fields import (
+    CATEGORY_PATTERN,
+    DOCUMENTED_CATEGORIES,
+    MAX_CATEGORY_TURN,
+    OVERFLOW_CATEGORY,
+)
 from router.hints import conversation_ids, parse_continuation
 from router.ingress_config import IngressConfig
 from router.keys import tenant_salt
@@ -121,7 +126,7 @@ class RequestPreparer:
             turn = 1
         ids = self._truncated(req, ids)
         max_tokens = self._max_tokens(req, len(ids))
-        category = f"{category or self.category(request, req)}_{turn}"
+        category = f"{category or self.category(request, req)}_{min(turn, MAX_CATEGORY_TURN)}"
         continuation = self._continuation(request, req)
         hints = (
             PolicyHints(category, turn, node, parent, continuation)

@@ -112,6 +112,32 @@ def test_2_junk_categories_never_lock_out_the_documented_ones(tenants: str) -> N
     )
 
 
+def test_2_chats_of_ever_more_turns_share_one_label_past_the_bound(monkeypatch) -> None:
+    """The engines' policies learn per category and turn (``text_2``): chats of 70, 100 and 300
+    user messages all carry ``text_64``, while the hints' ``turn`` stays exact."""
+    from policies.hints import RequestInfo
+
+    stack = sim_stack(max_model_len=8192)
+    sent: list[tuple[str, int]] = []
+    for engine in stack.engines.values():
+        original = engine.generate
+
+        def spy(request, original=original):  # type: ignore[no-untyped-def]
+            info = RequestInfo.from_hints(request.kv_transfer_params)
+            sent.append((info.category, info.turn))
+            return original(request)
+
+        monkeypatch.setattr(engine, "generate", spy)
+    with Server(stack, free_port()) as s:
+        base = f"http://127.0.0.1:{s.port}"
+        for turns in (3, 70, 100, 300):
+            messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+            body = {"messages": messages * (turns - 1) + messages[:1], "max_tokens": 1}
+            r = _post(base, body, path="/v1/chat/completions")
+            assert r.status_code == 200, r.text
+    assert sent == [("text_3", 3), ("text_64", 70), ("text_64", 100), ("text_64", 300)]
+
+
 def test_3_the_rate_limit_is_keyed_on_the_key_not_the_header_spelling() -> None:
     """``rate 1/s, burst 2``: 64 spellings of ``Bearer`` for one key get the key's 2 (or 3, a
     second passing) requests, not 64."""
