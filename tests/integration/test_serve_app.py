@@ -289,14 +289,15 @@ def test_killing_a_router_replica_under_load(served: tuple[str, ServeConfig]) ->
     assert len(routers) == 2
     old = {a["name"].rsplit("#", 1)[1] for a in routers}
     prompt = "Warmed before the router replica died. " * 30
+    warmed = {"text": prompt, "namespace": CLIENT_NS}  # in the client key's cache namespace
     engines = sorted(
         row["instance"]
         for row in httpx.post(
-            f"{base}/v1/kv/lookup", json={"text": prompt}, headers=admin, timeout=60
+            f"{base}/v1/kv/lookup", json=warmed, headers=admin, timeout=60
         ).json()["instances"]
     )
     warm = httpx.post(
-        f"{base}/v1/kv/warm", json={"text": prompt, "instances": [engines[1]]}, headers=admin
+        f"{base}/v1/kv/warm", json={**warmed, "instances": [engines[1]]}, headers=admin
     )
     assert warm.status_code == 200, warm.text
 
@@ -334,7 +335,7 @@ def test_killing_a_router_replica_under_load(served: tuple[str, ServeConfig]) ->
     deadline = time.monotonic() + 150
     while time.monotonic() < deadline:
         try:
-            r = httpx.post(f"{base}/v1/kv/lookup", json={"text": prompt}, headers=admin, timeout=10)
+            r = httpx.post(f"{base}/v1/kv/lookup", json=warmed, headers=admin, timeout=10)
         except httpx.TimeoutException:
             continue
         if r.status_code == 200 and r.headers["x-kvroute-router"] not in old:
