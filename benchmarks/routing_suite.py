@@ -70,7 +70,7 @@ from router.inflight import DEFAULT_INFLIGHT_PROMPTS
 from router.placement import parse_options, scorer_names
 from simulation.cluster import simulate
 from simulation.jobs import DEFAULT_JOBS, run_each
-from simulation.options import parse_router, parse_routers
+from simulation.options import POOL_FLAGS, add_pool_arguments, parse_router, parse_routers
 from simulation.settings import Perturbation, SimSettings, ideal_ttfts
 from simulation.simulate_cmd import excess_ttfts
 from simulation.tenants import check_tenants, isolate
@@ -138,17 +138,30 @@ def make_plan(
     return build_schedule(reqs), SYNTH_BLOCK_SIZE
 
 
+def _with_tier(
+    engine: dict[str, Any] | None, gib: float, block: int, truth: LatencyProfile
+) -> dict[str, Any]:
+    """``engine`` with a CPU tier of ``gib`` GiB in ``block``-token blocks (0: as it is)."""
+    if not gib:
+        return dict(engine or {})
+    blocks = max(int(gib * (1 << 30)) // (block * truth.kv_bytes_per_token), 1)
+    return {**(engine or {}), "cpu_capacity_blocks": blocks}
+
+
 def settings_for(
     seed: int,
     instances: int,
     inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS,
     engine: dict[str, Any] | None = None,
+    pool: dict[str, Any] | None = None,
 ) -> SimSettings:
+    """``pool``: the ``SimSettings`` pool fields (``simulation.options.POOL_FLAGS``)."""
     return SimSettings(
         instances=instances,
         perturbation=Perturbation(seed=seed),
         inflight_prompts=inflight_prompts,
         engine=dict(engine or {}),
+        **(pool or {}),
     )
 
 
@@ -276,10 +289,15 @@ def run_suite(
     inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS,
     engine: dict[str, Any] | None = None,
     tenants: int = 0,
+    pool: dict[str, Any] | None = None,
+    cpu_tier_gib: float = 0.0,
 ) -> dict[str, Any]:
     """The suite's JSON document (see the module); ``engine``: sim engine options for the
     routers' runs (``kvroute simulate --engine``'s); ``tenants``: their workloads split into
-    that many isolated tenants (``kvroute simulate --tenants``; the loads are found without)."""
+    that many isolated tenants (``kvroute simulate --tenants``; the loads are found without);
+    ``pool``: the routers' runs share a cluster KV pool (``SimSettings``' pool fields; the
+    loads are found without); ``cpu_tier_gib``: each engine has a CPU tier of that size (in
+    blocks of the workload's size; 0: none)."""
     q = int(quick)
     n = requests or REQUESTS[q]
     nb = bisect_requests or BISECT_REQUESTS[q]
@@ -311,7 +329,13 @@ def run_suite(
             block,
             truth,
             r,
-            settings_for(seed, instances, inflight_prompts, engine),
+            settings_for(
+                seed,
+                instances,
+                inflight_prompts,
+                _with_tier(engine, cpu_tier_gib, block, truth),
+                pool,
+            ),
             ideal,
         )
         for (_w, _l, seed, plan, block, ideal) in cells
@@ -335,6 +359,8 @@ def run_suite(
     return {
         "meta": {
             **meta_tenants,
+            **({"pool": dict(pool)} if pool else {}),
+            **({"cpu_tier_gib": cpu_tier_gib} if cpu_tier_gib else {}),
             "instances": instances,
             "inflight_prompts": inflight_prompts,
             "engine": dict(engine or {}),
@@ -493,6 +519,13 @@ def main(argv: list[str] | None = None) -> int:
         help="split each run's workload into K isolated tenants, as kvroute simulate --tenants "
         "(0 or 1: one shared cache) [0]",
     )
+    ap.add_argument(
+        "--cpu-tier-gib",
+        type=float,
+        default=0.0,
+        help="each engine's CPU tier, GiB (in blocks of each workload's size) [0: none]",
+    )
+    add_pool_arguments(ap.add_argument_group("the cluster KV pool (the routers' runs)"))
     args = ap.parse_args(argv)
     try:
         workloads = _workloads(args.workloads)
@@ -509,7 +542,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{flag} must be >= 10, got {v}")
         engine = parse_options(args.engine, "--engine")
         check_tenants(args.tenants)
-        settings_for(0, 1, engine=engine).validate()  # a bad option, named before the run
+        if not (args.cpu_tier_gib >= 0 and math.isfinite(args.cpu_tier_gib)):
+            raise ValueError(f"--cpu-tier-gib must be a number >= 0, got {args.cpu_tier_gib}")
+        pool = {k: getattr(args, k) for k in POOL_FLAGS} if args.pool_gib else {}
+        settings_for(0, 1, engine=engine, pool=pool).validate()  # a bad option, named first
         if args.bisect_steps is not None and args.bisect_steps < 0:
             raise ValueError(f"--bisect-steps must be >= 0, got {args.bisect_steps}")
         loads = None
@@ -539,6 +575,8 @@ def main(argv: list[str] | None = None) -> int:
         inflight_prompts=args.inflight_prompts,
         engine=engine,
         tenants=args.tenants,
+        pool=pool,
+        cpu_tier_gib=args.cpu_tier_gib,
     )
     print_json(doc, args.out)
     print(table(doc), file=sys.stderr)

@@ -1,10 +1,19 @@
 """Block hashing, the global cache map with per-instance per-tier residency, vLLM KV event
 ingestion and the event bus. Pure: no Ray, asyncio, sockets or clock reads."""
 
-from cachemap.hashing import BlockHash, BlockHasher, InstanceId, Tier, block_hashes, salt_hash
+from cachemap.hashing import (
+    POOL_INSTANCE,
+    BlockHash,
+    BlockHasher,
+    InstanceId,
+    Tier,
+    block_hashes,
+    salt_hash,
+)
 from cachemap.map import CacheMap, CacheMapStats, Match, MatchResult
 
 __all__ = [
+    "POOL_INSTANCE",
     "BlockHash",
     "BlockHasher",
     "CacheMap",

@@ -22,6 +22,11 @@ import xxhash
 
 BlockHash = NewType("BlockHash", int)
 InstanceId = NewType("InstanceId", str)
+# The cluster KV pool (``engines.pool``) in the cache map: one more holder, whose blocks are on
+# the CPU tier. Its match is the prompt's leading run that any engine could load from the pool;
+# scorers skip it like any holder that is no candidate. No engine replica is named so (Serve's
+# replica ids and ``sim-<i>`` never are).
+POOL_INSTANCE = InstanceId("kv-pool")
 
 HASH_SEED = 0x6B76726F75746521  # b"kvroute!"
 MAX_TOKEN_ID = 2**32 - 1

@@ -73,6 +73,7 @@ MODULES: tuple[str, ...] = (
     "router.placement",
     "router.inflight",
     "router.core",
+    "router.scorers.calibration",
     "router.scorers.kv_ttft",
     # the cluster simulator: its replay and wiring, what-if runs, and the settings and records
     # the loop reads (a compiled module reads a non-compiled class's attributes slowly)

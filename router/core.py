@@ -18,6 +18,7 @@ from cachemap import CacheMap
 from cachemap.bus import BusRead, EventBus
 from cachemap.ingest import CacheMapIngestor
 from engines.liveness import STALE_AFTER_S, EngineWatcher
+from engines.pool.link import PoolLink
 from router.admission import Admission
 from router.inflight import DEFAULT_INFLIGHT_PROMPTS, InFlightPrompts
 from router.load import LoadTracker
@@ -50,6 +51,7 @@ class RouterCore:
         planner: PdPlanner | None = None,
         event_stride: int = 1,
         inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS,
+        kv_pool: PoolLink | None = None,
     ) -> None:
         """``kv_bus`` and ``load_bus`` come together (or neither: the caller then drives the
         core by hand); an instance silent on the load bus for ``stale_after_s`` is dropped.
@@ -64,10 +66,14 @@ class RouterCore:
         keep every ``event_stride``-th block (``EngineConfig.event_stride``; the map's
         ``stride``). ``inflight_prompts``: a request's match also counts the prompts this core
         sent that no KV event shows yet, where more prefill waits than one engine step takes
-        (``router.inflight``)."""
+        (``router.inflight``). ``kv_pool``: every engine's link to the cluster KV pool, whose
+        residency the map holds as ``cachemap.POOL_INSTANCE`` (None: no pool, or the router
+        does not price it)."""
         self.cache_map = CacheMap(stride=event_stride)
+        self.kv_pool = kv_pool
         self._scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
         self._scorer.attach(self.cache_map)
+        self._scorer.attach_pool(kv_pool)
         if pools is None:
             pools = (Pool(DEFAULT_POOL, "both", block_size, latency, kv_capacity_blocks),)
         self.pools: dict[str, Pool] = {p.name: p for p in pools}
@@ -105,6 +111,7 @@ class RouterCore:
     @scorer.setter
     def scorer(self, scorer: Scorer) -> None:
         scorer.attach(self.cache_map)
+        scorer.attach_pool(self.kv_pool)
         self._scorer = scorer
 
     # -- membership ------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Protocol
 from mypy_extensions import mypyc_attr
 
 from cachemap import CacheMap, Match
+from engines.pool.link import PoolLink
 
 
 class LatencyModel(Protocol):
@@ -27,6 +28,11 @@ class LatencyModel(Protocol):
     @property
     def max_num_batched_tokens(self) -> int:
         """Prompt tokens one engine step computes at most (vLLM's option of that name)."""
+        ...
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one token takes (every layer): what a load from the KV pool moves."""
         ...
 
     def ttft_s(
@@ -104,24 +110,57 @@ def _fields(record: Any) -> tuple[Any, ...]:
 
 
 def profile_ttft(
-    request: PlacementRequest, inst: InstanceView, m: Match | None, *, idle: bool = False
+    request: PlacementRequest,
+    inst: InstanceView,
+    m: Match | None,
+    *,
+    idle: bool = False,
+    pool_blocks: int = 0,
+    link: PoolLink | None = None,
 ) -> tuple[float, int]:
     """(``inst``'s latency model's TTFT in seconds, leading cached blocks) of ``request`` there:
     its prompt beyond the instance's leading cached run (GPU, then CPU-tier blocks loaded),
     behind the instance's queued prefill (``idle``: as if none were queued, which is the engine
-    time the request's own prefill takes)."""
+    time the request's own prefill takes).
+
+    ``pool_blocks``: the prompt's leading blocks in the cluster KV pool, loadable over ``link``.
+    Where they reach past the instance's own run, the rest of them is either loaded (the bytes
+    over the link, the tokens not computed; on a busy engine one step more, since a load is
+    asynchronous) or recomputed, whichever is quicker: the cached blocks returned count the
+    pool's run when the load is the answer. With ``idle``, the comparison is of engine time
+    alone: whether the link beats the engine at producing those blocks."""
     bs = inst.block_size
     gpu = m.gpu_blocks if m else 0
     total = m.total_blocks if m else 0
     cached = request.cached_tokens(total, bs)
     gpu_tokens = min(gpu * bs, cached)
-    ttft = inst.latency.ttft_s(
+    latency = inst.latency
+    queued = 0 if idle else inst.pending_prefill_tokens
+    queued_requests = 1 if idle else inst.waiting
+    ttft = latency.ttft_s(
         request.prompt_tokens,
         gpu_tokens,
         cached - gpu_tokens,
-        queued=0 if idle else inst.pending_prefill_tokens,
-        queued_requests=1 if idle else inst.waiting,
+        queued=queued,
+        queued_requests=queued_requests,
     )
+    if pool_blocks > total and link is not None:
+        pooled = request.cached_tokens(pool_blocks, bs) - cached
+        if pooled > 0:
+            # the pool's tokens are not computed; they arrive over the link before the step
+            loaded = latency.ttft_s(
+                request.prompt_tokens,
+                gpu_tokens + pooled,
+                cached - gpu_tokens,
+                queued=queued,
+                queued_requests=queued_requests,
+            ) + link.load_s(pooled * latency.kv_bytes_per_token)
+            if not idle and (queued or inst.running):
+                # the load is asynchronous (vLLM's connectors): the request joins the batch at
+                # the first step after it, so it waits for the step it could have been in
+                loaded += latency.ttft_s(min(queued, latency.max_num_batched_tokens) or 1)
+            if loaded < ttft:
+                return loaded, pool_blocks
     return ttft, total
 
 
@@ -159,6 +198,10 @@ class Scorer(ABC):
     def attach(self, cache_map: CacheMap) -> None:  # noqa: B027
         """The routing core's cache map, for scorers that read more of it than a request's
         match (what each instance holds in all); called when the scorer joins a core."""
+
+    def attach_pool(self, link: PoolLink | None) -> None:  # noqa: B027
+        """The engines' link to the cluster KV pool (None: none, or not to be priced), for
+        scorers that price loads from it; called when the scorer joins a core."""
 
     def on_finished(self, request: PlacementRequest, instance_id: str) -> None:  # noqa: B027
         """The request ended (scorers with their own bookkeeping override this)."""

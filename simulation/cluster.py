@@ -29,9 +29,8 @@ router prices with its own profile, loaded separately (by default the same shipp
 unperturbed). What is not modelled: network and ingress time, the concurrency gate of admission
 (``max_in_flight``), engine failures, request cancellation.
 
-The engines' wiring to the core (buses, lags, hand-overs) is ``simulation.wiring``'s; the
-settings and records ``simulation.settings``'; the autoscaler's what-if runs
-``simulation.whatif``'s.
+Wiring (buses, lags, hand-overs, the KV pool's announcements): ``simulation.wiring``; settings
+and records: ``simulation.settings``; the autoscaler's what-if: ``simulation.whatif``.
 """
 
 from __future__ import annotations
@@ -205,6 +204,7 @@ class ClusterSimulator(WiredCluster):
             self._refused(rid)
             return
         leg, leg_place = req, placement
+        req.pool_load = placement.detail.get("pool_load") is not False  # the router's hint
         if placement.prefill is not None:  # PD: the prefill leg now, the decode on handover
             leg_place = placement.prefill
             _, leg = trace_arrival(

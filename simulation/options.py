@@ -69,12 +69,12 @@ def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
 
 
 # the ``SimSettings`` fields ``add_pool_arguments``' flags set, by the same names
-POOL_FLAGS = ("pool_gib", "pool_gbps", "pool_latency_ms", "pool_policy")
+POOL_FLAGS = ("pool_gib", "pool_gbps", "pool_latency_ms", "pool_policy", "pool_in_map")
 
 
 def add_pool_arguments(c: argparse._ArgumentGroup) -> None:
     """The cluster KV pool's flags (``engines.sim.pool``; off by default)."""
-    from engines.sim.pool import DEFAULT_POOL_GBPS, DEFAULT_POOL_LATENCY_MS
+    from engines.pool.link import DEFAULT_POOL_GBPS, DEFAULT_POOL_LATENCY_MS
 
     c.add_argument(
         "--pool-gib",
@@ -98,6 +98,14 @@ def add_pool_arguments(c: argparse._ArgumentGroup) -> None:
     )
     c.add_argument(
         "--pool-policy", default="lru", help="the pool's eviction policy (policies/) [lru]"
+    )
+    c.add_argument(
+        "--pool-in-map",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the pool announces what it holds on the KV bus (the cache map's pool tier) and "
+        "the router prices loads from it against recompute; off: the engines still use the "
+        "pool, unseen by the router [on]",
     )
 
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engines.base import LOAD_INTERVAL_S
+from engines.pool.link import DEFAULT_POOL_GBPS, DEFAULT_POOL_LATENCY_MS, PoolLink
 from engines.sim.options import SimEngineOptions
-from engines.sim.pool import DEFAULT_POOL_GBPS, DEFAULT_POOL_LATENCY_MS, SimPool
+from engines.sim.pool import SimPool
 from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest
 from loadgen.records import RequestRecord
@@ -134,19 +135,30 @@ class SimSettings:
     pool_gbps: float = DEFAULT_POOL_GBPS
     pool_latency_ms: float = DEFAULT_POOL_LATENCY_MS
     pool_policy: str = "lru"
+    # the pool announces what it holds on the KV bus, and the router prices loads from it
+    # (``RouterCore``'s ``kv_pool``); off: the engines still use the pool, the router is blind
+    pool_in_map: bool = True
+
+    def pool_link(self) -> PoolLink | None:
+        """Each engine's link to the pool (None: no pool)."""
+        if not self.pool_gib:
+            return None
+        return PoolLink(self.pool_gbps, self.pool_latency_ms)
 
     def pool(self, truth: LatencyProfile, block_size: int) -> SimPool | None:
         """A new pool for one simulated cluster of ``truth`` engines with ``block_size``-token
         blocks (``pool_gib`` of them, at least one block), or None when ``pool_gib`` is 0."""
-        if not self.pool_gib:
+        link = self.pool_link()
+        if link is None:
             return None
         block_bytes = block_size * truth.kv_bytes_per_token
         return SimPool(
             max(int(self.pool_gib * (1 << 30)) // block_bytes, 1),
             block_bytes,
-            gbps=self.pool_gbps,
-            latency_ms=self.pool_latency_ms,
+            link=link,
             policy=self.pool_policy,
+            announce=self.pool_in_map,
+            stride=self.event_stride,
         )
 
     def gpu_blocks(self, truth: LatencyProfile, block_size: int) -> int:
@@ -199,6 +211,7 @@ class SimSettings:
             raise ValueError(f"--pool-gbps must be a positive number, got {self.pool_gbps}")
         if not (self.pool_latency_ms >= 0 and math.isfinite(self.pool_latency_ms)):
             raise ValueError(f"--pool-latency-ms must be a number >= 0, got {self.pool_latency_ms}")
+        # PoolLink's own checks say the same; these name the flags
         try:
             cls = get_policy_class(self.pool_policy)
         except ValueError as e:

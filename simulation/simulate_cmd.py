@@ -350,6 +350,7 @@ def _pool_meta(settings: Any) -> dict[str, Any]:
         "gbps": settings.pool_gbps,
         "latency_ms": settings.pool_latency_ms,
         "policy": settings.pool_policy,
+        "in_map": settings.pool_in_map,
     }
 
 

@@ -15,8 +15,9 @@ from typing import Any
 
 import msgspec
 
+from cachemap import POOL_INSTANCE
 from cachemap.bus import MAX_READ_ITEMS, InProcessBus
-from cachemap.events import Cleared, encode_message
+from cachemap.events import Cleared, InstanceEvents, encode_message
 from cachemap.ingest import EngineEventTranslator
 from engines.forwarder import encode_load
 from engines.sim.options import SimEngineOptions
@@ -106,6 +107,7 @@ class WiredCluster:
         self._truth, self._options = truth, options
         # the cluster's KV pool, shared by every engine (joiners too); None: off
         self.pool = s.pool(truth, bs)
+        self._pool_seq = -1  # the pool's last announcement on the KV bus
         # membership: whether each engine publishes load samples (routable: ready and not
         # leaving), and its billing (from, to: NaN while held)
         self._publishing: list[bool] = []
@@ -157,6 +159,7 @@ class WiredCluster:
             planner=planner,
             event_stride=s.event_stride,
             inflight_prompts=s.inflight_prompts,
+            kv_pool=s.pool_link() if s.pool_in_map else None,
         )
         if core.watcher is not None:  # it reads the buses only when a request arrives
             core.watcher.lag_warn_s = math.inf
@@ -320,6 +323,15 @@ class WiredCluster:
         for dq in self._events.values():
             while dq and dq[0][0] <= horizon:
                 self.kv_bus.publish(dq.popleft()[1])
+        pool = self.pool
+        if pool is not None and pool.announce:
+            updates = pool.take_updates(horizon)
+            if updates:
+                self._pool_seq += 1
+                msg = InstanceEvents(POOL_INSTANCE, self._pool_seq, horizon, updates)
+                self.kv_bus.publish(encode_message(msg))
+                self.kv_messages += 1
+                self.kv_blocks += sum(len(u.hashes) for u in updates if not isinstance(u, Cleared))
         self._pump(t)
 
     def _deliver_progress(

@@ -24,7 +24,7 @@ loaded as the reuse when it finishes); blocks enter the tier at eviction, outsid
 Cluster pool (optional, ``engines.sim.pool``): one ``SimPool`` shared by a simulated cluster's
 engines (``pool``, set by the owner). A lookup's third tier: the leading blocks after the GPU
 and CPU-tier hit that the pool holds are loaded into new GPU blocks (``pool_hit``,
-``allocate_new(n_pool=...)``; the caller charges ``pool_load_s``), and the prompt blocks a step
+``allocate_new(n_pool=...)``, after the wait ``pool_load_s``), and the prompt blocks a step
 computes are stored to it (``store_to_pool``).
 """
 

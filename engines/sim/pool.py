@@ -11,15 +11,20 @@ cluster (virtual time), standing for a Mooncake Store that spans the nodes' DRAM
   key already resident stores nothing (Mooncake keeps a key's first value). The write's own
   transfer is not modelled: a block is readable from the end of its step (``ready_s``).
 - **Loads**: at admission, after the GPU hit and the engine's own CPU tier, the further
-  leading blocks resident in the pool (and readable by then) are loaded; the request's first
-  step takes ``load_s`` longer: ``latency_ms / 1e3 + bytes / (gbps * 1e9)`` per request, bytes
-  = blocks x ``block_bytes`` (block size x the profile's KV bytes per token). Each engine has
-  its own link of ``gbps`` (per-node bandwidth, one engine per node): loads on different
-  engines never share bandwidth; loads on one engine serialise through its steps, as its
-  CPU-tier loads do. The load is network time: an engine's slowdown and jitter do not stretch
-  it. vLLM's connector loads asynchronously (``load_async``: the request waits aside while the
-  batch runs); the sim charges the load to the step that admits the request, as it charges a
-  CPU-tier load.
+  leading blocks resident in the pool (and readable by then) are loaded, asynchronously as
+  vLLM's connector does by default (``load_async``): the request waits aside for ``load_s`` =
+  ``link.load_s(blocks x block_bytes)`` (``engines.pool.link``), the batch running meanwhile,
+  then is admitted with them cached (``engines.sim.scheduler``). Each engine has its own link
+  (per-node bandwidth, one engine per node): loads on different engines never share
+  bandwidth; one engine's loads queue on its link. The load is network time: an engine's
+  slowdown and jitter do not stretch it.
+- **Announcements** (``announce``): what the pool stores and evicts, as the cache map's bus
+  updates (``Stored``/``Removed`` on the ``CPU`` tier, for the instance
+  ``cachemap.POOL_INSTANCE``), in order, each with the virtual time it happened at
+  (``take_updates``). The cluster publishes them with the engines' event lag. kvroute owns
+  this pool's eviction (its policy is a ``policies/`` one), so the map's view is the pool's
+  own, late by that lag: the design for the real store (``docs/pool.md``, "The map").
+  ``stride``: announce every ``stride``-th block only, as the engines' translators do.
 - **Virtual time**: the cluster runs each engine up to a time in turn, so a put stamped later
   than a lookup is not seen by it (``ready_s``), but a put may evict a block a lagging engine
   would still have read: the pool is exact to within one arrival's interval.
@@ -27,43 +32,46 @@ cluster (virtual time), standing for a Mooncake Store that spans the nodes' DRAM
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
+from cachemap.events import Removed, Stored, Update
+from cachemap.hashing import Tier
+from engines.pool.link import PoolLink
 from policies.base import EvictionPolicy
 from policies.registry import create_policy
 
-DEFAULT_POOL_GBPS = 25.0
-# a batched Mooncake call costs 50-400 us here whatever it carries (docs/pool.md): one per load
-DEFAULT_POOL_LATENCY_MS = 0.4
+_CPU = Tier.CPU.value
 
 
 class SimPool:
     """``capacity_blocks`` blocks of ``block_bytes`` each, shared by a cluster's sim engines;
-    ``gbps`` and ``latency_ms``: each engine's link to it. ``policy``: a registered policy name
-    or an instance (which then serves this pool only)."""
+    ``link``: each engine's link to it. ``policy``: a registered policy name or an instance
+    (which then serves this pool only). ``announce``: keep what it stores and evicts as bus
+    updates (``take_updates``), every ``stride``-th block."""
 
     def __init__(
         self,
         capacity_blocks: int,
         block_bytes: int,
         *,
-        gbps: float = DEFAULT_POOL_GBPS,
-        latency_ms: float = DEFAULT_POOL_LATENCY_MS,
+        link: PoolLink | None = None,
         policy: str | EvictionPolicy = "lru",
+        announce: bool = False,
+        stride: int = 1,
     ) -> None:
         if capacity_blocks <= 0:
             raise ValueError(f"pool capacity_blocks must be > 0, got {capacity_blocks}")
         if block_bytes <= 0:
             raise ValueError(f"pool block_bytes must be > 0, got {block_bytes}")
-        if not (gbps > 0 and math.isfinite(gbps)):
-            raise ValueError(f"pool gbps must be a positive number, got {gbps}")
-        if not (latency_ms >= 0 and math.isfinite(latency_ms)):
-            raise ValueError(f"pool latency_ms must be a number >= 0, got {latency_ms}")
+        if stride < 1:
+            raise ValueError(f"pool stride must be >= 1, got {stride}")
         self.capacity_blocks = capacity_blocks
         self.block_bytes = block_bytes
-        self.gbps = gbps
-        self.latency_ms = latency_ms
+        self.link = link if link is not None else PoolLink()
+        self.announce = announce
+        self.stride = stride
+        # (virtual time, update) in the order they happened (``announce``)
+        self._updates: list[tuple[float, Update]] = []
         self.policy = create_policy(policy, capacity_blocks) if isinstance(policy, str) else policy
         self._ready: dict[int, float] = {}  # hash -> when it became readable
         self.stored_blocks = 0  # blocks put that were not resident (and admitted)
@@ -82,14 +90,36 @@ class SimPool:
 
     def load_s(self, n_blocks: int) -> float:
         """Seconds one request's load of ``n_blocks`` takes over its engine's link (0: none)."""
-        if n_blocks <= 0:
-            return 0.0
-        return self.latency_ms / 1e3 + n_blocks * self.block_bytes / (self.gbps * 1e9)
+        return self.link.load_s(n_blocks * self.block_bytes)
+
+    def take_updates(self, until_s: float) -> list[Update]:
+        """The announced updates from the oldest on, up to the first stamped after
+        ``until_s`` (kept, with every later one: the order is the pool's)."""
+        ups = self._updates
+        n = 0
+        while n < len(ups) and ups[n][0] <= until_s:
+            n += 1
+        out = [u for _, u in ups[:n]]
+        del ups[:n]
+        return out
+
+    def _stored(self, hashes: Sequence[int], run: list[int], at: float) -> None:
+        """Announce blocks ``run`` (ascending indices, contiguous) of ``hashes`` as stored:
+        the kept ones (every ``stride``-th), each the child of the kept one ``stride`` before."""
+        st = self.stride
+        kept = [i for i in run if (i + 1) % st == 0]
+        if not kept:
+            return
+        first = kept[0]
+        parent = hashes[first - st] if first >= st else None
+        chain = [hashes[i] for i in kept]
+        self._updates.append((at, Stored(_CPU, chain, parent, (first + 1) // st - 1)))
 
     def put(self, hashes: Sequence[int], start: int, end: int, ready_s: float) -> None:
         """Store blocks ``start:end`` of a prompt (``hashes``: its chained block hashes),
         readable from ``ready_s``, evicting per the policy when full."""
         ready, policy, cap = self._ready, self.policy, self.capacity_blocks
+        run: list[int] = []  # the blocks stored in a row (announce)
         for i in range(start, min(end, len(hashes))):
             h = hashes[i]
             parent = hashes[i - 1] if i else None
@@ -97,19 +127,37 @@ class SimPool:
             if at is not None:  # a second put stores nothing (Mooncake); the earlier wins
                 if ready_s < at:
                     ready[h] = ready_s
+                if run:
+                    self._stored(hashes, run, ready_s)
+                    run = []
                 continue
             if not policy.admit(h, parent, i, ready_s):
+                if run:
+                    self._stored(hashes, run, ready_s)
+                    run = []
                 continue
             if len(ready) >= cap:
                 victims = policy.evict(len(ready) + 1 - cap)
                 if victims is None:
+                    if run:
+                        self._stored(hashes, run, ready_s)
+                        run = []
                     continue
                 for v in victims:
                     del ready[v]  # type: ignore[arg-type]
                 self.evictions += len(victims)
+                if self.announce:
+                    if run:  # in order: a victim may be of this run's chain
+                        self._stored(hashes, run, ready_s)
+                        run = []
+                    self._updates.append((ready_s, Removed(_CPU, [*victims])))  # type: ignore[list-item]
             ready[h] = ready_s
             policy.insert(h, ready_s, parent, i)
             self.stored_blocks += 1
+            if self.announce:
+                run.append(i)
+        if run:
+            self._stored(hashes, run, ready_s)
 
     def match(self, hashes: Sequence[int], start: int, end: int, now_s: float) -> int:
         """How many of blocks ``start:end`` of ``hashes``, from ``start`` on, are resident

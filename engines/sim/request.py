@@ -104,6 +104,11 @@ class SimRequest:
     kv_ready_s: float = -1.0  # decode side: when the pulled KV arrives (-1: no pull started)
     # prefill side, once finished: the params for the decode engine (``handover_params``)
     kv_transfer_params: dict[str, Any] | None = None
+    # the router's hint: load from the cluster KV pool what the lookup finds there (False:
+    # recompute it, the link being slower; ``PolicyHints.pool_load``)
+    pool_load: bool = True
+    pool_loaded: bool = False  # its load from the pool is done (the next admission takes it)
+    pool_hit_tokens: int = 0  # the prompt tokens its GPU, CPU-tier and pool hit covered then
 
     @property
     def num_tokens(self) -> int:

@@ -15,23 +15,8 @@ A request samples a token in the step that computes its last known token; it fin
 reaches its ``target_output``. The step's duration comes from the ``LatencyProfile``.
 ``decode_run`` skips over a run of pure-decode steps in one call (virtual time only).
 
-Prefill/decode disaggregation, as vLLM's scheduler with its ``NixlConnector`` (pull mode):
-
-- Prefill side (``do_remote_decode`` in the request's ``kv_transfer_params``): the request runs
-  as any other (the router sends it with ``max_tokens=1``); when it finishes (length or stop,
-  not abort) it carries ``kv_transfer_params`` for the decode engine (``handover_params``).
-  Its blocks are freed at finish and stay in the prefix cache, where vLLM would keep them
-  referenced until the decode engine has read them or their lease (30 s) expires: the sim
-  does not model that lease, so a prefill engine under KV pressure may evict a handed-over
-  prefix that vLLM would still hold (the sim's decode side never reads the blocks back).
-- Decode side (``do_remote_prefill``): at admission the local prefix cache is matched as
-  usual; the rest of the prompt is pulled (``get_num_new_matched_tokens``): its blocks are
-  allocated, the request leaves the waiting queue without using token budget or a batch slot
-  and waits ``transfer_s`` (``SchedulerConfig.transfer_gbps``, ``transfer_latency_ms``) in
-  ``pulling`` (vLLM's ``WAITING_FOR_REMOTE_KVS``). Once its KV has arrived, it is admitted
-  before the waiting queue, the pulled blocks are cached then (``BlockStored``), and the whole
-  prompt counts as computed except its last token, which is recomputed (vLLM's
-  ``_update_waiting_for_remote_kv``). A pull that is preempted later recomputes locally.
+KV that comes from elsewhere (a prefill engine's hand-over, the cluster KV pool) waits aside
+in ``pulling`` while it arrives: ``engines.sim.remote`` says how, as vLLM does it.
 """
 
 from __future__ import annotations
@@ -46,12 +31,8 @@ from engines.base import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, Loa
 from engines.sim.blocks import Block, KVBlockManager, cdiv
 from engines.sim.options import DEFAULT_OPTIONS, SimEngineOptions
 from engines.sim.profile import LatencyProfile
+from engines.sim.remote import handover_params
 from engines.sim.request import TOKEN_OFFSET, VOCAB_SIZE, SimRequest, Status
-
-# what a prefill engine writes for the side channel the decode engine would connect to; vLLM's
-# defaults (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT). Placeholders: the sim never reads them back.
-SIDE_CHANNEL_HOST = "localhost"
-SIDE_CHANNEL_PORT = 5600
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,7 +83,7 @@ class Step:
     NOTE: a plain class, not a dataclass: compiled (``deploy.native``), a dataclass still runs
     the interpreted ``__init__`` the dataclass decorator generates, once per engine step."""
 
-    __slots__ = ("admitted", "duration_s", "load_tokens", "pool_s", "preempted", "scheduled")
+    __slots__ = ("admitted", "duration_s", "load_tokens", "preempted", "scheduled")
 
     def __init__(self) -> None:
         self.scheduled: list[tuple[SimRequest, int, int]] = []
@@ -110,7 +91,6 @@ class Step:
         self.admitted: list[SimRequest] = []
         self.duration_s = 0.0
         self.load_tokens = 0
-        self.pool_s = 0.0  # loads from the cluster's pool: network time, not the profile's
 
 
 class Scheduler:
@@ -143,6 +123,7 @@ class Scheduler:
         self.pulling: list[SimRequest] = []
         self._admission_blocked = False
         self._pulls_blocked = False  # a pull whose KV arrived waits for a batch slot
+        self._link_free_s = 0.0  # when this engine's link to the KV pool ends its last load
         self.num_preemptions = 0
         # over the requests admitted so far, each counted once (on its first admission, not
         # again after a preemption): prompt tokens, and of those served from cache (GPU or CPU
@@ -253,20 +234,26 @@ class Scheduler:
 
     def queued_prefill_tokens(self, now_s: float = math.inf) -> int:
         """Prompt tokens still to compute: a waiting request's beyond its cached prefix as of
-        now (GPU or CPU tier); a PD decode's prompt is pulled but for its last token,
-        recomputed (one token per pull). With ``queued_until_first_token`` (the default) a
-        running prompt counts beyond its admitted hit until its first token is out at
-        ``now_s``, as ``LoadSnapshot`` defines it and kvroute's vLLM engine reports (it cannot
-        see a prompt's chunks): the step computing it, and chunks computed before, included;
-        without, beyond what it has computed."""
+        now (GPU or CPU tier, then the KV pool; a pool load's past its hit); a PD decode's
+        prompt is pulled but for its last token, recomputed (one token per pull). With
+        ``queued_until_first_token`` (the default) a running prompt counts beyond its admitted
+        hit until its first token is out at ``now_s``, as ``LoadSnapshot`` defines it and
+        kvroute's vLLM engine reports (it cannot see a prompt's chunks): the step computing
+        it, and chunks computed before, included; without, beyond what it has computed."""
         bs, lookup = self.blocks.block_size, self.blocks.lookup
-        tokens = len(self.pulling)
+        # a PD pull recomputes one token; a pool load the prompt past its hit
+        tokens = sum(
+            1 if r.remote_prefill else r.num_tokens - r.pool_hit_tokens for r in self.pulling
+        )
         for r in self.waiting:
             if r.remote_prefill and r.kv_ready_s < 0:
                 tokens += 1
                 continue
             hit, n_cpu = lookup(r)
-            tokens += max(r.num_tokens - (len(hit) + n_cpu) * bs, 0)
+            n = len(hit) + n_cpu
+            if r.pool_load:  # the KV pool's blocks past them are loaded, not computed
+                n += self.blocks.pool_hit(r, n)
+            tokens += max(r.num_tokens - n * bs, 0)
         if not self.config.queued_until_first_token:
             return tokens + sum(max(r.prompt_len - r.num_computed, 0) for r in self.running)
         for r in self.running:
@@ -348,7 +335,10 @@ class Scheduler:
             r = waiting[0]
             blocks.begin_request(r)  # once per request
             hit, n_cpu = blocks.lookup(r)
-            n_pool = blocks.pool_hit(r, len(hit) + n_cpu) if blocks.pool is not None else 0
+            n_pool = blocks.pool_hit(r, len(hit) + n_cpu) if r.pool_load else 0
+            if n_pool and not r.pool_loaded:
+                self._start_pool_load(r, n_pool, (len(hit) + n_cpu + n_pool) * bs)
+                continue
             computed = (len(hit) + n_cpu + n_pool) * bs
             if r.remote_prefill and r.kv_ready_s < 0:
                 if not self._start_pull(r, hit, n_cpu):
@@ -370,7 +360,6 @@ class Scheduler:
                 self.cached_tokens_admitted += computed
                 self.cpu_cached_tokens_admitted += n_cpu * bs
             step.load_tokens += n_cpu * bs
-            step.pool_s += blocks.pool_load_s(n_pool)
             step.admitted.append(r)
             step.scheduled.append((r, n, computed))
             r.num_computed = computed + n
@@ -405,12 +394,31 @@ class Scheduler:
         pulling.insert(bisect.bisect_right(pulling, r.kv_ready_s, key=_ready_s), r)
         return True
 
+    def _start_pool_load(self, r: SimRequest, n_pool: int, hit_tokens: int) -> None:
+        """The waiting queue's head ``r`` loads ``n_pool`` blocks from the KV pool, after the
+        link's earlier loads; it waits in ``pulling`` meanwhile (the module's docstring)."""
+        blocks = self.blocks
+        start = max(blocks.now_s, self._link_free_s)
+        r.kv_ready_s = self._link_free_s = start + blocks.pool_load_s(n_pool) * self.time_scale
+        r.pool_loaded, r.pool_hit_tokens = True, hit_tokens
+        r.status = Status.WAITING_FOR_REMOTE_KVS
+        self.waiting.popleft()
+        pulling = self.pulling
+        pulling.insert(bisect.bisect_right(pulling, r.kv_ready_s, key=_ready_s), r)
+
     def _admit_pulled(self, step: Step, budget: int, now_s: float) -> int:
         """Admit the pulls whose KV has arrived, before the waiting queue (vLLM drains its
         requests that hold KV blocks first): cache the pulled blocks, recompute the last
-        prompt token (``_update_waiting_for_remote_kv``)."""
+        prompt token (``_update_waiting_for_remote_kv``). Pool loads that arrived go back to
+        the queue's head, in the order they arrived."""
         cfg, blocks, pulling = self.config, self.blocks, self.pulling
         self._pulls_blocked = False
+        loaded = [r for r in pulling if r.kv_ready_s <= now_s and not r.remote_prefill]
+        if loaded:
+            for r in loaded:
+                pulling.remove(r)
+                r.status = Status.WAITING
+            self.waiting.extendleft(reversed(loaded))
         while budget > 0 and pulling and pulling[0].kv_ready_s <= now_s:
             if len(self.running) >= cfg.max_num_seqs:
                 self._pulls_blocked = True
@@ -427,30 +435,6 @@ class Scheduler:
             r.num_computed += 1
             budget -= 1
         return budget
-
-    def handover_params(self, r: SimRequest) -> dict[str, Any]:
-        """The ``kv_transfer_params`` a finished prefill hands to the decode engine: the keys
-        and values vLLM 0.32's ``NixlConnector.request_finished`` returns (pull mode, one KV
-        cache group, no TP/PP/DCP), plus ``remote_prefill_cached_tokens`` that its scheduler
-        adds. ``remote_block_ids`` lists the blocks the request held at finish, one list per
-        KV cache group, as vLLM's ``BlockIds``; ``remote_host``/``remote_port`` are vLLM's
-        defaults. The sim never reads block ids, host or port back."""
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": [[b.block_id for b in r.blocks]],
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": r.request_id,
-            "remote_host": SIDE_CHANNEL_HOST,
-            "remote_port": SIDE_CHANNEL_PORT,
-            "tp_size": 1,
-            "dcp_size": 1,
-            "pp_size": 1,
-            "remote_num_tokens": r.num_computed,
-            "remote_blocks_expiry_time": None,
-            "transfer_mode": "pull",
-            "remote_prefill_cached_tokens": max(r.cached_tokens, 0) + r.remote_tokens,
-        }
 
     def _preempt(self, r: SimRequest) -> None:
         self.blocks.free(r)
@@ -501,7 +485,7 @@ class Scheduler:
             if r.num_output >= r.target_output:
                 blocks.now_s = end_s
                 if r.remote_decode:
-                    r.kv_transfer_params = self.handover_params(r)
+                    r.kv_transfer_params = handover_params(self.engine_id, r)
                 blocks.free(r)
                 blocks.end_request(r)
                 r.status = Status.FINISHED

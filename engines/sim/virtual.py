@@ -166,8 +166,7 @@ class VirtualInstance:
             self.steps += 1
             self._flush_events()
             return
-        # NOTE: a pool load is network time: not stretched (0.0 without a pool)
-        end = self.clock + step.duration_s * self._stretch(1) + step.pool_s
+        end = self.clock + step.duration_s * self._stretch(1)
         progress = self.on_progress
         for r, _ in sched.complete(step, end):
             if progress is not None and r.first_token_s == end:

@@ -71,6 +71,17 @@ default, to spare running decodes from preemption, until the cluster simulator s
 the opposite under load (the instances it passed over are the busy ones holding the prefixes).
 vLLM queues a request that does not fit rather than preempting for it, and the estimate prices
 the queue.
+
+With a cluster KV pool (the core's ``kv_pool`` link; the map's ``POOL_INSTANCE``), every
+placement carries ``pool_load``, the hint to the engine: load what its lookup finds in the pool
+past its own tiers, unless the link is slower than the engine at producing those blocks (a
+10 GbE link against an H100's prefill): then it recomputes them. ``price_pool`` (off by
+default) also places by the pool's residency: each instance's estimate takes the quicker of
+loading the pool's run past its own (the bytes over the link, and on a busy engine one step
+more, since the load is asynchronous) and recomputing it, so a lightly loaded engine can take
+a request whose prefix another engine holds. It stays off: measured on the suite, it equals
+placing by the engines' own tiers on every workload but the conversation trace at L2, where it
+costs a quarter more mean excess (``docs/pool.md``).
 """
 
 from __future__ import annotations
@@ -84,7 +95,8 @@ from typing import Any
 
 import numpy as np
 
-from cachemap import CacheMap, Match, Tier
+from cachemap import POOL_INSTANCE, CacheMap, Match, Tier
+from engines.pool.link import PoolLink
 from router.placement import (
     InstanceView,
     Placement,
@@ -95,59 +107,7 @@ from router.placement import (
     profile_ttft,
     queued_past_a_step,
 )
-
-
-class TtftCalibration:
-    """Online least squares of observed TTFT on (profile estimate, running sequences, waiting
-    requests, 1)."""
-
-    # (low, high) per coefficient: a (scale), b (s per running sequence), d (s per waiting
-    # request), c (s)
-    BOUNDS = ((0.25, 20.0), (0.0, 2.0), (0.0, 2.0), (0.0, 5.0))
-
-    def __init__(self, window: int = 512, refit_every: int = 16, min_samples: int = 32) -> None:
-        if min(window, refit_every, min_samples) < 1 or min_samples > window:
-            raise ValueError("window, refit_every, min_samples must be >= 1, min_samples <= window")
-        self.window, self.refit_every, self.min_samples = window, refit_every, min_samples
-        # NOTE: the window is a ring of design rows (estimate, running, waiting, 1) and their
-        # observations: a refit (every few first tokens) then slices arrays, row order kept.
-        self._rows = np.empty((window, 4))
-        self._obs = np.empty(window)
-        self._filled = 0
-        self._next = 0  # the ring's next row: its oldest once full
-        self._since = 0
-        self.a, self.b, self.d, self.c = 1.0, 0.0, 0.0, 0.0
-        self.samples = 0
-
-    def correct(self, estimate_s: float, running: int, waiting: int) -> float:
-        return self.a * estimate_s + self.b * running + self.d * waiting + self.c
-
-    def observe(self, estimate_s: float, running: int, waiting: int, observed_s: float) -> None:
-        if not (observed_s >= 0.0 and estimate_s >= 0.0):  # also drops NaN
-            return
-        i = self._next
-        self._rows[i] = (estimate_s, running, waiting, 1.0)
-        self._obs[i] = observed_s
-        self._next = (i + 1) % self.window
-        self._filled = min(self._filled + 1, self.window)
-        self.samples += 1
-        self._since += 1
-        if self._since >= self.refit_every and self._filled >= self.min_samples:
-            self._refit()
-
-    def _refit(self) -> None:
-        self._since = 0
-        if self._filled < self.window:
-            design, observed = self._rows[: self._filled], self._obs[: self._filled]
-        else:  # oldest first, as the samples came
-            i = self._next
-            design = np.concatenate((self._rows[i:], self._rows[:i]))
-            observed = np.concatenate((self._obs[i:], self._obs[:i]))
-        coef, *_ = np.linalg.lstsq(design, observed, rcond=None)
-        if np.all(np.isfinite(coef)):
-            self.a, self.b, self.d, self.c = (
-                float(min(max(v, lo), hi)) for v, (lo, hi) in zip(coef, self.BOUNDS, strict=True)
-            )
+from router.scorers.calibration import TtftCalibration
 
 
 class KvTtftScorer(Scorer):
@@ -163,6 +123,7 @@ class KvTtftScorer(Scorer):
         affinity_s: float = 0.0,
         externality: float = 4.0,
         interference: float = 0.02,
+        price_pool: bool = False,
     ) -> None:
         if kv_veto is not None and not 0 < kv_veto <= 1:
             raise ValueError(f"kv_veto must be in (0, 1], got {kv_veto}")
@@ -181,11 +142,16 @@ class KvTtftScorer(Scorer):
             raise ValueError(f"interference must be >= 0, got {interference}")
         self.interference = interference
         self._cache_map: CacheMap | None = None
+        self.price_pool = price_pool
+        self._link: PoolLink | None = None  # the engines' link to the KV pool (None: no pool)
         # the share of recent placements whose own best instance already had requests waiting
         self.queued_share = 0.0
 
     def attach(self, cache_map: CacheMap) -> None:
         self._cache_map = cache_map
+
+    def attach_pool(self, link: PoolLink | None) -> None:
+        self._link = link
 
     def _filler(self) -> _Fill | None:
         """How full an instance's GPU cache is, by the map (None: no map, or not spreading)."""
@@ -195,16 +161,34 @@ class KvTtftScorer(Scorer):
         return _Fill(cm)
 
     def profile_estimate(
-        self, request: PlacementRequest, inst: InstanceView, m: Match | None
+        self,
+        request: PlacementRequest,
+        inst: InstanceView,
+        m: Match | None,
+        pool_blocks: int = 0,
+        idle: bool = False,
     ) -> tuple[float, int]:
-        """(the profile's TTFT in seconds, leading cached blocks) of ``request`` on ``inst``."""
-        return profile_ttft(request, inst, m)
+        """(the profile's TTFT in seconds, leading cached blocks) of ``request`` on ``inst``;
+        ``pool_blocks``: the prompt's leading run in the KV pool, priced when a link is
+        attached (a load or a recompute, the quicker: ``profile_ttft``)."""
+        return profile_ttft(request, inst, m, idle=idle, pool_blocks=pool_blocks, link=self._link)
+
+    def pool_blocks(self, match: Mapping[str, Match]) -> int:
+        """The request's leading blocks in the KV pool, by ``match`` (0: none, or no pool)."""
+        if self._link is None:
+            return 0
+        pm = match.get(POOL_INSTANCE)
+        return pm.total_blocks if pm is not None else 0
 
     def estimate(
-        self, request: PlacementRequest, inst: InstanceView, m: Match | None
+        self,
+        request: PlacementRequest,
+        inst: InstanceView,
+        m: Match | None,
+        pool_blocks: int = 0,
     ) -> tuple[float, int, float]:
         """(estimated TTFT in seconds, calibrated; leading cached blocks; the profile's part)."""
-        base, cached = self.profile_estimate(request, inst, m)
+        base, cached = self.profile_estimate(request, inst, m, pool_blocks)
         cal = self.calibration
         return (cal.correct(base, inst.running, inst.waiting) if cal else base), cached, base
 
@@ -230,16 +214,36 @@ class KvTtftScorer(Scorer):
         # the cost of its prefill to each sequence decoding beside it, where a queue already
         # fills every step: their steps lengthen by its engine time (their TPOT)
         stall = self.interference * (cal.a if cal else 1.0)
-        scored = self._scored(request, pool, toll, stall)
+        in_pool = self.pool_blocks(match)
+        scored = self._scored(request, pool, toll, stall, in_pool if self.price_pool else 0)
         s, cached, base, inst = self._choose(scored, filler)
         if toll > 0 or stall > 0:  # the estimate itself, for admission
             s = cal.correct(base, inst.running, inst.waiting) if cal else base
-        return Placement(
-            inst.instance_id,
-            estimated_ttft_s=s,
-            cached_blocks=cached,
-            detail={"profile_ttft_s": base, "running": inst.running, "waiting": inst.waiting},
-        )
+        detail: dict[str, Any] = {
+            "profile_ttft_s": base,
+            "running": inst.running,
+            "waiting": inst.waiting,
+        }
+        if self._link is not None:
+            detail["pool_load"] = self._pool_load(request, inst, match, in_pool)
+        return Placement(inst.instance_id, estimated_ttft_s=s, cached_blocks=cached, detail=detail)
+
+    def _pool_load(
+        self,
+        request: PlacementRequest,
+        inst: InstanceView,
+        match: Mapping[str, Match],
+        in_pool: int,
+    ) -> bool:
+        """The hint to ``inst``: load from the pool what it finds there beyond its own tiers,
+        unless the link is slower than the engine at producing those blocks (the rest of the
+        prompt's, where the map shows none: the engine may find blocks the map has not shown
+        yet). Engine time, not this request's latency: a block recomputed to save a step's
+        wait costs the cluster its compute, which a loaded cluster has least of."""
+        m = match.get(inst.instance_id)
+        own = m.total_blocks if m is not None else 0
+        reach = max(in_pool, (request.prompt_tokens - 1) // inst.block_size)
+        return reach > own and self.profile_estimate(request, inst, m, reach, idle=True)[1] > own
 
     def _pool(
         self,
@@ -270,6 +274,7 @@ class KvTtftScorer(Scorer):
         pool: list[tuple[InstanceView, Match | None]],
         toll: float,
         stall: float = 0.0,
+        in_pool: int = 0,
     ) -> list[tuple[float, int, float, InstanceView]]:
         """(estimate with its toll, cached blocks, profile estimate, instance) per candidate;
         updates ``queued_share`` with whether the best own estimate met a queue."""
@@ -287,7 +292,7 @@ class KvTtftScorer(Scorer):
             key = (id(inst.latency), inst.block_size, m, inst.pending_prefill_tokens, waiting)
             got = priced.get(key)
             if got is None:
-                got = priced[key] = self.profile_estimate(request, inst, m)
+                got = priced[key] = self.profile_estimate(request, inst, m, in_pool)
             base, cached = got
             # NOTE: ``cal.correct`` inline (the same operations in the same order)
             est = a * base + b * inst.running + d * waiting + c if cal else base
@@ -306,7 +311,9 @@ class KvTtftScorer(Scorer):
                     wkey = (id(inst.latency), inst.block_size, m)
                     idle = work.get(wkey)
                     if idle is None:
-                        idle = work[wkey] = profile_ttft(request, inst, m, idle=True)[0]
+                        idle = work[wkey] = self.profile_estimate(
+                            request, inst, m, in_pool, idle=True
+                        )[0]
                     w = idle
                 est += charge * w
             scored.append((est, cached, base, inst))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from deploy.cli import main as kvroute
+from engines.pool.link import PoolLink
 from engines.sim.options import SimEngineOptions
 from engines.sim.pool import SimPool
 from engines.sim.profile import LatencyProfile
@@ -26,7 +27,7 @@ def profile() -> LatencyProfile:
 
 
 def pool_for(profile: LatencyProfile, capacity_blocks: int = 64) -> SimPool:
-    return SimPool(capacity_blocks, BS * profile.kv_bytes_per_token, gbps=25.0, latency_ms=0.4)
+    return SimPool(capacity_blocks, BS * profile.kv_bytes_per_token, link=PoolLink(25.0, 0.4))
 
 
 def serve(inst: VirtualInstance, rid: str, t: float, n: int, ids: list[int]):
@@ -147,4 +148,10 @@ def test_the_cli_reports_the_pool_only_when_on(capsys):
     assert "pool" not in json.loads(capsys.readouterr().out)["meta"]
     assert kvroute([*argv, "--pool-gib", "8", "--pool-gbps", "10"]) == 0
     meta = json.loads(capsys.readouterr().out)["meta"]
-    assert meta["pool"] == {"gib": 8.0, "gbps": 10.0, "latency_ms": 0.4, "policy": "lru"}
+    assert meta["pool"] == {
+        "gib": 8.0,
+        "gbps": 10.0,
+        "latency_ms": 0.4,
+        "policy": "lru",
+        "in_map": True,
+    }
