@@ -61,8 +61,10 @@ class PolicyHints(msgspec.Struct, frozen=True, omit_defaults=True):
     says), False unpins them, None leaves pins alone. The cache carries it out; a policy never
     sees a pinned block as a candidate. ``now_s``: the sender's clock for this request, for a
     policy in a process whose contract carries no time (the vLLM adapter; None: it reads its
-    own clock); ``transfer``: a decode engine's report of its KV pull (on outputs only). Fields
-    at their default are left out of the wire form.
+    own clock); ``transfer``: a decode engine's report of its KV pull (on outputs only);
+    ``pool_load``: whether to load what the engine finds in the cluster KV pool past its own
+    tiers (False: the router found the link slower than recomputing; None: the connector's
+    default, load). Fields at their default are left out of the wire form.
     """
 
     category: str = "all"
@@ -73,6 +75,7 @@ class PolicyHints(msgspec.Struct, frozen=True, omit_defaults=True):
     pin: bool | None = None
     now_s: float | None = None
     transfer: TransferReport | None = None
+    pool_load: bool | None = None
 
     @classmethod
     def from_params(cls, kv_transfer_params: Mapping[str, Any] | None) -> PolicyHints | None:

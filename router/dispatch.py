@@ -220,6 +220,10 @@ class Dispatcher:
         current.request.expected_cached_tokens = (
             self.state.cached_tokens(p.preq, placement) if placement is not None else 0
         )
+        load = placement.detail.get("pool_load") if placement is not None else None
+        if load is not None:  # kv_ttft's hint where there is a KV pool
+            req = current.request
+            req.kv_transfer_params = lifecycle.with_pool_load(req.kv_transfer_params, bool(load))
         if placement is not None and placement.prefill is not None:
             handed = await self._prefill(current, p.preq, placement)
             if handed is None:  # no prefill engine could do it: recompute on the decoder

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import msgspec
 
 from engines.base import RoutedRequest
-from policies.hints import HINTS_KEY
+from policies.hints import HINTS_KEY, PolicyHints
 from router.admission import Admission
 from router.placement import Placement, PlacementRequest
 
@@ -86,6 +86,13 @@ def prefill_params(params: Mapping[str, Any] | None) -> dict[str, Any]:
     """A prefill leg's ``kv_transfer_params``: the request's (the router's hints) plus
     ``PREFILL_PARAMS``."""
     return {**(params or {}), **PREFILL_PARAMS}
+
+
+def with_pool_load(params: Mapping[str, Any] | None, load: bool) -> dict[str, Any]:
+    """``params`` with the router's ``pool_load`` hint (``PolicyHints.pool_load``) in its hints
+    entry, the other hints kept."""
+    hints = PolicyHints.from_params(params) or PolicyHints()
+    return msgspec.structs.replace(hints, pool_load=load).merged_into(params)
 
 
 def handed_over(request: Mapping[str, Any] | None, engine: Mapping[str, Any]) -> dict[str, Any]:

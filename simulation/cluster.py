@@ -27,7 +27,7 @@ Truth and belief are different objects: engines run on the workload's *truth* pr
 per engine (a seeded speed factor, per-step jitter, optional stragglers: ``Perturbation``); the
 router prices with its own profile, loaded separately (by default the same shipped profile,
 unperturbed). What is not modelled: network and ingress time, the concurrency gate of admission
-(``max_in_flight``), engine failures, request cancellation.
+(``max_in_flight``), engine failures (but ``SimSettings.lose_engine_at_s``), cancellation.
 
 Wiring (buses, lags, hand-overs, the KV pool's announcements): ``simulation.wiring``; settings
 and records: ``simulation.settings``; the autoscaler's what-if: ``simulation.whatif``.
@@ -118,7 +118,7 @@ class ClusterSimulator(WiredCluster):
         self._due_heap = due_heap = [(w, i) for i, w in enumerate(wake)]
         heapq.heapify(due_heap)
         scaler = self._scaler
-        start = plan[0].offset_s if plan else 0.0
+        start = self._start_s = plan[0].offset_s if plan else 0.0
         for b in self._billed:
             b[0] = start
         if scaler is not None:
@@ -127,18 +127,16 @@ class ClusterSimulator(WiredCluster):
             t = p.offset_s
             if scaler is not None:
                 self._control(t)
-            # 1. load samples
-            self._sample_loads(t)
+            self._lose_due(t)  # 0. an engine lost by now (SimSettings.lose_engine_at_s)
+            self._sample_loads(t)  # 1. load samples
             self._run_due(t)
             # 2. what the ingress saw of the streams up to t
             self._deliver_progress(t, self._preqs)
             if budget is not None and budget.exhausted:
                 aborted = True
                 break
-            # 3. KV events older than the lag, through the bus into the map
-            self._publish_events(t)
-            # 4. place, admit, send
-            self._arrive(p, records, roots)
+            self._publish_events(t)  # 3. KV events older than the lag, into the map
+            self._arrive(p, records, roots)  # 4. place, admit, send
             if progress is not None and n % 1000 == 999:
                 progress(n + 1, total)
         if scaler is not None and not aborted:  # decisions go on while requests run

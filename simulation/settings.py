@@ -135,6 +135,9 @@ class SimSettings:
     pool_gbps: float = DEFAULT_POOL_GBPS
     pool_latency_ms: float = DEFAULT_POOL_LATENCY_MS
     pool_policy: str = "lru"
+    # failure studies: seconds after the first arrival at which the serving engine holding the
+    # most GPU blocks is lost, its caches with it (None: none is)
+    lose_engine_at_s: float | None = None
     # the pool announces what it holds on the KV bus, and the router prices loads from it
     # (``RouterCore``'s ``kv_pool``); off: the engines still use the pool, the router is blind
     pool_in_map: bool = True
@@ -178,6 +181,11 @@ class SimSettings:
             raise ValueError(f"--event-stride must be >= 1, got {self.event_stride}")
         if self.warm_prefixes < 0:
             raise ValueError(f"--warm-prefixes must be >= 0, got {self.warm_prefixes}")
+        lose = self.lose_engine_at_s
+        if lose is not None and not (lose >= 0 and math.isfinite(lose) and self.instances > 1):
+            raise ValueError(
+                f"lose_engine_at_s must be a number >= 0 with 2 engines or more, got {lose}"
+            )
         if self.handover_prefixes < 0:
             raise ValueError(f"--handover-prefixes must be >= 0, got {self.handover_prefixes}")
         if not self.handover_history_s > 0:

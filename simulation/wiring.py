@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from cachemap import POOL_INSTANCE
+from cachemap import POOL_INSTANCE, Tier
 from cachemap.bus import MAX_READ_ITEMS, InProcessBus
 from cachemap.events import Cleared, InstanceEvents, encode_message
 from cachemap.ingest import EngineEventTranslator
@@ -114,6 +114,8 @@ class WiredCluster:
         self._billed: list[list[float]] = []
         self._starting: dict[int, float] = {}  # engine -> its ready time (cold start)
         self._leaving: dict[int, float] = {}  # engine -> when it was told to leave
+        self.lost: str | None = None  # the engine lost mid-run (``_lose_due``)
+        self._start_s = 0.0  # the replay's first arrival
         for i in range(s.instances):
             self._new_engine(self.slowdowns[i])
         if n_prefill:
@@ -316,6 +318,23 @@ class WiredCluster:
                     wake[i] = w
                     heapq.heappush(due_heap, (w, i))
             self._handed.clear()
+
+    def _lose_due(self, t: float) -> None:
+        """At the first arrival at or after ``SimSettings.lose_engine_at_s`` (from the plan's
+        start), the serving engine holding the most GPU blocks is lost: it stops taking
+        requests and its caches go with it, GPU and CPU tier (it finishes what it holds, as a
+        drained replica would; no hand-over). What the KV pool holds stays."""
+        at = self.settings.lose_engine_at_s
+        if at is None or self.lost is not None or t < self._start_s + at:
+            return
+        cmap = self.core.cache_map
+        serving = [i for i, pub in enumerate(self._publishing) if pub]
+        i = max(serving, key=lambda i: cmap.count(self.instances[i].instance_id, Tier.GPU))
+        self.lost = self.instances[i].instance_id
+        self._publishing[i] = False
+        self._leaving[i] = t
+        self.core.remove_instance(self.lost)
+        self._target -= 1
 
     def _publish_events(self, t: float) -> None:
         """KV events older than the lag, through the bus into the map."""

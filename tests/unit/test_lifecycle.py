@@ -145,3 +145,11 @@ def test_handed_over_keeps_the_routers_hints() -> None:
     assert params["kvroute"] == {"category": "text"}
     assert params["remote_block_ids"] == [1] and params["do_remote_prefill"] is True
     assert lifecycle.request_of_prefill_leg(lifecycle.prefill_leg_id("x-1")) == "x-1"
+
+
+def test_the_pool_hint_joins_the_routers_hints() -> None:
+    request = {"kvroute": {"category": "text_2", "turn": 2}, "do_remote_decode": True}
+    params = lifecycle.with_pool_load(request, False)
+    assert params["kvroute"] == {"category": "text_2", "turn": 2, "pool_load": False}
+    assert params["do_remote_decode"] is True and "pool_load" not in request["kvroute"]
+    assert lifecycle.with_pool_load(None, True) == {"kvroute": {"pool_load": True}}

@@ -155,3 +155,20 @@ def test_a_cluster_routes_with_the_pool_in_its_map(profile):
     finally:
         sim.close()
     assert all(r.ok for r in run.records)
+
+
+def test_an_engine_lost_mid_run_takes_nothing_after_and_its_pool_blocks_stay(profile):
+    plan = build_schedule(generate("to-b", SynthParams(rate=30.0, duration_s=8.0, seed=1)))
+    settings = SimSettings(3, perturbation=EXACT, pool_gib=4.0, lose_engine_at_s=4.0)
+    sim = ClusterSimulator(profile, "kv_ttft", settings, SYNTH_BLOCK_SIZE)
+    try:
+        run = sim.run(plan)
+        assert sim.lost is not None and sim.pool is not None and len(sim.pool) > 0
+    finally:
+        sim.close()
+    start = plan[0].offset_s
+    late = [r for r in run.records if r.intended_s >= start + 4.0]
+    assert late and all(r.ok and r.instance != sim.lost for r in late)
+    assert any(r.instance == sim.lost for r in run.records)  # it served before
+    with pytest.raises(ValueError, match="lose_engine_at_s"):
+        SimSettings(1, lose_engine_at_s=1.0).validate()
