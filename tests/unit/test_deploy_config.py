@@ -337,3 +337,37 @@ def test_a_session_ray_token_lives_in_a_temporary_directory(monkeypatch, tmp_pat
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", "/elsewhere/token")
     use_session_token()
     assert os.environ["RAY_AUTH_TOKEN_PATH"] == "/elsewhere/token"
+
+
+def test_the_kv_pool_joins_the_engines_connectors(tmp_path, monkeypatch) -> None:
+    from engines.config import EngineConfig
+    from engines.deployment import transfer_config
+    from engines.pd.nixl import side_channel_env
+
+    pool = {"master_address": "10.0.0.2:50051", "metadata_url": "http://10.0.0.2:8080/metadata"}
+    cpu = EngineConfig(kind="vllm", pool={**pool, "segment_gib": 2})
+    cfg = transfer_config(cpu)
+    assert cfg is not None and cfg["kv_connector"] == "KvroutePoolConnector"
+    extra = cfg["kv_connector_extra_config"]
+    assert extra["master_address"] == "10.0.0.2:50051" and extra["segment_mib"] == 2048
+    both = EngineConfig(
+        kind="vllm",
+        on_gpu=True,
+        pool={**pool, "segment_gib": 2},
+        pd={"transport": "nixl", "port": 15700, "host": "10.0.0.5"},
+    )
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", "")  # restored after the test
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the store's JSON goes there
+    cfg = transfer_config(both)
+    assert cfg is not None and cfg["kv_connector"] == "MultiConnector"
+    children = cfg["kv_connector_extra_config"]["connectors"]
+    assert [c["kv_connector"] for c in children] == ["NixlConnector", "MooncakeStoreConnector"]
+    assert side_channel_env(cfg)["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "15700"
+    import json
+
+    written = json.loads(Path(os.environ["MOONCAKE_CONFIG_PATH"]).read_text())
+    assert written["master_server_address"] == "10.0.0.2:50051"
+    assert written["global_segment_size"] == 2048 << 20
+    assert transfer_config(EngineConfig(kind="vllm")) is None
