@@ -74,6 +74,7 @@ MODULES: tuple[str, ...] = (
     "router.inflight",
     "router.core",
     "router.scorers.calibration",
+    "router.scorers.kv_index",
     "router.scorers.kv_ttft",
     # the cluster simulator: its replay and wiring, what-if runs, and the settings and records
     # the loop reads (a compiled module reads a non-compiled class's attributes slowly)

@@ -144,24 +144,48 @@ def profile_ttft(
         queued=queued,
         queued_requests=queued_requests,
     )
-    if pool_blocks > total and link is not None:
-        pooled = request.cached_tokens(pool_blocks, bs) - cached
-        if pooled > 0:
-            # the pool's tokens are not computed; they arrive over the link before the step
-            loaded = latency.ttft_s(
-                request.prompt_tokens,
-                gpu_tokens + pooled,
-                cached - gpu_tokens,
-                queued=queued,
-                queued_requests=queued_requests,
-            ) + link.load_s(pooled * latency.kv_bytes_per_token)
-            if not idle and (queued or inst.running):
-                # the load is asynchronous (vLLM's connectors): the request joins the batch at
-                # the first step after it, so it waits for the step it could have been in
-                loaded += latency.ttft_s(min(queued, latency.max_num_batched_tokens) or 1)
-            if loaded < ttft:
-                return loaded, pool_blocks
+    parts = pool_load_parts(request, inst, m, pool_blocks, link, idle=idle)
+    if parts is not None:
+        loaded = parts[0] + parts[1]
+        if not idle and (queued or inst.running):
+            # the load is asynchronous (vLLM's connectors): the request joins the batch at
+            # the first step after it, so it waits for the step it could have been in
+            loaded += latency.ttft_s(min(queued, latency.max_num_batched_tokens) or 1)
+        if loaded < ttft:
+            return loaded, pool_blocks
     return ttft, total
+
+
+def pool_load_parts(
+    request: PlacementRequest,
+    inst: InstanceView,
+    m: Match | None,
+    pool_blocks: int,
+    link: PoolLink | None,
+    *,
+    idle: bool = False,
+) -> tuple[float, float] | None:
+    """Where the pool's ``pool_blocks`` reach past ``inst``'s own run (``m``): (the latency
+    model's TTFT with them not computed, the seconds their load takes over ``link``); None
+    when there is nothing to load (or no link)."""
+    bs = inst.block_size
+    total = m.total_blocks if m else 0
+    if pool_blocks <= total or link is None:
+        return None
+    cached = request.cached_tokens(total, bs)
+    pooled = request.cached_tokens(pool_blocks, bs) - cached
+    if pooled <= 0:
+        return None
+    gpu_tokens = min((m.gpu_blocks if m else 0) * bs, cached)
+    latency = inst.latency
+    ttft = latency.ttft_s(
+        request.prompt_tokens,
+        gpu_tokens + pooled,
+        cached - gpu_tokens,
+        queued=0 if idle else inst.pending_prefill_tokens,
+        queued_requests=1 if idle else inst.waiting,
+    )
+    return ttft, link.load_s(pooled * latency.kv_bytes_per_token)
 
 
 def kv_fits(request: PlacementRequest, inst: InstanceView, cached_blocks: int = 0) -> bool:

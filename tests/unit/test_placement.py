@@ -609,10 +609,10 @@ def test_kv_ttft_among_many_instances_chooses_as_pricing_every_one(
     ``interference``, the same charge for the sequences it stalls behind a queue)."""
     import random
 
-    from router.scorers import kv_ttft
+    from router.scorers import kv_index, kv_ttft
 
     if vector_from is not None:
-        monkeypatch.setattr(kv_ttft, "_VECTOR_FROM", vector_from)
+        monkeypatch.setattr(kv_index, "_VECTOR_FROM", vector_from)
     rng = random.Random(3)
     fast = create_scorer("kv_ttft", interference=interference)
     full = create_scorer("kv_ttft", interference=interference)
