@@ -23,7 +23,8 @@ replicas, number of changes; and the static peak's. Two hindsight references: ``
 per-minute fixed pool, each minute simulated alone after a minute of warm-up) and ``two_level``
 (periodic days: the cheapest pair of one count for every lull and one for every burst, each
 pair simulated over the whole day, caches included). The engines have no CPU tier unless
-``--cpu-tier-gib`` gives one (``deploy/serve-gpu.yaml`` ships 160 GiB, ``wa``).
+``--cpu-tier-gib`` gives one (``deploy/serve-gpu.yaml`` ships 160 GiB, ``wa``); ``--pool-gib``
+gives the cluster a KV pool of that size, whatever its engine count (``engines.sim.pool``).
 
 Prints JSON on stdout (and to ``--out``).
 
@@ -58,6 +59,7 @@ from loadgen.workloads import Planned, build_schedule
 from router.autoscale import Autoscaler, SchedulePolicy, Slo, create_policy
 from simulation.cluster import simulate
 from simulation.jobs import DEFAULT_JOBS, run_each
+from simulation.options import POOL_FLAGS, add_pool_arguments
 from simulation.settings import Perturbation, SimSettings, ideal_ttfts
 from simulation.simulate_cmd import slo_attainment
 
@@ -153,12 +155,12 @@ def one_run(
     what_if_cached: bool = False,
 ) -> Any:  # fmt: skip
     """One run from ``n`` engines: fixed (``spec`` None), a policy spec, or a ``Policy``; its
-    figures (and its records, with ``records``). ``engine``: the engines' options
-    (``SimSettings.engine``: the CPU tier)."""
-    settings = SimSettings(
-        instances=n,
-        engine=dict(engine or {}),
-        perturbation=Perturbation(seed=seed),
+    figures (and its records, with ``records``). ``engine``: the cluster's options
+    (``sim_settings``: the CPU tier, the pool)."""
+    settings = sim_settings(
+        n,
+        seed,
+        engine,
         warm_prefixes=warm,
         handover_prefixes=handover,
         what_if_cached=what_if_cached,
@@ -277,9 +279,7 @@ def oracle_schedule(
         count = [j for j, p in enumerate(window) if p.offset_s >= t0 and ideal[j] <= SLO_TTFT_S]
 
         def ok(n: int, sub: list = sub, count: list = count) -> bool:
-            settings = SimSettings(
-                instances=n, engine=dict(engine or {}), perturbation=Perturbation(seed=seed)
-            )
+            settings = sim_settings(n, seed, engine)
             settings.what_if = False
             recs = simulate(sub, block, truth, "kv_ttft", settings).records
             want = set(count)
@@ -429,13 +429,22 @@ def two_level_run(
 
 
 def engine_options(args: argparse.Namespace, truth: LatencyProfile, block: int) -> dict[str, Any]:
-    """The engines' options for ``--cpu-tier-gib`` / ``--cpu-policy`` (``SimSettings.engine``):
-    a CPU tier of that size in blocks of ``block`` tokens of ``truth``'s KV, or none."""
+    """The cluster's options (``sim_settings``): a CPU tier of ``--cpu-tier-gib`` in blocks of
+    ``block`` tokens of ``truth``'s KV (``--cpu-policy``), and the pool of ``--pool-gib``."""
+    out: dict[str, Any] = {k: getattr(args, k) for k in POOL_FLAGS} if args.pool_gib else {}
     tier = args.cpu_tier
-    if tier is None:
-        return {}
-    blocks = tier.capacity_blocks(block, truth.kv_bytes_per_token)
-    return {"cpu_capacity_blocks": blocks, "cpu_policy": tier.policy}
+    if tier is not None:
+        out["cpu_capacity_blocks"] = tier.capacity_blocks(block, truth.kv_bytes_per_token)
+        out["cpu_policy"] = tier.policy
+    return out
+
+
+def sim_settings(n: int, seed: int, options: dict[str, Any] | None, **kw: Any) -> SimSettings:
+    """``n`` engines, perturbation ``seed``, and the cluster's ``options``: the pool's
+    (``POOL_FLAGS``, ``SimSettings`` fields) and the engines' (the rest, ``SimSettings.engine``)."""
+    opts = dict(options or {})
+    pool = {k: opts.pop(k) for k in POOL_FLAGS if k in opts}
+    return SimSettings(instances=n, engine=opts, perturbation=Perturbation(seed=seed), **pool, **kw)
 
 
 def cell(
@@ -590,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         help="each engine's CPU KV tier in GiB (0: none; deploy/serve-gpu.yaml ships 160) [0]",
     )
     ap.add_argument("--cpu-policy", default="wa", help="the CPU tier's eviction policy [wa]")
+    add_pool_arguments(ap.add_argument_group("the cluster KV pool (engines.sim.pool)"))
     ap.add_argument(
         "--two-level-pairs",
         metavar="LULL/BURST,...",
@@ -639,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
             "router": "kv_ttft",
             "profile": truth.name,
             "cpu_tier": args.cpu_tier and args.cpu_tier.model_dump(include={"gib", "policy"}),
+            "pool": {k: getattr(args, k) for k in POOL_FLAGS} if args.pool_gib else None,
             "wall_s": round(time.perf_counter() - t0, 1),
         },
         "results": {f"{w}/seed{s}": c for (w, s), c in zip(keys, cells, strict=True)},

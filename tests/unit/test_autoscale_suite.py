@@ -45,13 +45,26 @@ def test_the_cpu_tier_reaches_the_engines_in_blocks_of_the_workload() -> None:
     truth = suite.LatencyProfile.load("h100-llama3.1-8b")
     assert truth.kv_bytes_per_token == 128 * 1024
     tier = suite.CpuTierConfig(gib=160, policy="wa")
-    args = argparse.Namespace(cpu_tier=tier)
+    args = argparse.Namespace(cpu_tier=tier, pool_gib=0.0)
     assert suite.engine_options(args, truth, 512) == {
         "cpu_capacity_blocks": 2560,
         "cpu_policy": "wa",
     }
     assert suite.engine_options(args, truth, 16)["cpu_capacity_blocks"] == 81_920
-    assert suite.engine_options(argparse.Namespace(cpu_tier=None), truth, 512) == {}
+    none = argparse.Namespace(cpu_tier=None, pool_gib=0.0)
+    assert suite.engine_options(none, truth, 512) == {}
+
+
+def test_the_pool_reaches_the_cluster_beside_the_engines_options() -> None:
+    suite = load_benchmark("autoscale_suite")
+    truth = suite.LatencyProfile.load("h100-llama3.1-8b")
+    pool = {"pool_gib": 2560.0, "pool_gbps": 25.0, "pool_latency_ms": 0.4}
+    args = argparse.Namespace(cpu_tier=None, **pool, pool_policy="lru", pool_in_map=True)
+    options = suite.engine_options(args, truth, 512)
+    s = suite.sim_settings(4, 1, options, warm_prefixes=2)
+    assert s.pool_gib == 2560.0 and s.pool_policy == "lru" and s.engine == {}
+    assert s.instances == 4 and s.perturbation.seed == 1 and s.warm_prefixes == 2
+    assert options["pool_gib"] == 2560.0  # the caller's options are left as they were
 
 
 def test_a_two_level_schedule_holds_one_count_per_lull_and_one_per_burst() -> None:
