@@ -34,6 +34,7 @@ from deploy.config import (
 from engines import gc_tuning
 from engines.config import EngineDeploymentConfig
 from engines.deployment import build_engine_app, open_buses
+from engines.pool.link import PoolLink
 from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.tiny_model import resolve_model
 from router.admission import Admission
@@ -120,6 +121,9 @@ class IngressDeployment:
             recorder=placement_recorder(cfg.router),
             event_stride=cfg.engine.event_stride,
             inflight_prompts=cfg.router.inflight_prompts,
+            kv_pool=PoolLink(cfg.pool.link_gbps, cfg.pool.link_latency_ms)
+            if cfg.pool.enabled
+            else None,
         )
         register_state(cfg.app_name, self.state)
         self.state.start(cfg.router.bus_poll_s)

@@ -297,13 +297,21 @@ MIN_SEGMENT_GIB = 16 / 1024  # Mooncake refuses segments under 16 MiB
 class PoolConfig(StrictModel):
     """The cluster KV pool (Mooncake Store, docs/pool.md): ``kvroute serve`` starts its master
     before Ray (a cluster's head starts it instead: deploy/node-setup.sh pool) and tells the
-    engine deployments where it is. Engines do not mount segments of it yet."""
+    engine deployments where it is; their vLLM engines run the pool's connector and mount
+    ``segment_gib`` each (sim engines ignore it). The router hints each request whether to
+    load from it, pricing a load over ``link_gbps`` against recomputing (docs/pool.md)."""
 
     enabled: bool = Field(
         False, description="start the pool's master (and hand its address to the engines)"
     )
     segment_gib: float = Field(
         4.0, gt=0, le=16384, description="DRAM each engine node mounts into the pool, GiB"
+    )
+    link_gbps: float = Field(
+        25.0, gt=0, le=10_000, description="each engine node's bandwidth to the pool, GB/s"
+    )
+    link_latency_ms: float = Field(
+        0.4, ge=0, le=10_000, description="what one load from the pool costs besides its bytes"
     )
     master_host: str = Field(
         "127.0.0.1",

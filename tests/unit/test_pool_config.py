@@ -29,6 +29,8 @@ def test_the_pool_is_off_by_default_everywhere() -> None:
     [
         ({"segment_gib": 0.001}, "pool.segment_gib", "16 MiB"),
         ({"segment_gib": 0}, "pool.segment_gib", "greater than 0"),
+        ({"link_gbps": 0}, "pool.link_gbps", "greater than 0"),
+        ({"link_latency_ms": -1}, "pool.link_latency_ms", "greater than or equal to 0"),
         ({"master_host": "0.0.0.0"}, "pool.master_host", "every interface"),
         ({"master_host": "::"}, "pool.master_host", "every interface"),
         ({"master_host": "head.example"}, "pool.master_host", "an IP address"),
