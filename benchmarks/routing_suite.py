@@ -154,6 +154,7 @@ def settings_for(
     inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS,
     engine: dict[str, Any] | None = None,
     pool: dict[str, Any] | None = None,
+    router_replicas: int = 1,
 ) -> SimSettings:
     """``pool``: the ``SimSettings`` pool fields (``simulation.options.POOL_FLAGS``)."""
     return SimSettings(
@@ -161,6 +162,7 @@ def settings_for(
         perturbation=Perturbation(seed=seed),
         inflight_prompts=inflight_prompts,
         engine=dict(engine or {}),
+        router_replicas=router_replicas,
         **(pool or {}),
     )
 
@@ -291,6 +293,7 @@ def run_suite(
     tenants: int = 0,
     pool: dict[str, Any] | None = None,
     cpu_tier_gib: float = 0.0,
+    router_replicas: int = 1,
 ) -> dict[str, Any]:
     """The suite's JSON document (see the module); ``engine``: sim engine options for the
     routers' runs (``kvroute simulate --engine``'s); ``tenants``: their workloads split into
@@ -335,6 +338,7 @@ def run_suite(
                 inflight_prompts,
                 _with_tier(engine, cpu_tier_gib, block, truth),
                 pool,
+                router_replicas,
             ),
             ideal,
         )
@@ -361,6 +365,7 @@ def run_suite(
             **meta_tenants,
             **({"pool": dict(pool)} if pool else {}),
             **({"cpu_tier_gib": cpu_tier_gib} if cpu_tier_gib else {}),
+            **({"router_replicas": router_replicas} if router_replicas > 1 else {}),
             "instances": instances,
             "inflight_prompts": inflight_prompts,
             "engine": dict(engine or {}),
@@ -525,6 +530,12 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="each engine's CPU tier, GiB (in blocks of each workload's size) [0: none]",
     )
+    ap.add_argument(
+        "--router-replicas",
+        type=int,
+        default=1,
+        help="router replicas per run, as kvroute simulate --router-replicas [1]",
+    )
     add_pool_arguments(ap.add_argument_group("the cluster KV pool (the routers' runs)"))
     args = ap.parse_args(argv)
     try:
@@ -545,7 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.cpu_tier_gib >= 0 and math.isfinite(args.cpu_tier_gib)):
             raise ValueError(f"--cpu-tier-gib must be a number >= 0, got {args.cpu_tier_gib}")
         pool = {k: getattr(args, k) for k in POOL_FLAGS} if args.pool_gib else {}
-        settings_for(0, 1, engine=engine, pool=pool).validate()  # a bad option, named first
+        settings_for(
+            0, 1, engine=engine, pool=pool, router_replicas=args.router_replicas
+        ).validate()
         if args.bisect_steps is not None and args.bisect_steps < 0:
             raise ValueError(f"--bisect-steps must be >= 0, got {args.bisect_steps}")
         loads = None
@@ -577,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         tenants=args.tenants,
         pool=pool,
         cpu_tier_gib=args.cpu_tier_gib,
+        router_replicas=args.router_replicas,
     )
     print_json(doc, args.out)
     print(table(doc), file=sys.stderr)

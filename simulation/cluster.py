@@ -156,7 +156,7 @@ class ClusterSimulator(WiredCluster):
     def _arrive(self, p: Planned, records: dict[str, RequestRecord], roots: dict[int, int]) -> None:
         """Request ``p`` arrives now (its offset): recorded, placed by the router core (both
         legs of a split), admitted or refused, and sent to its engine."""
-        core, bs, t, tr = self.core, self.block_size, p.offset_s, p.req
+        core, bs, t, tr = self._replica(p.index), self.block_size, p.offset_s, p.req
         mml = self.instances[0].max_model_len
         rid = str(p.index)
         rec = RequestRecord(
@@ -340,7 +340,7 @@ class ClusterSimulator(WiredCluster):
                 self._starting[i] = done
                 return
         self._publishing[i] = True  # it samples from the next load tick on
-        self.core.add_instance(self.instances[i].instance_id)
+        self._add_instance(self.instances[i].instance_id)
         self._joins.append((at, self.instances[i].instance_id, i in self._warmed))
 
     def _warm(self, i: int, at: float, k: int) -> float:
@@ -501,7 +501,7 @@ class ClusterSimulator(WiredCluster):
             for i in leaving:
                 self._publishing[i] = False
                 self._leaving[i] = now
-                self.core.remove_instance(self.instances[i].instance_id)
+                self._remove_instance(self.instances[i].instance_id)
             for i in leaving:
                 self._hand_over_cache(i, now)
             n = target
@@ -591,6 +591,7 @@ def simulate(
         trace_block_size,
         router_profile=router_profile,
         recorder=recorder,
+        scorer_factory=lambda: create_scorer(router, **(scorer_options or {})),
     )
     try:
         return sim.run(plan, progress, budget, autoscaler)

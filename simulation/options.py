@@ -65,6 +65,13 @@ def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
         "it sent them, on engines where more prefill waits than one step computes "
         "(router.inflight; on by default)",
     )
+    c.add_argument(
+        "--router-replicas",
+        type=int,
+        default=1,
+        help="router replicas, each its own map, ledger and scorer on the same buses, arrivals "
+        "spread over them in turn, as Serve's proxy spreads them over ingress replicas [1]",
+    )
     add_pool_arguments(c)
 
 
@@ -139,6 +146,7 @@ def sim_settings(args: argparse.Namespace, instances: int, slo_ttft_s: float | N
         prefill_instances=getattr(args, "prefill_instances", 0),
         event_stride=args.event_stride,
         inflight_prompts=args.inflight_prompts,
+        router_replicas=getattr(args, "router_replicas", 1),
         **{k: getattr(args, k) for k in POOL_FLAGS if hasattr(args, k)},
     )
     if settings.prefill_instances:

@@ -135,6 +135,9 @@ class SimSettings:
     pool_gbps: float = DEFAULT_POOL_GBPS
     pool_latency_ms: float = DEFAULT_POOL_LATENCY_MS
     pool_policy: str = "lru"
+    # router replicas, each its own core (map, ledger, scorer) on the same buses; arrivals are
+    # spread over them in turn (``simulation.wiring``)
+    router_replicas: int = 1
     # failure studies: seconds after the first arrival at which the serving engine holding the
     # most GPU blocks is lost, its caches with it (None: none is)
     lose_engine_at_s: float | None = None
@@ -181,6 +184,8 @@ class SimSettings:
             raise ValueError(f"--event-stride must be >= 1, got {self.event_stride}")
         if self.warm_prefixes < 0:
             raise ValueError(f"--warm-prefixes must be >= 0, got {self.warm_prefixes}")
+        if self.router_replicas < 1:
+            raise ValueError(f"--router-replicas must be >= 1, got {self.router_replicas}")
         lose = self.lose_engine_at_s
         if lose is not None and not (lose >= 0 and math.isfinite(lose) and self.instances > 1):
             raise ValueError(

@@ -49,7 +49,10 @@ class WiredCluster:
         *,
         router_profile: LatencyProfile | None = None,
         recorder: PlacementRecorder | None = None,
+        scorer_factory: Callable[[], Scorer] | None = None,
     ) -> None:
+        """``scorer_factory``: a fresh scorer for each router replica past the first
+        (``SimSettings.router_replicas``; a ``scorer`` given by name needs none)."""
         settings.validate()
         self.settings = s = settings
         self.block_size = bs = s.block_size or trace_block_size
@@ -63,7 +66,21 @@ class WiredCluster:
         self.slowdowns = p.slowdowns(s.instances)
         self.kv_bus, self.load_bus = InProcessBus(1 << 16), InProcessBus(1 << 16)
         n_prefill = s.prefill_instances
-        self.core = self._router_core(scorer, belief, s.gpu_blocks(truth, bs), options, recorder)
+        gpu = s.gpu_blocks(truth, bs)
+        self.core = self._router_core(scorer, belief, gpu, options, recorder)
+        # router replicas (``SimSettings.router_replicas``): each its own core (map, ledger,
+        # scorer) on the same buses; arrivals go to them in turn (Serve's proxy spreads them
+        # over ingress replicas), and a request's progress to the one that placed it
+        self.cores = [self.core]
+        for _ in range(s.router_replicas - 1):
+            if isinstance(scorer, str):
+                more: Scorer | str = scorer
+            elif scorer_factory is not None:
+                more = scorer_factory()
+            else:
+                raise ValueError("router replicas need a scorer by name or a scorer_factory")
+            self.cores.append(self._router_core(more, belief, gpu, options, recorder))
+        self._owner: dict[str, RouterCore] = {}  # request -> the replica that placed it
         # what the engines' KV events put on the bus (after the stride): the event volume
         self.kv_messages = self.kv_blocks = 0
         # PD: per decode instance (by index), the hand-overs waiting to reach it, as
@@ -118,12 +135,13 @@ class WiredCluster:
         self._start_s = 0.0  # the replay's first arrival
         for i in range(s.instances):
             self._new_engine(self.slowdowns[i])
-        if n_prefill:
-            ids = list(self.by_id)
-            self.core.sync_instances(ids[:n_prefill], "prefill")
-            self.core.sync_instances(ids[n_prefill:], "decode")
-        else:
-            self.core.sync_instances(self.by_id)
+        for core in self.cores:
+            if n_prefill:
+                ids = list(self.by_id)
+                core.sync_instances(ids[:n_prefill], "prefill")
+                core.sync_instances(ids[n_prefill:], "decode")
+            else:
+                core.sync_instances(self.by_id)
 
     def _router_core(
         self,
@@ -255,7 +273,7 @@ class WiredCluster:
             inst.run_until(at)
             inst.submit(req, at)
             decode, preq = self._split[req.request_id]
-            self.core.assigned(preq, decode, at)
+            self._owner.get(req.request_id, self.core).assigned(preq, decode, at)
         inst.run_until(t)
 
     # -- the replay's steps (one arrival's, and one autoscaling tick's) --------------------------
@@ -333,8 +351,27 @@ class WiredCluster:
         self.lost = self.instances[i].instance_id
         self._publishing[i] = False
         self._leaving[i] = t
-        self.core.remove_instance(self.lost)
+        self._remove_instance(self.lost)
         self._target -= 1
+
+    # -- router replicas -------------------------------------------------------------------
+
+    def _replica(self, index: int) -> RouterCore:
+        """The router replica that arrival ``index`` reaches (in turn), remembered as its
+        request's owner when there are several."""
+        cores = self.cores
+        if len(cores) == 1:
+            return self.core
+        core = self._owner[str(index)] = cores[index % len(cores)]
+        return core
+
+    def _add_instance(self, iid: str) -> None:
+        for core in self.cores:
+            core.add_instance(iid)
+
+    def _remove_instance(self, iid: str) -> None:
+        for core in self.cores:
+            core.remove_instance(iid)
 
     def _publish_events(self, t: float) -> None:
         """KV events older than the lag, through the bus into the map."""
@@ -356,11 +393,14 @@ class WiredCluster:
     def _deliver_progress(
         self, t: float, preqs: dict[str, tuple[PlacementRequest, Planned]]
     ) -> None:
-        heap, core, budget = self._progress, self.core, self._budget
+        heap, core, budget, owner = self._progress, self.core, self._budget, self._owner
         while heap and heap[0][0] <= t:
             at, _, iid, req, finished = heapq.heappop(heap)
             if req.request_id.startswith(WARM_PREFIX):  # warming: no client sees it
                 continue
+            if owner:  # router replicas: the one that placed it hears of it
+                rid = lifecycle.request_of_prefill_leg(req.request_id)
+                core = owner.pop(rid) if finished and rid == req.request_id else owner[rid]
             if finished:
                 entry = preqs.pop(req.request_id, None)
                 if entry is not None:
@@ -383,12 +423,12 @@ class WiredCluster:
                     )
 
     def _pump(self, now: float) -> None:
-        core = self.core
-        while True:  # a burst larger than one bus read is applied whole, as a busy pump would
-            fetched = core.fetch()
-            core.apply(fetched, now)
-            if (
-                fetched is None
-                or max(len(fetched[0].items), len(fetched[1].items)) < MAX_READ_ITEMS
-            ):
-                return
+        for core in self.cores:
+            while True:  # a burst larger than one bus read is applied whole, as a busy pump would
+                fetched = core.fetch()
+                core.apply(fetched, now)
+                if (
+                    fetched is None
+                    or max(len(fetched[0].items), len(fetched[1].items)) < MAX_READ_ITEMS
+                ):
+                    break
