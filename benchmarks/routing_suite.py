@@ -155,6 +155,7 @@ def settings_for(
     engine: dict[str, Any] | None = None,
     pool: dict[str, Any] | None = None,
     router_replicas: int = 1,
+    share_assignments: bool = True,
 ) -> SimSettings:
     """``pool``: the ``SimSettings`` pool fields (``simulation.options.POOL_FLAGS``)."""
     return SimSettings(
@@ -163,6 +164,7 @@ def settings_for(
         inflight_prompts=inflight_prompts,
         engine=dict(engine or {}),
         router_replicas=router_replicas,
+        share_assignments=share_assignments,
         **(pool or {}),
     )
 
@@ -294,6 +296,7 @@ def run_suite(
     pool: dict[str, Any] | None = None,
     cpu_tier_gib: float = 0.0,
     router_replicas: int = 1,
+    share_assignments: bool = True,
 ) -> dict[str, Any]:
     """The suite's JSON document (see the module); ``engine``: sim engine options for the
     routers' runs (``kvroute simulate --engine``'s); ``tenants``: their workloads split into
@@ -339,6 +342,7 @@ def run_suite(
                 _with_tier(engine, cpu_tier_gib, block, truth),
                 pool,
                 router_replicas,
+                share_assignments,
             ),
             ideal,
         )
@@ -365,7 +369,11 @@ def run_suite(
             **meta_tenants,
             **({"pool": dict(pool)} if pool else {}),
             **({"cpu_tier_gib": cpu_tier_gib} if cpu_tier_gib else {}),
-            **({"router_replicas": router_replicas} if router_replicas > 1 else {}),
+            **(
+                {"router_replicas": router_replicas, "share_assignments": share_assignments}
+                if router_replicas > 1
+                else {}
+            ),
             "instances": instances,
             "inflight_prompts": inflight_prompts,
             "engine": dict(engine or {}),
@@ -536,6 +544,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="router replicas per run, as kvroute simulate --router-replicas [1]",
     )
+    ap.add_argument(
+        "--share-assignments",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replicas share their assignments, as kvroute simulate --share-assignments [on]",
+    )
     add_pool_arguments(ap.add_argument_group("the cluster KV pool (the routers' runs)"))
     args = ap.parse_args(argv)
     try:
@@ -591,6 +605,7 @@ def main(argv: list[str] | None = None) -> int:
         pool=pool,
         cpu_tier_gib=args.cpu_tier_gib,
         router_replicas=args.router_replicas,
+        share_assignments=args.share_assignments,
     )
     print_json(doc, args.out)
     print(table(doc), file=sys.stderr)

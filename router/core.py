@@ -10,7 +10,7 @@ shell) and the cluster simulator (``simulation.cluster``, virtual time) run this
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -71,6 +71,9 @@ class RouterCore:
         does not price it)."""
         self.cache_map = CacheMap(stride=event_stride)
         self.kv_pool = kv_pool
+        # where this replica's assignments are shared with the other router replicas
+        # (``peer_assigned`` there): called with (instance, prefill tokens, when); None: not
+        self.share: Callable[[str, int, float], None] | None = None
         self._scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
         self._scorer.attach(self.cache_map)
         self._scorer.attach_pool(kv_pool)
@@ -284,9 +287,15 @@ class RouterCore:
         else:
             uncached = request.prompt_tokens - self.cached_tokens(request, placement)
         self.load.assigned(request.request_id, placement.instance_id, uncached, now, placement)
+        if self.share is not None:
+            self.share(placement.instance_id, uncached, now)
         if self.inflight is not None:
             first = placement.prefill or placement
             self.inflight.sent(request.request_id, first.instance_id, request.block_hashes)
+
+    def peer_assigned(self, instance_id: str, prefill_tokens: int, at: float) -> None:
+        """Another router replica sent a prompt there (``LoadTracker.peer_assigned``)."""
+        self.load.peer_assigned(instance_id, prefill_tokens, at)
 
     def first_token(self, request_id: str, now: float, observed: bool = True) -> None:
         """The request's first output arrived; ``observed``: at its first token (a stream), so

@@ -50,12 +50,20 @@ class _Instance:
     # (``LoadTracker._view`` takes them out of the snapshot)
     first_tokens: deque[tuple[float, int]] = field(default_factory=deque)
     first_token_tokens: int = 0
+    # other router replicas' prompts sent here after the snapshot was taken, as they shared
+    # them (``LoadTracker.peer_assigned``): (when, prefill tokens), and those tokens summed
+    peers: deque[tuple[float, int]] = field(default_factory=deque)
+    peer_tokens: int = 0
 
     def drop_first_tokens(self, until: float) -> None:
-        """Forget the first tokens that came at ``until`` or before."""
+        """Forget the first tokens that came at ``until`` or before, and the peers' prompts
+        sent by then (a snapshot taken at ``until`` counts them)."""
         done = self.first_tokens
         while done and done[0][0] <= until:
             self.first_token_tokens -= done.popleft()[1]
+        peers = self.peers
+        while peers and peers[0][0] <= until:
+            self.peer_tokens -= peers.popleft()[1]
 
     def __post_init__(self) -> None:
         step = self.latency.max_num_batched_tokens  # 0: no limit, one step takes any prefill
@@ -175,6 +183,25 @@ class LoadTracker:
             if inst.failures and newer:
                 inst.failures = 0
             self._dirty.add(iid)
+
+    def peer_assigned(self, instance_id: str, prefill_tokens: int, at: float) -> None:
+        """Another router replica sent a prompt of ``prefill_tokens`` uncached tokens to
+        ``instance_id`` at ``at`` (its reservation, shared between replicas): counted in the
+        instance's view until a snapshot taken after ``at`` counts it itself. Without it a
+        replica sees another's prompts only from the engine's next report, and replicas that
+        each see an engine idle all send to it (herding)."""
+        inst = self._instances.get(instance_id)
+        if inst is None or (inst.snapshot is not None and at <= inst.snapshot.ts):
+            return
+        peers = inst.peers
+        if peers and at < peers[-1][0]:  # out of order: keep the deque sorted by time
+            items = sorted([*peers, (at, prefill_tokens)])
+            peers.clear()
+            peers.extend(items)
+        else:
+            peers.append((at, prefill_tokens))
+        inst.peer_tokens += prefill_tokens
+        self._dirty.add(instance_id)
 
     def mark_failed(self, instance_id: str) -> None:
         """A call to the instance failed; it is skipped until its next load snapshot."""
@@ -321,11 +348,11 @@ class LoadTracker:
             n_newer, newer_tokens = (
                 local.newer(snap.ts) if local is not None and local.unprefilled else (0, 0)
             )
-            waiting, running = snap.waiting + n_newer, snap.running
+            waiting, running = snap.waiting + n_newer + len(inst.peers), snap.running
             kv_usage = snap.gpu_kv_usage
             # prompts the snapshot counted that have had their first token since
             queued = max(snap.queued_prefill_tokens - inst.first_token_tokens, 0)
-            base = queued + newer_tokens
+            base = queued + newer_tokens + inst.peer_tokens
             pending = self._with_backlog(inst, local, base, now)
             # the backlog raises the report now; it only shrinks as time passes, so once it
             # does not it will not again until the instance changes (and is marked dirty)

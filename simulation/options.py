@@ -72,6 +72,13 @@ def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
         help="router replicas, each its own map, ledger and scorer on the same buses, arrivals "
         "spread over them in turn, as Serve's proxy spreads them over ingress replicas [1]",
     )
+    c.add_argument(
+        "--share-assignments",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="router replicas share their assignments, each reaching the others after the "
+        "event lag, so that they do not herd onto what each sees as an idle engine [on]",
+    )
     add_pool_arguments(c)
 
 
@@ -147,6 +154,7 @@ def sim_settings(args: argparse.Namespace, instances: int, slo_ttft_s: float | N
         event_stride=args.event_stride,
         inflight_prompts=args.inflight_prompts,
         router_replicas=getattr(args, "router_replicas", 1),
+        share_assignments=getattr(args, "share_assignments", True),
         **{k: getattr(args, k) for k in POOL_FLAGS if hasattr(args, k)},
     )
     if settings.prefill_instances:

@@ -138,6 +138,9 @@ class SimSettings:
     # router replicas, each its own core (map, ledger, scorer) on the same buses; arrivals are
     # spread over them in turn (``simulation.wiring``)
     router_replicas: int = 1
+    # the replicas share their assignments (``RouterCore.share``), each reaching the others
+    # after the event lag, so a replica counts another's prompts before the engine reports them
+    share_assignments: bool = True
     # failure studies: seconds after the first arrival at which the serving engine holding the
     # most GPU blocks is lost, its caches with it (None: none is)
     lose_engine_at_s: float | None = None

@@ -81,6 +81,12 @@ class WiredCluster:
                 raise ValueError("router replicas need a scorer by name or a scorer_factory")
             self.cores.append(self._router_core(more, belief, gpu, options, recorder))
         self._owner: dict[str, RouterCore] = {}  # request -> the replica that placed it
+        # the replicas' shared assignments on their way to the others (``share_assignments``):
+        # (when, the replica, instance, prefill tokens), delivered after the event lag
+        self._shared: deque[tuple[float, RouterCore, str, int]] = deque()
+        if len(self.cores) > 1 and s.share_assignments:
+            for core in self.cores:
+                core.share = self._sharer(core)
         # what the engines' KV events put on the bus (after the stride): the event volume
         self.kv_messages = self.kv_blocks = 0
         # PD: per decode instance (by index), the hand-overs waiting to reach it, as
@@ -365,6 +371,23 @@ class WiredCluster:
         core = self._owner[str(index)] = cores[index % len(cores)]
         return core
 
+    def _sharer(self, core: RouterCore) -> Callable[[str, int, float], None]:
+        shared = self._shared
+
+        def share(instance: str, tokens: int, at: float) -> None:
+            shared.append((at, core, instance, tokens))
+
+        return share
+
+    def _deliver_shared(self, now: float) -> None:
+        """The assignments shared before ``now`` minus the event lag, to every other replica."""
+        shared, horizon = self._shared, now - self.settings.event_lag_s
+        while shared and shared[0][0] <= horizon:
+            at, origin, instance, tokens = shared.popleft()
+            for core in self.cores:
+                if core is not origin:
+                    core.peer_assigned(instance, tokens, at)
+
     def _add_instance(self, iid: str) -> None:
         for core in self.cores:
             core.add_instance(iid)
@@ -423,6 +446,8 @@ class WiredCluster:
                     )
 
     def _pump(self, now: float) -> None:
+        if self._shared:
+            self._deliver_shared(now)
         for core in self.cores:
             while True:  # a burst larger than one bus read is applied whole, as a busy pump would
                 fetched = core.fetch()

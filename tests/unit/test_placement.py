@@ -178,6 +178,27 @@ def test_load_tracker_combines_snapshots_with_newer_local_assignments() -> None:
     assert lt.in_flight() == 0
 
 
+def test_load_tracker_counts_other_replicas_prompts_until_a_snapshot_does() -> None:
+    """A prompt another router replica shared counts in the view (a waiting request and its
+    tokens) from when it arrives until a snapshot taken after it was sent counts it itself;
+    one sent before the latest snapshot is already in it and is not counted twice."""
+    lt = LoadTracker(stale_after_s=1.0)
+    lt.register("a", BS, Linear())
+    lt.on_snapshot(LoadSnapshot("a", 10.0, 1, 2, 0.1, 0.0, 400))
+    lt.peer_assigned("a", 300, 10.02)
+    lt.peer_assigned("a", 50, 9.99)  # before the snapshot: in it
+    lt.peer_assigned("b", 70, 10.03)  # an instance this replica does not know
+    (v,) = lt.views(now=10.05)
+    assert (v.waiting, v.pending_prefill_tokens) == (2, 700)
+    lt.peer_assigned("a", 100, 10.01)  # late, and out of order
+    assert lt.views(now=10.06)[0].pending_prefill_tokens == 800
+    lt.on_snapshot(LoadSnapshot("a", 10.015, 2, 2, 0.1, 0.0, 500))  # counts the 10.01 one
+    assert lt.views(now=10.07)[0].pending_prefill_tokens == 800
+    lt.on_snapshot(LoadSnapshot("a", 10.1, 2, 2, 0.1, 0.0, 800))  # counts both
+    (v,) = lt.views(now=10.11)
+    assert (v.waiting, v.pending_prefill_tokens) == (2, 800)
+
+
 def test_load_tracker_takes_out_prompts_that_had_their_first_token_since_the_snapshot() -> None:
     """An engine counts a prompt as queued until its first token; this router sees that token
     come before the engine's next sample, and reads the last one without it. Another router's
