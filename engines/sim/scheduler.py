@@ -241,17 +241,17 @@ class Scheduler:
         kvroute's vLLM engine reports (it cannot see a prompt's chunks): the step computing
         it, and chunks computed before, included; without, beyond what it has computed."""
         bs, lookup = self.blocks.block_size, self.blocks.lookup
-        # a PD pull recomputes one token; a pool load the prompt past its hit
-        tokens = sum(
-            1 if r.remote_prefill else r.num_tokens - r.pool_hit_tokens for r in self.pulling
-        )
+        pooled = self.blocks.pool is not None
+        tokens = 0
+        for r in self.pulling:  # a PD pull recomputes one token; a pool load past its hit
+            tokens += 1 if r.remote_prefill else r.num_tokens - r.pool_hit_tokens
         for r in self.waiting:
             if r.remote_prefill and r.kv_ready_s < 0:
                 tokens += 1
                 continue
             hit, n_cpu = lookup(r)
             n = len(hit) + n_cpu
-            if r.pool_load:  # the KV pool's blocks past them are loaded, not computed
+            if pooled and r.pool_load:  # the KV pool's blocks past them are loaded
                 n += self.blocks.pool_hit(r, n)
             tokens += max(r.num_tokens - n * bs, 0)
         if not self.config.queued_until_first_token:
@@ -328,6 +328,7 @@ class Scheduler:
 
     def _admit(self, step: Step, budget: int, cap: int) -> int:
         cfg, blocks, waiting, bs = self.config, self.blocks, self.waiting, self.blocks.block_size
+        pooled = blocks.pool is not None
         while budget > 0 and waiting:
             if len(self.running) >= cfg.max_num_seqs:
                 self._admission_blocked = True
@@ -335,7 +336,7 @@ class Scheduler:
             r = waiting[0]
             blocks.begin_request(r)  # once per request
             hit, n_cpu = blocks.lookup(r)
-            n_pool = blocks.pool_hit(r, len(hit) + n_cpu) if r.pool_load else 0
+            n_pool = blocks.pool_hit(r, len(hit) + n_cpu) if pooled and r.pool_load else 0
             if n_pool and not r.pool_loaded:
                 self._start_pool_load(r, n_pool, (len(hit) + n_cpu + n_pool) * bs)
                 continue
