@@ -72,21 +72,12 @@ class WiredCluster:
         # scorer) on the same buses; arrivals go to them in turn (Serve's proxy spreads them
         # over ingress replicas), and a request's progress to the one that placed it
         self.cores = [self.core]
-        for _ in range(s.router_replicas - 1):
-            if isinstance(scorer, str):
-                more: Scorer | str = scorer
-            elif scorer_factory is not None:
-                more = scorer_factory()
-            else:
-                raise ValueError("router replicas need a scorer by name or a scorer_factory")
-            self.cores.append(self._router_core(more, belief, gpu, options, recorder))
         self._owner: dict[str, RouterCore] = {}  # request -> the replica that placed it
         # the replicas' shared assignments on their way to the others (``share_assignments``):
         # (when, the replica, instance, prefill tokens), delivered after the event lag
         self._shared: deque[tuple[float, RouterCore, str, int]] = deque()
-        if len(self.cores) > 1 and s.share_assignments:
-            for core in self.cores:
-                core.share = self._sharer(core)
+        if s.router_replicas > 1:
+            self._more_replicas(scorer, scorer_factory, belief, gpu, options, recorder)
         # what the engines' KV events put on the bus (after the stride): the event volume
         self.kv_messages = self.kv_blocks = 0
         # PD: per decode instance (by index), the hand-overs waiting to reach it, as
@@ -370,6 +361,29 @@ class WiredCluster:
             return self.core
         core = self._owner[str(index)] = cores[index % len(cores)]
         return core
+
+    def _more_replicas(
+        self,
+        scorer: Scorer | str,
+        scorer_factory: Callable[[], Scorer] | None,
+        belief: LatencyProfile,
+        gpu_blocks: int,
+        options: SimEngineOptions,
+        recorder: PlacementRecorder | None,
+    ) -> None:
+        """The router replicas past the first, each with a scorer of its own."""
+        s = self.settings
+        for _ in range(s.router_replicas - 1):
+            if isinstance(scorer, str):
+                more: Scorer | str = scorer
+            elif scorer_factory is not None:
+                more = scorer_factory()
+            else:
+                raise ValueError("router replicas need a scorer by name or a scorer_factory")
+            self.cores.append(self._router_core(more, belief, gpu_blocks, options, recorder))
+        if s.share_assignments:
+            for core in self.cores:
+                core.share = self._sharer(core)
 
     def _sharer(self, core: RouterCore) -> Callable[[str, int, float], None]:
         shared = self._shared
