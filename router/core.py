@@ -10,9 +10,9 @@ shell) and the cluster simulator (``simulation.cluster``, virtual time) run this
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from cachemap import CacheMap
 from cachemap.bus import BusRead, EventBus
@@ -33,6 +33,26 @@ from router.placement import (
 )
 from router.pools import DEFAULT_POOL, Pool, Role, check_pools
 from router.recorder import PlacementRecorder, placement_record
+
+# another replica's request in this replica's in-flight prompts (no client id looks like it)
+_PEER = "\x00peer/"
+
+
+class AssignmentChannel(Protocol):
+    """Where a router replica shares its assignments with the others (herding: a replica
+    otherwise sees another's prompts only in the engines' next reports)."""
+
+    def sent(
+        self,
+        request_id: str,
+        instance_id: str,
+        prefill_tokens: int,
+        at: float,
+        first_instance: str,
+        block_hashes: Sequence[int],
+    ) -> None: ...
+
+    def done(self, request_id: str, at: float) -> None: ...
 
 
 class RouterCore:
@@ -72,8 +92,8 @@ class RouterCore:
         self.cache_map = CacheMap(stride=event_stride)
         self.kv_pool = kv_pool
         # where this replica's assignments are shared with the other router replicas
-        # (``peer_assigned`` there): called with (instance, prefill tokens, when); None: not
-        self.share: Callable[[str, int, float], None] | None = None
+        # (``peer_assigned`` and ``peer_done`` there); None: they are not
+        self.share: AssignmentChannel | None = None
         self._scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
         self._scorer.attach(self.cache_map)
         self._scorer.attach_pool(kv_pool)
@@ -287,15 +307,39 @@ class RouterCore:
         else:
             uncached = request.prompt_tokens - self.cached_tokens(request, placement)
         self.load.assigned(request.request_id, placement.instance_id, uncached, now, placement)
+        first = placement.prefill or placement
         if self.share is not None:
-            self.share(placement.instance_id, uncached, now)
+            self.share.sent(
+                request.request_id,
+                placement.instance_id,
+                uncached,
+                now,
+                first.instance_id,
+                request.block_hashes,
+            )
         if self.inflight is not None:
-            first = placement.prefill or placement
             self.inflight.sent(request.request_id, first.instance_id, request.block_hashes)
 
-    def peer_assigned(self, instance_id: str, prefill_tokens: int, at: float) -> None:
-        """Another router replica sent a prompt there (``LoadTracker.peer_assigned``)."""
+    def peer_assigned(
+        self,
+        request_id: str,
+        instance_id: str,
+        prefill_tokens: int,
+        at: float,
+        first_instance: str,
+        block_hashes: Sequence[int],
+    ) -> None:
+        """Another router replica sent a prompt there: counted in the instance's load
+        (``LoadTracker.peer_assigned``) and, with ``inflight_prompts``, as a prompt in flight to
+        ``first_instance`` (its prefill's) until ``peer_done``."""
         self.load.peer_assigned(instance_id, prefill_tokens, at)
+        if self.inflight is not None:
+            self.inflight.sent(_PEER + request_id, first_instance, block_hashes)
+
+    def peer_done(self, request_id: str) -> None:
+        """Another replica's prompt had its first token (or ended)."""
+        if self.inflight is not None:
+            self.inflight.done(_PEER + request_id)
 
     def first_token(self, request_id: str, now: float, observed: bool = True) -> None:
         """The request's first output arrived; ``observed``: at its first token (a stream), so
@@ -303,6 +347,8 @@ class RouterCore:
         a = self.load.prefill_done(request_id, now)
         if self.inflight is not None:
             self.inflight.done(request_id)
+        if self.share is not None:
+            self.share.done(request_id, now)
         if observed and a is not None and a.placement is not None:
             self.scorer.on_first_token(a.placement, now - a.assigned_at)
 
@@ -310,6 +356,8 @@ class RouterCore:
         self.load.finished(request.request_id)
         if self.inflight is not None:
             self.inflight.done(request.request_id)
+        if self.share is not None:
+            self.share.done(request.request_id, 0.0)  # a no-op after its first token's
         self.scorer.on_finished(request, instance_id)
 
     def failed(self, instance_id: str) -> None:

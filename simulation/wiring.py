@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -75,7 +75,7 @@ class WiredCluster:
         self._owner: dict[str, RouterCore] = {}  # request -> the replica that placed it
         # the replicas' shared assignments on their way to the others (``share_assignments``):
         # (when, the replica, instance, prefill tokens), delivered after the event lag
-        self._shared: deque[tuple[float, RouterCore, str, int]] = deque()
+        self._shared: deque[tuple[float, RouterCore, tuple[Any, ...]]] = deque()
         if s.router_replicas > 1:
             self._more_replicas(scorer, scorer_factory, belief, gpu, options, recorder)
         # what the engines' KV events put on the bus (after the stride): the event volume
@@ -383,24 +383,21 @@ class WiredCluster:
             self.cores.append(self._router_core(more, belief, gpu_blocks, options, recorder))
         if s.share_assignments:
             for core in self.cores:
-                core.share = self._sharer(core)
-
-    def _sharer(self, core: RouterCore) -> Callable[[str, int, float], None]:
-        shared = self._shared
-
-        def share(instance: str, tokens: int, at: float) -> None:
-            shared.append((at, core, instance, tokens))
-
-        return share
+                core.share = _SharedChannel(self._shared, core)
 
     def _deliver_shared(self, now: float) -> None:
-        """The assignments shared before ``now`` minus the event lag, to every other replica."""
+        """What the replicas shared before ``now`` minus the event lag, to every other one."""
         shared, horizon = self._shared, now - self.settings.event_lag_s
         while shared and shared[0][0] <= horizon:
-            at, origin, instance, tokens = shared.popleft()
+            _, origin, sent = shared.popleft()
             for core in self.cores:
-                if core is not origin:
-                    core.peer_assigned(instance, tokens, at)
+                if core is origin:
+                    continue
+                if len(sent) == 1:
+                    core.peer_done(sent[0])
+                else:
+                    rid, iid, tokens, at, first, blocks = sent
+                    core.peer_assigned(rid, iid, tokens, at, first, blocks)
 
     def _add_instance(self, iid: str) -> None:
         for core in self.cores:
@@ -471,3 +468,29 @@ class WiredCluster:
                     or max(len(fetched[0].items), len(fetched[1].items)) < MAX_READ_ITEMS
                 ):
                     break
+
+
+class _SharedChannel:
+    """A replica's ``AssignmentChannel`` in the simulator: what it shares waits in the
+    cluster's queue until the event lag has passed (``WiredCluster._deliver_shared``)."""
+
+    def __init__(
+        self, queue: deque[tuple[float, RouterCore, tuple[Any, ...]]], core: RouterCore
+    ) -> None:
+        self.queue, self.core = queue, core
+
+    def sent(
+        self,
+        request_id: str,
+        instance_id: str,
+        prefill_tokens: int,
+        at: float,
+        first_instance: str,
+        block_hashes: Sequence[int],
+    ) -> None:
+        record = (request_id, instance_id, prefill_tokens, at, first_instance, block_hashes)
+        self.queue.append((at, self.core, record))
+
+    def done(self, request_id: str, at: float) -> None:
+        last = self.queue[-1][0] if self.queue else at
+        self.queue.append((max(at, last), self.core, (request_id,)))
