@@ -11,7 +11,7 @@ shell) and the cluster simulator (``simulation.cluster``, virtual time) run this
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from cachemap import CacheMap
@@ -38,21 +38,28 @@ from router.recorder import PlacementRecorder, placement_record
 _PEER = "\x00peer/"
 
 
+@dataclass(frozen=True, slots=True)
+class SharedAssignment:
+    """One replica's assignment as the other replicas count it (``RouterCore.peer_assigned``):
+    ``prefill_tokens`` uncached tokens sent to ``instance_id`` at ``at``, whose prompt
+    (``block_hashes``) is computed on ``first_instance`` (its prefill leg's, when split)."""
+
+    request_id: str
+    instance_id: str
+    prefill_tokens: int
+    at: float
+    first_instance: str
+    block_hashes: Sequence[int]
+
+
 class AssignmentChannel(Protocol):
     """Where a router replica shares its assignments with the others (herding: a replica
     otherwise sees another's prompts only in the engines' next reports)."""
 
-    def sent(
-        self,
-        request_id: str,
-        instance_id: str,
-        prefill_tokens: int,
-        at: float,
-        first_instance: str,
-        block_hashes: Sequence[int],
-    ) -> None: ...
+    def sent(self, assignment: SharedAssignment) -> None: ...
 
-    def done(self, request_id: str, at: float) -> None: ...
+    def done(self, request_id: str, at: float) -> None:
+        """The request had its first token at ``at`` (or ended without one)."""
 
 
 class RouterCore:
@@ -310,31 +317,25 @@ class RouterCore:
         first = placement.prefill or placement
         if self.share is not None:
             self.share.sent(
-                request.request_id,
-                placement.instance_id,
-                uncached,
-                now,
-                first.instance_id,
-                request.block_hashes,
+                SharedAssignment(
+                    request.request_id,
+                    placement.instance_id,
+                    uncached,
+                    now,
+                    first.instance_id,
+                    request.block_hashes,
+                )
             )
         if self.inflight is not None:
             self.inflight.sent(request.request_id, first.instance_id, request.block_hashes)
 
-    def peer_assigned(
-        self,
-        request_id: str,
-        instance_id: str,
-        prefill_tokens: int,
-        at: float,
-        first_instance: str,
-        block_hashes: Sequence[int],
-    ) -> None:
-        """Another router replica sent a prompt there: counted in the instance's load
+    def peer_assigned(self, a: SharedAssignment) -> None:
+        """Another router replica sent a prompt: counted in its instance's load
         (``LoadTracker.peer_assigned``) and, with ``inflight_prompts``, as a prompt in flight to
-        ``first_instance`` (its prefill's) until ``peer_done``."""
-        self.load.peer_assigned(instance_id, prefill_tokens, at)
+        its ``first_instance`` until ``peer_done``."""
+        self.load.peer_assigned(a.instance_id, a.prefill_tokens, a.at)
         if self.inflight is not None:
-            self.inflight.sent(_PEER + request_id, first_instance, block_hashes)
+            self.inflight.sent(_PEER + a.request_id, a.first_instance, a.block_hashes)
 
     def peer_done(self, request_id: str) -> None:
         """Another replica's prompt had its first token (or ended)."""
@@ -353,11 +354,11 @@ class RouterCore:
             self.scorer.on_first_token(a.placement, now - a.assigned_at)
 
     def finished(self, request: PlacementRequest, instance_id: str) -> None:
-        self.load.finished(request.request_id)
+        a = self.load.finished(request.request_id)
         if self.inflight is not None:
             self.inflight.done(request.request_id)
-        if self.share is not None:
-            self.share.done(request.request_id, 0.0)  # a no-op after its first token's
+        if self.share is not None and a is not None and not a.prefilled:
+            self.share.done(request.request_id, a.assigned_at)  # ended without a first token
         self.scorer.on_finished(request, instance_id)
 
     def failed(self, instance_id: str) -> None:

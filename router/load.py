@@ -13,6 +13,7 @@ used. Time is an argument (``now``, seconds on the same clock as ``LoadSnapshot.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -193,13 +194,7 @@ class LoadTracker:
         inst = self._instances.get(instance_id)
         if inst is None or (inst.snapshot is not None and at <= inst.snapshot.ts):
             return
-        peers = inst.peers
-        if peers and at < peers[-1][0]:  # out of order: keep the deque sorted by time
-            items = sorted([*peers, (at, prefill_tokens)])
-            peers.clear()
-            peers.extend(items)
-        else:
-            peers.append((at, prefill_tokens))
+        bisect.insort(inst.peers, (at, prefill_tokens))  # by time, though they may come late
         inst.peer_tokens += prefill_tokens
         self._dirty.add(instance_id)
 
@@ -251,10 +246,11 @@ class LoadTracker:
         self._dirty.add(a.instance_id)
         return a
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, request_id: str) -> Assignment | None:
+        """The request ended: its assignment, forgotten (None: none was known)."""
         a = self._requests.pop(request_id, None)
         if a is None:
-            return
+            return None
         local = self._local[a.instance_id]
         if a.prefilled:
             local.prefilled -= 1
@@ -263,6 +259,7 @@ class LoadTracker:
         if not local.prefilled and not local.unprefilled:
             del self._local[a.instance_id]
         self._dirty.add(a.instance_id)
+        return a
 
     def in_flight(self) -> int:
         return len(self._requests)

@@ -499,9 +499,7 @@ class ClusterSimulator(WiredCluster):
 
             leaving = sorted(serving, key=worth)[: n - target]
             for i in leaving:
-                self._publishing[i] = False
-                self._leaving[i] = now
-                self._remove_instance(self.instances[i].instance_id)
+                self._retire(i, now)
             for i in leaving:
                 self._hand_over_cache(i, now)
             n = target

@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -28,7 +28,7 @@ from loadgen.workloads import Planned
 from router import lifecycle
 from router.admission import Admission
 from router.autoscale import Autoscaler
-from router.core import RouterCore
+from router.core import RouterCore, SharedAssignment
 from router.pd import PdPlanner, TransferModel
 from router.placement import Placement, PlacementRequest, Scorer
 from router.pools import Pool
@@ -73,9 +73,10 @@ class WiredCluster:
         # over ingress replicas), and a request's progress to the one that placed it
         self.cores = [self.core]
         self._owner: dict[str, RouterCore] = {}  # request -> the replica that placed it
-        # the replicas' shared assignments on their way to the others (``share_assignments``):
-        # (when, the replica, instance, prefill tokens), delivered after the event lag
-        self._shared: deque[tuple[float, RouterCore, tuple[Any, ...]]] = deque()
+        # what the replicas shared on its way to the others (``share_assignments``): (when,
+        # the replica, an assignment or the id of a request that had its first token), each
+        # delivered after the event lag
+        self._shared: _SharedQueue = deque()
         if s.router_replicas > 1:
             self._more_replicas(scorer, scorer_factory, belief, gpu, options, recorder)
         # what the engines' KV events put on the bus (after the stride): the event volume
@@ -346,10 +347,15 @@ class WiredCluster:
         serving = [i for i, pub in enumerate(self._publishing) if pub]
         i = max(serving, key=lambda i: cmap.count(self.instances[i].instance_id, Tier.GPU))
         self.lost = self.instances[i].instance_id
-        self._publishing[i] = False
-        self._leaving[i] = t
-        self._remove_instance(self.lost)
+        self._retire(i, t)
         self._target -= 1
+
+    def _retire(self, i: int, now: float) -> None:
+        """Engine ``i`` leaves at ``now``: no longer routable nor sampled; it finishes what it
+        holds (an autoscaled run bills it until it has drained: ``ClusterSimulator._tick``)."""
+        self._publishing[i] = False
+        self._leaving[i] = now
+        self._remove_instance(self.instances[i].instance_id)
 
     # -- router replicas -------------------------------------------------------------------
 
@@ -393,11 +399,10 @@ class WiredCluster:
             for core in self.cores:
                 if core is origin:
                     continue
-                if len(sent) == 1:
-                    core.peer_done(sent[0])
+                if isinstance(sent, str):
+                    core.peer_done(sent)
                 else:
-                    rid, iid, tokens, at, first, blocks = sent
-                    core.peer_assigned(rid, iid, tokens, at, first, blocks)
+                    core.peer_assigned(sent)
 
     def _add_instance(self, iid: str) -> None:
         for core in self.cores:
@@ -470,27 +475,19 @@ class WiredCluster:
                     break
 
 
+_SharedQueue = deque[tuple[float, RouterCore, SharedAssignment | str]]
+
+
 class _SharedChannel:
     """A replica's ``AssignmentChannel`` in the simulator: what it shares waits in the
-    cluster's queue until the event lag has passed (``WiredCluster._deliver_shared``)."""
+    cluster's queue until the event lag has passed (``WiredCluster._deliver_shared``; one
+    stamped before an entry still waiting waits for it)."""
 
-    def __init__(
-        self, queue: deque[tuple[float, RouterCore, tuple[Any, ...]]], core: RouterCore
-    ) -> None:
+    def __init__(self, queue: _SharedQueue, core: RouterCore) -> None:
         self.queue, self.core = queue, core
 
-    def sent(
-        self,
-        request_id: str,
-        instance_id: str,
-        prefill_tokens: int,
-        at: float,
-        first_instance: str,
-        block_hashes: Sequence[int],
-    ) -> None:
-        record = (request_id, instance_id, prefill_tokens, at, first_instance, block_hashes)
-        self.queue.append((at, self.core, record))
+    def sent(self, assignment: SharedAssignment) -> None:
+        self.queue.append((assignment.at, self.core, assignment))
 
     def done(self, request_id: str, at: float) -> None:
-        last = self.queue[-1][0] if self.queue else at
-        self.queue.append((max(at, last), self.core, (request_id,)))
+        self.queue.append((at, self.core, request_id))

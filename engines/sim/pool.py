@@ -103,59 +103,48 @@ class SimPool:
         del ups[:n]
         return out
 
-    def _stored(self, hashes: Sequence[int], run: list[int], at: float) -> None:
+    def _stored(self, hashes: Sequence[int], run: list[int], at: float) -> list[int]:
         """Announce blocks ``run`` (ascending indices, contiguous) of ``hashes`` as stored:
-        the kept ones (every ``stride``-th), each the child of the kept one ``stride`` before."""
+        the kept ones (every ``stride``-th), each the child of the kept one ``stride`` before.
+        Returns a new, empty run."""
         st = self.stride
         kept = [i for i in run if (i + 1) % st == 0]
-        if not kept:
-            return
-        first = kept[0]
-        parent = hashes[first - st] if first >= st else None
-        chain = [hashes[i] for i in kept]
-        self._updates.append((at, Stored(_CPU, chain, parent, (first + 1) // st - 1)))
+        if kept:
+            first = kept[0]
+            parent = hashes[first - st] if first >= st else None
+            chain = [hashes[i] for i in kept]
+            self._updates.append((at, Stored(_CPU, chain, parent, (first + 1) // st - 1)))
+        return []
 
     def put(self, hashes: Sequence[int], start: int, end: int, ready_s: float) -> None:
         """Store blocks ``start:end`` of a prompt (``hashes``: its chained block hashes),
         readable from ``ready_s``, evicting per the policy when full."""
-        ready, policy, cap = self._ready, self.policy, self.capacity_blocks
-        run: list[int] = []  # the blocks stored in a row (announce)
+        ready, policy, cap, announce = self._ready, self.policy, self.capacity_blocks, self.announce
+        run: list[int] = []  # the blocks stored in a row, to announce as one chain
         for i in range(start, min(end, len(hashes))):
             h = hashes[i]
             parent = hashes[i - 1] if i else None
             at = ready.get(h)
+            stored = False
             if at is not None:  # a second put stores nothing (Mooncake); the earlier wins
-                if ready_s < at:
+                ready[h] = min(at, ready_s)
+            elif policy.admit(h, parent, i, ready_s):
+                victims = policy.evict(len(ready) + 1 - cap) if len(ready) >= cap else []
+                if victims is not None:
+                    for v in victims:
+                        del ready[v]  # type: ignore[arg-type]
+                    self.evictions += len(victims)
+                    if victims and announce:  # in order: a victim may be of this run's chain
+                        run = self._stored(hashes, run, ready_s)
+                        self._updates.append((ready_s, Removed(_CPU, [*victims])))  # type: ignore[list-item]
                     ready[h] = ready_s
-                if run:
-                    self._stored(hashes, run, ready_s)
-                    run = []
-                continue
-            if not policy.admit(h, parent, i, ready_s):
-                if run:
-                    self._stored(hashes, run, ready_s)
-                    run = []
-                continue
-            if len(ready) >= cap:
-                victims = policy.evict(len(ready) + 1 - cap)
-                if victims is None:
-                    if run:
-                        self._stored(hashes, run, ready_s)
-                        run = []
-                    continue
-                for v in victims:
-                    del ready[v]  # type: ignore[arg-type]
-                self.evictions += len(victims)
-                if self.announce:
-                    if run:  # in order: a victim may be of this run's chain
-                        self._stored(hashes, run, ready_s)
-                        run = []
-                    self._updates.append((ready_s, Removed(_CPU, [*victims])))  # type: ignore[list-item]
-            ready[h] = ready_s
-            policy.insert(h, ready_s, parent, i)
-            self.stored_blocks += 1
-            if self.announce:
+                    policy.insert(h, ready_s, parent, i)
+                    self.stored_blocks += 1
+                    stored = True
+            if stored and announce:
                 run.append(i)
+            elif run:
+                run = self._stored(hashes, run, ready_s)
         if run:
             self._stored(hashes, run, ready_s)
 

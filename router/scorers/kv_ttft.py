@@ -179,14 +179,10 @@ class KvTtftScorer(Scorer):
         return pm.total_blocks if pm is not None else 0
 
     def estimate(
-        self,
-        request: PlacementRequest,
-        inst: InstanceView,
-        m: Match | None,
-        pool_blocks: int = 0,
+        self, request: PlacementRequest, inst: InstanceView, m: Match | None
     ) -> tuple[float, int, float]:
         """(estimated TTFT in seconds, calibrated; leading cached blocks; the profile's part)."""
-        base, cached = self.profile_estimate(request, inst, m, pool_blocks)
+        base, cached = self.profile_estimate(request, inst, m)
         cal = self.calibration
         return (cal.correct(base, inst.running, inst.waiting) if cal else base), cached, base
 
