@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from engines.base import (
     refusal,
 )
 from engines.config import CpuTierConfig
+from engines.environ import scoped_environ
 from engines.ports import free_port
 
 log = logging.getLogger(__name__)
@@ -155,6 +157,9 @@ class VllmEngine(Engine):
         self._pub_port = 0
         self._replay_port = 0
         self._inflight: dict[str, _InFlight] = {}
+        # files the engine core reads its connectors' settings from (``mooncake_store_env``),
+        # kept while the engine runs
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
         self._stats = _EngineStats()
         self.num_gpu_blocks: int | None = None
         # the sampling knobs a request leaves unset: the model's generation config over
@@ -198,16 +203,22 @@ class VllmEngine(Engine):
             kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
             **self._args,
         )
-        from engines.pd.nixl import side_channel_environ
+        from engines.pd.nixl import side_channel_env
+        from engines.pool.connector import mooncake_store_env
 
         # NOTE: vLLM loads it as a plugin too; here it also holds where VLLM_PLUGINS leaves it out
         # (a forked engine core: a spawned one has only the plugin)
         vllm_watchdog.install()
 
+        if self._scratch is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="kvroute-vllm-")
         try:
-            # NOTE: vLLM's NixlConnector reads its side channel from the environment only; the
-            # engine core process inherits it (nothing is set for other connectors)
-            with side_channel_environ(self._other_connector or {}):
+            # NOTE: vLLM's NixlConnector reads its side channel, and its MooncakeStoreConnector
+            # its store's settings file, from the environment only; the engine core process
+            # inherits it (nothing is set for other connectors)
+            env = side_channel_env(self._other_connector or {})
+            env.update(mooncake_store_env(transfer or {}, self._scratch.name))
+            with scoped_environ(env):
                 self._llm = AsyncLLM.from_engine_args(
                     args, stat_loggers=[self._stat_logger_factory]
                 )
@@ -242,6 +253,9 @@ class VllmEngine(Engine):
             await llm.abort(list(self._inflight))
         llm.shutdown()
         self._inflight.clear()
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None
 
     def connector_config(self) -> dict[str, Any] | None:
         """The ``kv_transfer_config`` this engine gives vLLM (None: no connector). Sizing a tier

@@ -27,10 +27,11 @@ Importing this module imports neither vLLM, nor torch, nor nixl; ``nixl_transfer
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Literal
+
+from engines.environ import scoped_environ
 
 __all__ = [
     "NIXL_CONNECTOR",
@@ -208,18 +209,7 @@ def side_channel_env(config: Mapping[str, Any]) -> dict[str, str]:
     return env
 
 
-@contextmanager
-def side_channel_environ(config: Mapping[str, Any]) -> Iterator[dict[str, str]]:
+def side_channel_environ(config: Mapping[str, Any]) -> AbstractContextManager[dict[str, str]]:
     """Set ``side_channel_env(config)`` in ``os.environ`` for the block (start the engine in
     it: its engine-core process inherits them), then restore what was there."""
-    env = side_channel_env(config)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield env
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return scoped_environ(side_channel_env(config))

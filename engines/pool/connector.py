@@ -63,6 +63,7 @@ __all__ = [
     "CONNECTOR_MODULE",
     "CONNECTOR_NAME",
     "KvroutePoolConnector",
+    "mooncake_store_env",
     "mooncake_store_transfer_config",
     "pool_connector_config",
 ]
@@ -101,8 +102,11 @@ def pool_connector_config(
     }
 
 
-# vLLM's connector for GPUs reads its store's settings from a JSON file named by this variable
+# vLLM's connector for GPUs reads its store's settings from a JSON file named by this variable;
+# they ride in its config under ``_STORE_KEY`` until the engine starts (``mooncake_store_env``)
 MOONCAKE_CONFIG_ENV = "MOONCAKE_CONFIG_PATH"
+_STORE_KEY = "kvroute_mooncake_store"
+_STORE_CONNECTOR = "MooncakeStoreConnector"
 
 
 def mooncake_store_transfer_config(
@@ -112,29 +116,40 @@ def mooncake_store_transfer_config(
     segment_mib: int = 4096,
     protocol: str = "rdma",
     device_name: str = "",
-    config_dir: str | None = None,
 ) -> dict[str, Any]:
-    """vLLM's ``MooncakeStoreConnector`` (GPU engines) on the same pool: its settings go to a
-    JSON file (``MOONCAKE_CONFIG_PATH``, set in this process for the engine core it starts;
-    nothing in it is secret), the ``kv_transfer_config`` dict is returned."""
+    """The ``kv_transfer_config`` of vLLM's ``MooncakeStoreConnector`` (GPU engines) on the
+    same pool; nothing in it is secret."""
+    settings = {
+        "metadata_server": metadata_url,
+        "master_server_address": master_address,
+        "protocol": protocol,
+        "device_name": device_name,
+        "global_segment_size": int(segment_mib) << 20,
+    }
+    return {
+        "kv_connector": _STORE_CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {_STORE_KEY: settings},
+    }
+
+
+def mooncake_store_env(config: Mapping[str, Any], directory: str) -> dict[str, str]:
+    """Where ``config`` (a ``kv_transfer_config``, alone or composed in a ``MultiConnector``)
+    runs vLLM's ``MooncakeStoreConnector``: its store settings written to a file in
+    ``directory`` (which must outlive the engine's start) and the environment that names it
+    for the engine core; {} otherwise."""
     import json
     import os
-    import tempfile
 
-    path = os.path.join(config_dir or tempfile.mkdtemp(prefix="kvroute-mooncake-"), "store.json")
-    with open(path, "w") as f:
-        json.dump(
-            {
-                "metadata_server": metadata_url,
-                "master_server_address": master_address,
-                "protocol": protocol,
-                "device_name": device_name,
-                "global_segment_size": int(segment_mib) << 20,
-            },
-            f,
-        )
-    os.environ[MOONCAKE_CONFIG_ENV] = path
-    return {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+    extra = config.get("kv_connector_extra_config") or {}
+    for child in extra.get("connectors") or [config]:
+        settings = (child.get("kv_connector_extra_config") or {}).get(_STORE_KEY)
+        if child.get("kv_connector") == _STORE_CONNECTOR and settings:
+            path = os.path.join(directory, "mooncake-store.json")
+            with open(path, "w") as f:
+                json.dump(settings, f)
+            return {MOONCAKE_CONFIG_ENV: path}
+    return {}
 
 
 @dataclass(slots=True)

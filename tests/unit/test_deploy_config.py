@@ -339,7 +339,7 @@ def test_a_session_ray_token_lives_in_a_temporary_directory(monkeypatch, tmp_pat
     assert os.environ["RAY_AUTH_TOKEN_PATH"] == "/elsewhere/token"
 
 
-def test_the_kv_pool_joins_the_engines_connectors(tmp_path, monkeypatch) -> None:
+def test_the_kv_pool_joins_the_engines_connectors(tmp_path) -> None:
     from engines.config import EngineConfig
     from engines.deployment import transfer_config
     from engines.pd.nixl import side_channel_env
@@ -356,10 +356,6 @@ def test_the_kv_pool_joins_the_engines_connectors(tmp_path, monkeypatch) -> None
         pool={**pool, "segment_gib": 2},
         pd={"transport": "nixl", "port": 15700, "host": "10.0.0.5"},
     )
-    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", "")  # restored after the test
-    import tempfile
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the store's JSON goes there
     cfg = transfer_config(both)
     assert cfg is not None and cfg["kv_connector"] == "MultiConnector"
     children = cfg["kv_connector_extra_config"]["connectors"]
@@ -367,7 +363,12 @@ def test_the_kv_pool_joins_the_engines_connectors(tmp_path, monkeypatch) -> None
     assert side_channel_env(cfg)["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "15700"
     import json
 
-    written = json.loads(Path(os.environ["MOONCAKE_CONFIG_PATH"]).read_text())
+    from engines.pool.connector import mooncake_store_env
+
+    # the store's settings reach vLLM's connector as a file the engine core's environment names
+    env = mooncake_store_env(cfg, str(tmp_path))
+    written = json.loads(Path(env["MOONCAKE_CONFIG_PATH"]).read_text())
     assert written["master_server_address"] == "10.0.0.2:50051"
     assert written["global_segment_size"] == 2048 << 20
+    assert mooncake_store_env(transfer_config(cpu) or {}, str(tmp_path)) == {}
     assert transfer_config(EngineConfig(kind="vllm")) is None
