@@ -223,11 +223,10 @@ class SimSettings:
 
         if not (self.pool_gib >= 0 and math.isfinite(self.pool_gib)):
             raise ValueError(f"--pool-gib must be a number >= 0 (0: no pool), got {self.pool_gib}")
-        if not (self.pool_gbps > 0 and math.isfinite(self.pool_gbps)):
-            raise ValueError(f"--pool-gbps must be a positive number, got {self.pool_gbps}")
-        if not (self.pool_latency_ms >= 0 and math.isfinite(self.pool_latency_ms)):
-            raise ValueError(f"--pool-latency-ms must be a number >= 0, got {self.pool_latency_ms}")
-        # PoolLink's own checks say the same; these name the flags
+        try:
+            PoolLink(self.pool_gbps, self.pool_latency_ms)
+        except ValueError as e:  # its checks, named by the flags (latency_ms: --pool-latency-ms)
+            raise ValueError(f"--pool-{e}".replace("_", "-", 1)) from None
         try:
             cls = get_policy_class(self.pool_policy)
         except ValueError as e:

@@ -28,9 +28,9 @@ class PoolLink:
 
     def __post_init__(self) -> None:
         if not (self.gbps > 0 and math.isfinite(self.gbps)):
-            raise ValueError(f"pool gbps must be a positive number, got {self.gbps}")
+            raise ValueError(f"gbps must be a positive number, got {self.gbps}")
         if not (self.latency_ms >= 0 and math.isfinite(self.latency_ms)):
-            raise ValueError(f"pool latency_ms must be a number >= 0, got {self.latency_ms}")
+            raise ValueError(f"latency_ms must be a number >= 0, got {self.latency_ms}")
 
     def load_s(self, n_bytes: int) -> float:
         """Seconds one load of ``n_bytes`` takes over this link (0: nothing to load)."""
