@@ -98,6 +98,7 @@ class LocalStack:
                 replay_endpoint=engine.kv_events_replay_endpoint,
                 load_bus=self.load_bus,
                 load_fn=partial(_pooled_load, engine, self.pool_of.get(iid, "")),
+                report_endpoint=engine.load_report_endpoint,
                 resync_poll=partial(take, iid) if take is not None else None,
             )
             fwd.start()

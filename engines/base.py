@@ -253,6 +253,11 @@ LOAD_INTERVAL_S = 0.1
 # slips by 0.05-0.45 points). At 100 ms a busy engine's load sample goes in every call: one bus
 # call per engine per 100 ms.
 PUBLISH_INTERVAL_S = 0.1
+# Seconds between two load samples of an engine that reports from inside its scheduler
+# (``engines.core_report``): a new report makes the forwarder publish a sample at once, but not
+# sooner than this after the last one (a busy engine steps every few tens of ms). A sample costs
+# one bus call of its own when no KV batch goes with it (``benchmarks/load_report_bench.py``).
+REPORT_INTERVAL_S = 0.025
 # KV hand-over between a prefill and a decode engine (assumed, not measured here): a 200 Gb/s
 # RDMA NIC (ConnectX-6/7 class, what NIXL's UCX backend reads over) moves 25 GB/s at line rate;
 # 1 ms stands for the per-request fixed cost (the READ's setup, the completion notification and
@@ -281,6 +286,13 @@ class LoadSnapshot(msgspec.Struct, array_like=True, tag="load"):
     # the engine pool the instance serves in (its deployment's name; router.pools): a router
     # that learns the instance from the bus files it there. "": the router's default pool
     pool: str = ""
+    # from inside the engine's scheduler where the engine reports from there (kvroute's vLLM
+    # engine: ``engines.core_report``), else 0: the prompt tokens of ``queued_prefill_tokens``
+    # not yet scheduled, and the last step's scheduled tokens, start and end (wall clock)
+    prefill_tokens_left: int = 0
+    step_tokens: int = 0
+    step_start: float = 0.0
+    step_end: float = 0.0
 
 
 class EngineError(RuntimeError):
@@ -331,6 +343,12 @@ class Engine(ABC):
     @property
     def kv_events_replay_endpoint(self) -> str | None:
         """ZMQ ROUTER endpoint serving vLLM's replay protocol for missed batches, if any."""
+        return None
+
+    @property
+    def load_report_endpoint(self) -> str | None:
+        """ZMQ endpoint where the engine's scheduler publishes a ``CoreReport`` every step and
+        on a heartbeat when idle (``engines.core_report``), if it does."""
         return None
 
 

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engines.base import LOAD_INTERVAL_S, PUBLISH_INTERVAL_S
+from engines.base import LOAD_INTERVAL_S, PUBLISH_INTERVAL_S, REPORT_INTERVAL_S
 from engines.tiny_model import TINY_MODEL
 
 EngineKind = Literal["sim", "vllm"]
@@ -338,6 +338,13 @@ class EngineDeploymentConfig(StrictModel):
         ge=0,
         le=1,
         description="KV-event batches within this many seconds go to the bus in one call",
+    )
+    report_interval_s: float = Field(
+        REPORT_INTERVAL_S,
+        ge=0,
+        le=10,
+        description="an engine that reports from its scheduler (vLLM) has a load sample "
+        "published at each report, at most one per this many seconds",
     )
     max_ongoing_requests: int = Field(256, ge=1)
     health_check_period_s: float = Field(5.0, gt=0)

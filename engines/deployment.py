@@ -344,6 +344,8 @@ class EngineDeployment:
             load_interval_s=self.config.load_interval_s,
             publish_interval_s=self.config.publish_interval_s,
             resync_poll=(lambda: take(self.instance_id)) if take is not None else None,
+            report_endpoint=self.engine.load_report_endpoint,
+            report_interval_s=self.config.report_interval_s,
         )
 
     async def _counted(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:

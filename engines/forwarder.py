@@ -29,7 +29,8 @@ import zmq
 from cachemap.bus import EventBus
 from cachemap.events import InstanceGone, LastSeq, Snapshot, encode_message
 from cachemap.ingest import EngineEventTranslator
-from engines.base import LOAD_INTERVAL_S, PUBLISH_INTERVAL_S, LoadSnapshot
+from engines import core_report
+from engines.base import LOAD_INTERVAL_S, PUBLISH_INTERVAL_S, REPORT_INTERVAL_S, LoadSnapshot
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -60,6 +61,11 @@ class KvEventForwarder:
     takes what came at its end, so a busy engine also wakes it once per interval, not per step.
     A load sample due before the next such call goes in it (``EventBus.publish_pair``: one call
     for both logs where the bus can), so a busy engine's samples cost no calls of their own.
+
+    ``report_endpoint``: where the engine's scheduler publishes its ``CoreReport`` (an engine's
+    ``load_report_endpoint``). A new report there makes the thread publish a load sample at
+    once (``load_fn`` reads the report), at most one per ``report_interval_s``: the router's
+    sample is then as old as a step or two, not up to ``load_interval_s``.
     """
 
     def __init__(
@@ -76,9 +82,13 @@ class KvEventForwarder:
         publish_interval_s: float = PUBLISH_INTERVAL_S,
         resync_poll: Callable[[], bool] | None = None,
         clock: Callable[[], float] = time.time,
+        report_endpoint: str | None = None,
+        report_interval_s: float = REPORT_INTERVAL_S,
     ) -> None:
         if load_interval_s <= 0:
             raise ValueError(f"load_interval_s must be > 0, got {load_interval_s}")
+        if report_interval_s < 0:
+            raise ValueError(f"report_interval_s must be >= 0, got {report_interval_s}")
         if publish_interval_s < 0:
             raise ValueError(f"publish_interval_s must be >= 0, got {publish_interval_s}")
         if (load_bus is None) != (load_fn is None):
@@ -88,6 +98,10 @@ class KvEventForwarder:
         self.bus, self.load_bus, self.load_fn = bus, load_bus, load_fn
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
         self.load_interval_s = load_interval_s
+        # the engine's scheduler reports: only with a load sample to publish
+        self.report_endpoint = report_endpoint if load_fn is not None else None
+        self.report_interval_s = report_interval_s
+        self.reports = 0  # reports that woke the thread
         self.publish_interval_s = publish_interval_s
         self.resync_poll = resync_poll
         self.clock = clock
@@ -159,21 +173,39 @@ class KvEventForwarder:
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
+        rep = core_report.subscriber(self.report_endpoint) if self.report_endpoint else None
+        poller = zmq.Poller()
+        for sock in (sub, rep) if rep is not None else (sub,):
+            poller.register(sock, zmq.POLLIN)
         self._ready.set()
         next_load = next_resync_poll = time.monotonic()
+        # a report came that no published sample has read yet; when the last one went
+        report_due, reported = False, -float("inf")
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
                 wait_s = next_load - now if self.load_fn else 0.05
+                if report_due:
+                    wait_s = min(wait_s, reported + self.report_interval_s - now)
                 if now < self._next_flush:
                     # NOTE: a batch that comes within a publish interval waits for its end
                     # anyway: sleep through the interval and take what came then, in one
-                    # wake-up instead of one per engine step
-                    self._stop.wait(min(wait_s, self._next_flush - now))
+                    # wake-up instead of one per engine step (a report ends the sleep)
+                    timeout = max(0.0, min(wait_s, self._next_flush - now))
+                    if rep is None:
+                        self._stop.wait(timeout)
+                    elif rep.poll(int(timeout * 1000)):
+                        report_due |= self._take_reports(rep)
                     self._drain(sub)
-                elif sub.poll(max(0, min(int(wait_s * 1000), 50))):
-                    self._drain(sub)
+                else:
+                    ready = dict(poller.poll(max(0, min(int(wait_s * 1000), 50))))
+                    if sub in ready:
+                        self._drain(sub)
+                    if rep is not None and rep in ready:
+                        report_due |= self._take_reports(rep)
                 now = time.monotonic()
+                if report_due and now >= reported + self.report_interval_s:
+                    next_load = min(next_load, now)  # a sample now, with a flush due or alone
                 if self._pending and now >= self._next_flush:
                     # NOTE: a load sample due before the next flush goes with this one, in the
                     # same bus call, taken up to an interval early; the schedule stays on time
@@ -183,6 +215,7 @@ class KvEventForwarder:
                         next_load += self.load_interval_s
                         if next_load <= now:  # the thread fell behind: no burst of samples
                             next_load = now + self.load_interval_s
+                        report_due, reported = False, now
                     with self._lock:
                         self._flush(load)
                 if self.resync_poll is not None and now >= next_resync_poll:
@@ -191,9 +224,23 @@ class KvEventForwarder:
                         self._guard(self.publish_snapshot)
                 if self.load_fn is not None and now >= next_load:
                     next_load = now + self.load_interval_s
+                    report_due, reported = False, now
                     self._guard(self._publish_quiet_load)
         finally:
             sub.close(0)
+            if rep is not None:
+                rep.close(0)
+
+    def _take_reports(self, rep: zmq.Socket[bytes]) -> bool:
+        """Empty the report socket (it keeps the newest only); whether anything came."""
+        came = False
+        while True:
+            try:
+                rep.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return came
+            came = True
+            self.reports += 1
 
     def _drain(self, sub: zmq.Socket[bytes]) -> None:
         while True:

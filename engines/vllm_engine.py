@@ -3,8 +3,10 @@
 Prefix caching and ZMQ KV events are always on. The publisher binds a free port on every
 interface (vLLM binds only endpoints with ``*``) and its replay ROUTER a free port on loopback;
 ``kv_events_endpoint``/``kv_events_replay_endpoint`` give the loopback addresses the forwarder in
-the same replica connects to. Load comes from vLLM's scheduler stats (a custom stat logger) where
-they are fresh, and from this adapter's own request accounting otherwise.
+the same replica connects to. Load comes from inside vLLM's engine core: kvroute's scheduler
+(``engines.vllm_scheduler``) publishes a ``CoreReport`` every step and on a heartbeat when idle,
+on a loopback socket beside the KV events (``load_report_endpoint``); ``engines.vllm_load`` says
+what stands in for it before the first report or with ``core_report=False``.
 
 A CPU KV tier (``cpu_tier``) runs vLLM's ``OffloadingConnector`` with a kvroute policy
 (``engines.offload``), composed with any other connector (``kv_transfer_config``, e.g. the PD
@@ -22,10 +24,9 @@ import os
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-from engines import offload, vllm_watchdog
+from engines import core_report, offload, vllm_watchdog
 from engines.base import (
     Engine,
     EngineError,
@@ -40,25 +41,10 @@ from engines.base import (
 from engines.config import CpuTierConfig
 from engines.environ import scoped_environ
 from engines.ports import free_port
+from engines.vllm_load import InFlight, VllmLoad
 
 log = logging.getLogger(__name__)
 _FINISH_REASONS = {"stop", "length", "abort", "error"}
-
-
-@dataclass(slots=True)
-class _InFlight:
-    prompt_tokens: int
-    expected_cached: int = 0  # the router's estimate (EngineRequest.expected_cached_tokens)
-    generated: int = 0
-    started: bool = False  # first output seen: prefill done
-
-
-@dataclass(slots=True)
-class _EngineStats:
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    ts: float = 0.0
 
 
 # OpenAI's defaults of the sampling knobs (what vLLM's server uses where the model's generation
@@ -100,6 +86,8 @@ class VllmEngine(Engine):
     policy, in chunks of ``cpu_chunk_blocks`` GPU blocks (GPU build only).
     ``kv_transfer_config`` is another connector's vLLM ``kv_transfer_config`` (a dict, e.g. the
     PD connector's); with a CPU tier too, both run through ``MultiConnector``, that one first.
+    ``core_report``: run kvroute's scheduler, which reports load from the engine core (on by
+    default; an ``extra_engine_args`` ``scheduler_cls`` turns it off).
     """
 
     def __init__(
@@ -122,6 +110,7 @@ class VllmEngine(Engine):
         cpu_chunk_blocks: int = 1,
         kv_transfer_config: dict[str, Any] | None = None,
         extra_engine_args: dict[str, Any] | None = None,
+        core_report: bool = True,
     ) -> None:
         if block_size <= 0 or block_size % 16:
             raise ValueError(f"block_size must be a positive multiple of 16, got {block_size}")
@@ -154,13 +143,16 @@ class VllmEngine(Engine):
             **(extra_engine_args or {}),
         )
         self._llm: Any = None
+        self._core_report = core_report and "scheduler_cls" not in self._args
+        self._report_port = 0
         self._pub_port = 0
         self._replay_port = 0
-        self._inflight: dict[str, _InFlight] = {}
+        # the load it reports (``engines.vllm_load``), and its requests in flight
+        self._load = VllmLoad(instance_id)
+        self._inflight = self._load.inflight
         # files the engine core reads its connectors' settings from (``mooncake_store_env``),
         # kept while the engine runs
         self._scratch: tempfile.TemporaryDirectory[str] | None = None
-        self._stats = _EngineStats()
         self.num_gpu_blocks: int | None = None
         # the sampling knobs a request leaves unset: the model's generation config over
         # OpenAI's defaults (set by ``start``)
@@ -198,10 +190,20 @@ class VllmEngine(Engine):
             replay_endpoint=f"tcp://127.0.0.1:{self._replay_port}",
             topic="kv-events",
         )
+        env: dict[str, str] = {}
+        scheduler: dict[str, str] = {}
+        if self._core_report:  # the engine core binds it; this reader and the forwarder's join
+            from engines.vllm_scheduler import SCHEDULER_QUALNAME
+
+            self._report_port = free_port()
+            env[core_report.ENDPOINT_ENV] = f"tcp://127.0.0.1:{self._report_port}"
+            scheduler["scheduler_cls"] = SCHEDULER_QUALNAME
+            self._load.reports = core_report.CoreReportReader(env[core_report.ENDPOINT_ENV])
         args = AsyncEngineArgs(
             kv_events_config=events,
             kv_transfer_config=KVTransferConfig(**transfer) if transfer else None,
             **self._args,
+            **scheduler,
         )
         from engines.pd.nixl import side_channel_env
         from engines.pool.connector import mooncake_store_env
@@ -216,11 +218,11 @@ class VllmEngine(Engine):
             # NOTE: vLLM's NixlConnector reads its side channel, and its MooncakeStoreConnector
             # its store's settings file, from the environment only; the engine core process
             # inherits it (nothing is set for other connectors)
-            env = side_channel_env(self._other_connector or {})
+            env.update(side_channel_env(self._other_connector or {}))
             env.update(mooncake_store_env(transfer or {}, self._scratch.name))
             with scoped_environ(env):
                 self._llm = AsyncLLM.from_engine_args(
-                    args, stat_loggers=[self._stat_logger_factory]
+                    args, stat_loggers=[self._load.stat_logger_factory]
                 )
         except Exception as e:
             raise EngineError(f"vLLM engine {self.instance_id} failed to start: {e}") from e
@@ -253,6 +255,7 @@ class VllmEngine(Engine):
             await llm.abort(list(self._inflight))
         llm.shutdown()
         self._inflight.clear()
+        self._load.close()
         if self._scratch is not None:
             self._scratch.cleanup()
             self._scratch = None
@@ -339,28 +342,6 @@ class VllmEngine(Engine):
         if not await self.clear_cache():
             log.warning("engine %s: its warm-up prompt stays cached", self.instance_id)
 
-    def _stat_logger_factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        stats = self._stats
-
-        # vLLM is not followed by mypy (pyproject): its base class is Any here
-        class _Sampler(StatLoggerBase):  # type: ignore[misc]
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats: Any, iteration_stats: Any, *a: Any, **k: Any) -> None:
-                if scheduler_stats is not None:
-                    stats.running = scheduler_stats.num_running_reqs
-                    stats.waiting = scheduler_stats.num_waiting_reqs
-                    stats.kv_usage = scheduler_stats.kv_cache_usage
-                    stats.ts = time.monotonic()
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return _Sampler(vllm_config, engine_index)
-
     # -- requests ----------------------------------------------------------------------------
 
     def _sampling(self, request: EngineRequest) -> Any:
@@ -417,7 +398,7 @@ class VllmEngine(Engine):
         if request.cache_salt is not None:
             prompt["cache_salt"] = request.cache_salt
         n = len(request.prompt_token_ids)
-        st = self._inflight[request.request_id] = _InFlight(
+        st = self._inflight[request.request_id] = InFlight(
             n, min(max(request.expected_cached_tokens, 0), n - 1)
         )
         completion = 0
@@ -498,29 +479,7 @@ class VllmEngine(Engine):
     # -- load and health ---------------------------------------------------------------------
 
     def load(self) -> LoadSnapshot:
-        inflight = list(self._inflight.values())
-        # NOTE: vLLM finds the cached prefix only when it schedules; until then the router's
-        # estimate stands in for it.
-        queued = sum(r.prompt_tokens - r.expected_cached for r in inflight if not r.started)
-        context = sum(r.prompt_tokens + r.generated for r in inflight if r.started)
-        s = self._stats
-        if inflight and s.ts:
-            # NOTE: vLLM reports stats only while it steps; with nothing in flight they are
-            # stale, so our own accounting (zero) wins then.
-            waiting, running, kv = s.waiting, s.running, s.kv_usage
-        else:
-            started = sum(r.started for r in inflight)
-            waiting, running, kv = len(inflight) - started, started, 0.0
-        return LoadSnapshot(
-            instance_id=self.instance_id,
-            ts=time.time(),
-            waiting=waiting,
-            running=running,
-            gpu_kv_usage=float(kv),
-            cpu_kv_usage=0.0,
-            queued_prefill_tokens=queued,
-            running_context_tokens=context,
-        )
+        return self._load.snapshot()
 
     async def check_health(self) -> None:
         llm = self._llm
@@ -538,6 +497,10 @@ class VllmEngine(Engine):
     @property
     def kv_events_replay_endpoint(self) -> str | None:
         return f"tcp://127.0.0.1:{self._replay_port}" if self._replay_port else None
+
+    @property
+    def load_report_endpoint(self) -> str | None:
+        return f"tcp://127.0.0.1:{self._report_port}" if self._report_port else None
 
     def engine_info(self) -> dict[str, int]:
         """The limits vLLM resolved at start (KV blocks, batching, lengths, KV bytes/token)."""

@@ -99,7 +99,8 @@ def test_abort_ends_the_stream(loop, engine) -> None:
     outs = loop.run_until_complete(go())
     assert outs[-1].finished and outs[-1].finish_reason == "abort"
     assert sum(len(o.token_ids) for o in outs) < 4000
-    assert engine.load().running == 0
+    # the engine core's report of the abort follows it by a few milliseconds
+    assert wait_for(lambda: engine.load().running == 0, timeout_s=2)
 
 
 def test_load_reports_a_running_request(loop, engine) -> None:
@@ -114,8 +115,41 @@ def test_load_reports_a_running_request(loop, engine) -> None:
     assert seen and all(s.instance_id == INSTANCE for s in seen)
     assert max(s.running for s in seen) == 1
     assert max(s.running_context_tokens for s in seen) >= 100
-    idle = engine.load()
-    assert (idle.running, idle.waiting, idle.queued_prefill_tokens) == (0, 0, 0)
+    assert wait_for(
+        lambda: (engine.load().running, engine.load().waiting) == (0, 0), timeout_s=2
+    )
+    assert engine.load().queued_prefill_tokens == 0
+
+
+def test_engine_core_reports_every_step_and_beats_when_idle(loop, engine) -> None:
+    """The report comes from vLLM's scheduler (kvroute's scheduler class in the engine core):
+    a step's tokens and times, the cached prefix the scheduler found, then heartbeats."""
+    prefix = _prompt(7, 256)
+    _run(loop, engine, EngineRequest("rep-warm", prefix + _prompt(8, 20), _greedy(1)))
+    seen: list = []
+
+    async def go() -> None:
+        req = EngineRequest("rep-1", prefix + _prompt(9, 40), _greedy(30))
+        async for _ in engine.generate(req):
+            seen.append(engine.load())
+
+    loop.run_until_complete(go())
+    steps = [s for s in seen if s.step_tokens]
+    assert steps, "reports carry the steps they follow"
+    assert all(s.step_start <= s.step_end <= s.ts for s in steps)
+    # a decode step schedules one token; the report after it has the request running
+    assert any(s.step_tokens == 1 and s.running == 1 for s in steps)
+    queued = [s.queued_prefill_tokens for s in seen if s.queued_prefill_tokens]
+    # the scheduler's hit (256 of 296 prompt tokens cached), not an estimate: no estimate was
+    # given (expected_cached_tokens 0), so the front end alone would have counted 296
+    assert all(q == 40 for q in queued), queued
+    time.sleep(0.3)
+    a = engine.load()
+    time.sleep(0.25)
+    b = engine.load()
+    assert (b.running, b.waiting, b.queued_prefill_tokens) == (0, 0, 0)
+    assert b.ts > a.ts and time.time() - b.ts < 0.25, "an idle engine core re-stamps its report"
+    assert b.step_end == a.step_end, "a heartbeat carries the last step, not a new one"
 
 
 def test_health(loop, engine) -> None:
@@ -220,3 +254,34 @@ def test_clean_stop_publishes_instance_gone(loop, engine, pipeline) -> None:
     assert isinstance(decode_message(bus.read(bus.end() - 1).items[0]), InstanceGone)
     assert INSTANCE not in ingestor.map.match(hashes)
     assert INSTANCE not in ingestor.map.instances()
+
+
+def test_forwarder_publishes_a_sample_at_each_report(loop, engine) -> None:
+    """With the engine core's report socket, a busy engine's samples follow its steps (at most
+    one per ``report_interval_s``), not the timed ``load_interval_s``."""
+    bus, load_bus = InProcessBus(), InProcessBus()
+    fwd = KvEventForwarder(
+        EngineEventTranslator(INSTANCE, MODEL, BLOCK),
+        bus,
+        engine.kv_events_endpoint,
+        load_bus=load_bus,
+        load_fn=engine.load,
+        load_interval_s=10.0,  # no timed sample during the test: only reports make them
+        report_endpoint=engine.load_report_endpoint,
+        report_interval_s=0.02,
+    )
+    fwd.start()
+    time.sleep(0.3)
+    try:
+        before = load_bus.end()
+        t0 = time.time()
+        _run(loop, engine, EngineRequest("fwd-rep", _prompt(12, 100), _greedy(60)))
+        elapsed = time.time() - t0
+        assert wait_for(lambda: fwd.reports > 0, 2.0)
+        samples = [decode_load(p) for p in load_bus.read(before).items]
+    finally:
+        fwd.stop(gone=False)
+    # one sample per 20 ms of the run at most (and a few more as the idle heartbeats come)
+    assert len(samples) >= min(3, int(elapsed / 0.02)), (len(samples), elapsed)
+    assert any(s.step_tokens for s in samples)
+    assert all(b.ts >= a.ts for a, b in zip(samples, samples[1:], strict=False))

@@ -1,0 +1,246 @@
+"""kvroute's vLLM scheduler: vLLM's own, reporting its load from the engine core.
+
+vLLM 0.32 lets an engine name its scheduler class (``SchedulerConfig.scheduler_cls``, resolved by
+qualified name in the engine core process). kvroute's vLLM engine names ``make_scheduler``,
+which builds vLLM's ``Scheduler``, or ``AsyncScheduler`` where vLLM turned async scheduling on,
+with ``_Reporting`` mixed in. Nothing of vLLM's scheduling changes: the mixin wraps four calls
+to keep a ``CoreReport`` (``engines.core_report``) true and publish it.
+
+Why a scheduler class and not vLLM's stat loggers: those run in the front end, on the stats
+the engine core sends with its outputs, so they stop when nothing is output and carry counts
+only (no prompt tokens left, no cached prefixes). Why not a KV connector: it sees the
+scheduler's requests only through its own hooks. The scheduler holds the truth.
+
+Cost on the step: one pass over the unfinished requests after each step's output (a few
+attribute reads each: tens of microseconds at a few hundred requests, against a step of tens of
+milliseconds), one msgpack record and one non-blocking ZMQ send that drops the report when the
+subscribers are behind. A request not yet scheduled has its cached prefix looked up once
+(vLLM's own lookup, without its hit statistics); the step that schedules it replaces that with
+the hit it found. The heartbeat is a thread of its own that only re-stamps the last report.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, TextIO
+
+import msgspec
+import zmq
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from engines.core_report import ENDPOINT_ENV, HEARTBEAT_S, TRACE_ENV, CoreReport, encode
+
+log = logging.getLogger(__name__)
+
+
+class _Reporter:
+    """The engine core's end of the report: the state, its socket and its heartbeat."""
+
+    def __init__(self, endpoint: str, trace: str | None, heartbeat_s: float = HEARTBEAT_S):
+        self._ctx: zmq.Context[Any] = zmq.Context()
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 64)
+        self._sock.bind(endpoint)
+        self._lock = threading.Lock()  # the socket and ``last``, between the core and heartbeat
+        self.seq = 0
+        self.last: CoreReport | None = None
+        # set before anything that may move the state, cleared by the report after it: while
+        # it is clear the last report still holds, and the heartbeat may re-stamp it
+        self.dirty = True
+        self.hits: dict[str, int] = {}  # cached prefix of requests without a first token
+        self.steps: dict[int, tuple[float, int]] = {}  # id(scheduler output): start, tokens
+        self.step = (0, 0.0, 0.0)  # the last step done: tokens, start, end
+        self.sends = self.dropped = self.lookup_errors = 0
+        self._trace: TextIO | None = open(trace, "a") if trace else None  # noqa: SIM115
+        self._stop = threading.Event()
+        self._heartbeat_s = heartbeat_s
+        self._thread = threading.Thread(target=self._beat, name="kvroute-core-report", daemon=True)
+        self._thread.start()
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _hit(self, sched: Any, request: Any) -> int:
+        """``request``'s cached prefix as a lookup finds it now (it is not scheduled yet)."""
+        try:
+            mgr = sched.kv_cache_manager
+            if not mgr.prefix_cache_lookup_enabled(request):
+                return 0
+            _, hit, _ = mgr.coordinator.find_longest_cache_hit(
+                request.block_hashes, request.num_tokens - 1
+            )
+            return int(hit)
+        except Exception as e:  # a vLLM change must not stop the engine: report it uncached
+            if not self.lookup_errors:
+                log.warning("core report: prefix lookup failed, counting prompts uncached: %s", e)
+            self.lookup_errors += 1
+            return 0
+
+    def state(self, sched: Any, ts: float) -> CoreReport:
+        hits = self.hits
+        queued = left = 0
+        for rid, r in sched.requests.items():
+            if r.num_output_tokens or r.is_finished():
+                continue
+            hit = hits.get(rid)
+            if hit is None:
+                hit = hits[rid] = self._hit(sched, r)
+            prompt = r.num_prompt_tokens
+            queued += prompt - hit
+            left += max(prompt - max(r.num_computed_tokens, hit), 0)
+        context = sum(r.num_computed_tokens for r in sched.running if r.num_output_tokens)
+        if len(hits) > len(sched.requests):  # requests ended without a first token
+            self.hits = {k: v for k, v in hits.items() if k in sched.requests}
+        running, waiting = sched.get_request_counts()
+        tokens, start, end = self.step
+        return CoreReport(
+            self.seq,
+            ts,
+            waiting,
+            running,
+            queued,
+            left,
+            context,
+            float(sched.get_kv_cache_usage()),
+            tokens,
+            start,
+            end,
+        )
+
+    def traced(self, sched: Any) -> None:
+        """Write the state now to the trace file, where there is one (benchmarks only)."""
+        if self._trace is not None:
+            now = time.time()
+            s = self.state(sched, now)
+            self._trace.write(
+                json.dumps(
+                    [now, s.waiting, s.running, s.queued_prefill_tokens, s.prefill_tokens_left]
+                )
+                + "\n"
+            )
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def publish(self, sched: Any) -> None:
+        with self._lock:
+            self.seq += 1
+            report = self.state(sched, time.time())
+            self.last, self.dirty = report, False
+            self._send(report)
+        self.traced(sched)
+
+    def _send(self, report: CoreReport) -> None:
+        try:
+            self._sock.send(encode(report), zmq.NOBLOCK)
+            self.sends += 1
+        except zmq.ZMQError:  # subscribers behind: a newer report follows
+            self.dropped += 1
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._heartbeat_s):
+            now = time.time()
+            # NOTE: read after ``now``: clear then means nothing had moved the state by ``now``
+            if self.dirty:
+                continue
+            with self._lock:
+                last = self.last
+                if last is None or now - last.ts < 0.5 * self._heartbeat_s:
+                    continue
+                self.seq += 1
+                report = msgspec.structs.replace(last, seq=self.seq, ts=now)
+                self.last = report
+                self._send(report)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2 * self._heartbeat_s)
+        with self._lock:
+            self._sock.close(0)
+        self._ctx.term()
+        if self._trace is not None:
+            self._trace.close()
+
+
+class _Reporting:
+    """Mixed into vLLM's scheduler classes: keeps the engine core's ``CoreReport``. Inert
+    unless ``ENDPOINT_ENV`` names where to publish it."""
+
+    _kvroute_report: _Reporter | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        endpoint = os.environ.get(ENDPOINT_ENV)
+        if endpoint:
+            self._kvroute_report = _Reporter(endpoint, os.environ.get(TRACE_ENV))
+            log.info("kvroute: engine core reports its load on %s", endpoint)
+
+    def add_request(self, request: Any) -> None:
+        rep = self._kvroute_report
+        if rep is not None:
+            rep.dirty = True
+        super().add_request(request)  # type: ignore[misc]
+        if rep is not None:
+            rep.traced(self)
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+        rep = self._kvroute_report
+        if rep is not None:
+            rep.dirty = True
+        out = super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
+        if rep is not None:
+            rep.publish(self)
+        return out
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        rep = self._kvroute_report
+        start = time.time()
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if rep is not None and out.total_num_scheduled_tokens:
+            rep.dirty = True  # NOTE: vLLM already counts the scheduled tokens computed
+            rep.steps[id(out)] = (start, out.total_num_scheduled_tokens)
+            for new in out.scheduled_new_reqs:  # the cached prefix the schedule found
+                rep.hits[new.req_id] = new.num_computed_tokens
+            rep.traced(self)
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        out = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        rep = self._kvroute_report
+        if rep is not None:
+            step = rep.steps.pop(id(scheduler_output), None)
+            if step is not None:
+                rep.step = (step[1], step[0], time.time())
+            if step is not None or rep.dirty:
+                rep.publish(self)
+        return out
+
+    def shutdown(self) -> None:
+        rep, self._kvroute_report = self._kvroute_report, None
+        if rep is not None:
+            rep.close()
+        super().shutdown()  # type: ignore[misc]
+
+
+class ReportingScheduler(_Reporting, Scheduler):  # type: ignore[misc]
+    """vLLM's ``Scheduler`` with the load report."""
+
+
+class ReportingAsyncScheduler(_Reporting, AsyncScheduler):  # type: ignore[misc]
+    """vLLM's ``AsyncScheduler`` with the load report."""
+
+
+def make_scheduler(*args: Any, **kwargs: Any) -> Any:
+    """What ``SchedulerConfig.scheduler_cls`` names: vLLM calls it as the class it would have
+    chosen, with the same arguments; it builds that class with the report mixed in."""
+    config = kwargs.get("vllm_config")
+    async_ = bool(config is not None and config.scheduler_config.async_scheduling)
+    cls = ReportingAsyncScheduler if async_ else ReportingScheduler
+    return cls(*args, **kwargs)
+
+
+SCHEDULER_QUALNAME = f"{__name__}.make_scheduler"
