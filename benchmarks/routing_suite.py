@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 
 from benchmarks.common import TRACES, print_json
+from engines.base import LOAD_INTERVAL_S
 from engines.sim.profile import LatencyProfile
 from loadgen.metrics import summarize
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate_count
@@ -156,10 +157,12 @@ def settings_for(
     pool: dict[str, Any] | None = None,
     router_replicas: int = 1,
     share_assignments: bool = True,
+    load_interval_s: float = LOAD_INTERVAL_S,
 ) -> SimSettings:
     """``pool``: the ``SimSettings`` pool fields (``simulation.options.POOL_FLAGS``)."""
     return SimSettings(
         instances=instances,
+        load_interval_s=load_interval_s,
         perturbation=Perturbation(seed=seed),
         inflight_prompts=inflight_prompts,
         engine=dict(engine or {}),
@@ -297,6 +300,7 @@ def run_suite(
     cpu_tier_gib: float = 0.0,
     router_replicas: int = 1,
     share_assignments: bool = True,
+    load_interval_s: float = LOAD_INTERVAL_S,
 ) -> dict[str, Any]:
     """The suite's JSON document (see the module); ``engine``: sim engine options for the
     routers' runs (``kvroute simulate --engine``'s); ``tenants``: their workloads split into
@@ -343,6 +347,7 @@ def run_suite(
                 pool,
                 router_replicas,
                 share_assignments,
+                load_interval_s,
             ),
             ideal,
         )
@@ -550,6 +555,13 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="replicas share their assignments, as kvroute simulate --share-assignments [on]",
     )
+    ap.add_argument(
+        "--load-interval-ms",
+        type=float,
+        default=LOAD_INTERVAL_S * 1e3,
+        help="each engine's load sample interval in the routers' runs, as kvroute simulate "
+        f"--load-interval-ms [{LOAD_INTERVAL_S * 1e3:g}]",
+    )
     add_pool_arguments(ap.add_argument_group("the cluster KV pool (the routers' runs)"))
     args = ap.parse_args(argv)
     try:
@@ -606,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_tier_gib=args.cpu_tier_gib,
         router_replicas=args.router_replicas,
         share_assignments=args.share_assignments,
+        load_interval_s=args.load_interval_ms / 1e3,
     )
     print_json(doc, args.out)
     print(table(doc), file=sys.stderr)

@@ -255,9 +255,12 @@ LOAD_INTERVAL_S = 0.1
 PUBLISH_INTERVAL_S = 0.1
 # Seconds between two load samples of an engine that reports from inside its scheduler
 # (``engines.core_report``): a new report makes the forwarder publish a sample at once, but not
-# sooner than this after the last one (a busy engine steps every few tens of ms). A sample costs
-# one bus call of its own when no KV batch goes with it (``benchmarks/load_report_bench.py``).
-REPORT_INTERVAL_S = 0.025
+# sooner than this after the last one. Fresher samples did not route better: the routing suite
+# (kv_ttft, 3 seeds, every workload at L1 and L2) sampled every 25 ms against every 100 ms moved
+# mean excess TTFT by -1 to +10 ms and was worse in 9 of 12 cells (docs/simulation.md), while a
+# sample costs a bus call where no KV batch goes with it. Where the router reads its samples,
+# ``router.load`` corrects them to now with what it sent and saw come back.
+REPORT_INTERVAL_S = LOAD_INTERVAL_S
 # KV hand-over between a prefill and a decode engine (assumed, not measured here): a 200 Gb/s
 # RDMA NIC (ConnectX-6/7 class, what NIXL's UCX backend reads over) moves 25 GB/s at line rate;
 # 1 ms stands for the per-request fixed cost (the READ's setup, the completion notification and
@@ -293,6 +296,10 @@ class LoadSnapshot(msgspec.Struct, array_like=True, tag="load"):
     step_tokens: int = 0
     step_start: float = 0.0
     step_end: float = 0.0
+    # when the engine last took the requests sent to it, where that is before ``ts`` (vLLM's
+    # engine core takes them between steps): a request sent after it may not be counted yet,
+    # though sent before ``ts`` (0: ``ts``; ``router.load`` reads it so)
+    inputs_ts: float = 0.0
 
 
 class EngineError(RuntimeError):

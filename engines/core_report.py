@@ -3,8 +3,10 @@
 An engine's front end sees only its own requests: it cannot tell a prompt's cached prefix before
 the scheduler finds it, nor the chunks a step computes. kvroute's vLLM engine therefore runs a
 scheduler that publishes a ``CoreReport`` from vLLM's engine core process
-(``engines.vllm_scheduler``) after every step's output is processed, and, while no step runs and
-nothing has changed, re-sends its last report stamped with the time again every ``HEARTBEAT_S``
+(``engines.vllm_scheduler``) as every step's output comes back, before vLLM turns it into
+first tokens (a router takes a prompt out of a report when it sees the prompt's first token after
+the report's ``ts``: the report must still count it then), and, while no step runs and nothing
+has changed, sends the state after the step, stamped with the time again, every ``HEARTBEAT_S``
 (a report is as old as ``ts`` says: what it describes held then). It travels beside the KV
 events: a ZMQ PUB socket on loopback, bound by the engine core at the address the front end
 chose (``ENDPOINT_ENV``), which the front end (``CoreReportReader``, read by the engine's
@@ -40,7 +42,9 @@ class CoreReport(msgspec.Struct, array_like=True, frozen=True, tag="core"):
     scheduled, as a lookup finds it now). ``prefill_tokens_left``: the prompt tokens of those
     requests not yet scheduled (vLLM counts a chunk computed when it schedules it).
     ``step_*``: the last step's scheduled tokens and its start and end (0 before the first).
-    ``decode_context_tokens``: the context of the running requests past their first token."""
+    ``decode_context_tokens``: the context of the running requests past their first token.
+    ``inputs_ts``: when the engine core last took the requests sent to it (it takes them
+    between steps): one sent later may not be in the report yet, though ``ts`` is later."""
 
     seq: int
     ts: float
@@ -53,6 +57,7 @@ class CoreReport(msgspec.Struct, array_like=True, frozen=True, tag="core"):
     step_tokens: int
     step_start: float
     step_end: float
+    inputs_ts: float
 
 
 _encoder = msgspec.msgpack.Encoder()

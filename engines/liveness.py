@@ -33,6 +33,9 @@ STALE_AFTER_S = 2.0
 # behind the cluster (it says so: ``EngineWatcher.behind``, a warning, ``/metrics``); at
 # production cadence they arrive within the forwarder's publish interval plus a bus poll
 LAG_WARN_S = 1.0
+# A load sample stamped more than this after the router's clock is from the future (a skewed
+# host clock, a forged frame): dropped, as one older than the instance's latest sample is
+FUTURE_S = 5.0
 
 
 class EngineWatcher:
@@ -73,7 +76,10 @@ class EngineWatcher:
         # at most the oldest ``last_seen``: while it is recent, no instance can be silent
         self._oldest_seen = float("inf")
         self.dropped = 0
-        self.malformed_loads = 0
+        # load samples dropped, by why: not a sample, stamped in the future, or older than the
+        # instance's latest (each never moves a placement)
+        self.dropped_loads = {"malformed": 0, "future": 0, "out_of_order": 0}
+        self._load_warned = -float("inf")
         self._blind_since: float | None = None  # when reading the buses started failing
         # how far behind the engines the cache map is: the age (our clock minus the engine's
         # stamp) of the oldest event batch the latest read applied, and whether that read was
@@ -132,9 +138,16 @@ class EngineWatcher:
             try:
                 sample = decode_load(payload)
             except (msgspec.DecodeError, msgspec.ValidationError):
-                self.malformed_loads += 1
+                self._drop_load("malformed", None, now)
                 continue
             inst = sample.instance_id
+            held = self.loads.get(inst)
+            if sample.ts > now + FUTURE_S:
+                self._drop_load("future", sample, now)
+                continue
+            if held is not None and sample.ts < held.ts:
+                self._drop_load("out_of_order", sample, now)
+                continue
             if inst in self._forgotten:
                 # NOTE: dropped as silent, now back: its residency was forgotten, and an idle
                 # engine sends no batch whose gap would ask for it again
@@ -161,6 +174,24 @@ class EngineWatcher:
                     self._resync_asked[inst] = now
                     self.request_resync(inst)
         return dropped
+
+    @property
+    def malformed_loads(self) -> int:
+        return self.dropped_loads["malformed"]
+
+    def _drop_load(self, why: str, sample: LoadSnapshot | None, now: float) -> None:
+        """Count a load sample dropped for ``why``; a warning at most once a minute."""
+        self.dropped_loads[why] += 1
+        if now - self._load_warned >= 60.0:
+            self._load_warned = now
+            log.warning(
+                "load sample dropped (%s)%s: %s so far",
+                why.replace("_", " "),
+                f" from {sample.instance_id!r} stamped {sample.ts:.3f} at {now:.3f}"
+                if sample is not None
+                else "",
+                self.dropped_loads,
+            )
 
     def take_sampled(self) -> list[str]:
         """The instances with a sample applied since the last call (in the order first

@@ -88,6 +88,7 @@ class VllmLoad:
                 step_tokens=report.step_tokens,
                 step_start=report.step_start,
                 step_end=report.step_end,
+                inputs_ts=report.inputs_ts,
             )
         return self._accounted()
 

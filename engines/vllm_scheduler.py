@@ -11,9 +11,10 @@ the engine core sends with its outputs, so they stop when nothing is output and 
 only (no prompt tokens left, no cached prefixes). Why not a KV connector: it sees the
 scheduler's requests only through its own hooks. The scheduler holds the truth.
 
-Cost on the step: one pass over the unfinished requests after each step's output (a few
-attribute reads each: tens of microseconds at a few hundred requests, against a step of tens of
-milliseconds), one msgpack record and one non-blocking ZMQ send that drops the report when the
+Cost on the step: two passes over the unfinished requests per step, before and after its
+output is processed (a few attribute reads each: tens of microseconds at a few hundred
+requests, against a step of tens of milliseconds; ``benchmarks/load_report_bench.py``), one
+msgpack record and one non-blocking ZMQ send that drops the report when the
 subscribers are behind. A request not yet scheduled has its cached prefix looked up once
 (vLLM's own lookup, without its hit statistics); the step that schedules it replaces that with
 the hit it found. The heartbeat is a thread of its own that only re-stamps the last report.
@@ -49,13 +50,15 @@ class _Reporter:
         self._sock.bind(endpoint)
         self._lock = threading.Lock()  # the socket and ``last``, between the core and heartbeat
         self.seq = 0
-        self.last: CoreReport | None = None
+        self.last: CoreReport | None = None  # the state now, while ``dirty`` is clear
+        self.sent_ts = 0.0  # when the last report sent held
         # set before anything that may move the state, cleared by the report after it: while
         # it is clear the last report still holds, and the heartbeat may re-stamp it
         self.dirty = True
         self.hits: dict[str, int] = {}  # cached prefix of requests without a first token
         self.steps: dict[int, tuple[float, int]] = {}  # id(scheduler output): start, tokens
         self.step = (0, 0.0, 0.0)  # the last step done: tokens, start, end
+        self.inputs_ts = 0.0  # when the core last took its input (the last schedule's start)
         self.sends = self.dropped = self.lookup_errors = 0
         self._trace: TextIO | None = open(trace, "a") if trace else None  # noqa: SIM115
         self._stop = threading.Event()
@@ -110,28 +113,41 @@ class _Reporter:
             tokens,
             start,
             end,
+            self.inputs_ts or ts,
         )
 
-    def traced(self, sched: Any) -> None:
-        """Write the state now to the trace file, where there is one (benchmarks only)."""
+    def traced(self, sched: Any, added: str = "") -> None:
+        """Write the state now to the trace file, where there is one (benchmarks only), with
+        the id of the request just added (vLLM's, which ends in ``-`` and 8 characters)."""
         if self._trace is not None:
-            now = time.time()
+            now, t0 = time.time(), time.perf_counter()
             s = self.state(sched, now)
-            self._trace.write(
-                json.dumps(
-                    [now, s.waiting, s.running, s.queued_prefill_tokens, s.prefill_tokens_left]
-                )
-                + "\n"
-            )
+            cost = time.perf_counter() - t0
+            row: list[Any] = [now, s.waiting, s.running, s.queued_prefill_tokens]
+            row += [s.prefill_tokens_left, s.step_tokens, s.step_start, s.step_end, cost, added]
+            self._trace.write(json.dumps(row) + "\n")
 
     # -- sending -----------------------------------------------------------------------------
 
-    def publish(self, sched: Any) -> None:
+    def publish(self, sched: Any, settled: bool = True) -> None:
+        """Send the state now. ``settled=False``: the state a step's outputs leave from, sent
+        before they are processed (its first tokens not out yet: a router that sees one after
+        this report's ``ts`` rightly takes that prompt out of it); ``settle`` follows."""
         with self._lock:
             self.seq += 1
             report = self.state(sched, time.time())
-            self.last, self.dirty = report, False
+            if settled:
+                self.last, self.dirty = report, False
+            self.sent_ts = report.ts
             self._send(report)
+        if settled:
+            self.traced(sched)
+
+    def settle(self, sched: Any) -> None:
+        """Keep the state now for the heartbeat, unsent: it is true from now on, but a router
+        may not have seen the first tokens it left out yet (they go out after it)."""
+        with self._lock:
+            self.last, self.dirty = self.state(sched, time.time()), False
         self.traced(sched)
 
     def _send(self, report: CoreReport) -> None:
@@ -149,11 +165,12 @@ class _Reporter:
                 continue
             with self._lock:
                 last = self.last
-                if last is None or now - last.ts < 0.5 * self._heartbeat_s:
+                if last is None or now - self.sent_ts < 0.5 * self._heartbeat_s:
                     continue
                 self.seq += 1
-                report = msgspec.structs.replace(last, seq=self.seq, ts=now)
-                self.last = report
+                # NOTE: idle, the core takes a request as it comes (and marks the state dirty)
+                report = msgspec.structs.replace(last, seq=self.seq, ts=now, inputs_ts=now)
+                self.last, self.sent_ts = report, now
                 self._send(report)
 
     def close(self) -> None:
@@ -185,7 +202,7 @@ class _Reporting:
             rep.dirty = True
         super().add_request(request)  # type: ignore[misc]
         if rep is not None:
-            rep.traced(self)
+            rep.traced(self, request.request_id)
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
         rep = self._kvroute_report
@@ -199,6 +216,8 @@ class _Reporting:
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         rep = self._kvroute_report
         start = time.time()
+        if rep is not None:  # the core took its input queue just before
+            rep.inputs_ts = start
         out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         if rep is not None and out.total_num_scheduled_tokens:
             rep.dirty = True  # NOTE: vLLM already counts the scheduled tokens computed
@@ -209,14 +228,18 @@ class _Reporting:
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        out = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         rep = self._kvroute_report
         if rep is not None:
             step = rep.steps.pop(id(scheduler_output), None)
             if step is not None:
                 rep.step = (step[1], step[0], time.time())
             if step is not None or rep.dirty:
-                rep.publish(self)
+                # NOTE: before the outputs: a report dated after a first token that a router
+                # sees later would have that prompt taken out twice (``router.load``)
+                rep.publish(self, settled=False)
+        out = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        if rep is not None:
+            rep.settle(self)
         return out
 
     def shutdown(self) -> None:

@@ -3,7 +3,8 @@ in-flight accounting (assigned -> prefill done -> finished).
 
 Snapshots arrive every ~100 ms and cover every router replica's requests. A snapshot is read
 as of now, not as of when it was taken: this replica's assignments made after it are added on
-top; its prompts that had their first token after it are taken out (an engine counts a prompt as
+top (after the time the engine had taken its requests by, where it says: ``taken_by``); its
+prompts that had their first token after it are taken out (an engine counts a prompt as
 queued until its first token, ``LoadSnapshot.queued_prefill_tokens``, and this replica sees that
 token come); and the prefill step an engine is computing, which a report may leave out, is priced
 from this replica's own backlog there (``LoadTracker._with_backlog``).
@@ -56,14 +57,16 @@ class _Instance:
     peers: deque[tuple[float, int]] = field(default_factory=deque)
     peer_tokens: int = 0
 
-    def drop_first_tokens(self, until: float) -> None:
+    def drop_first_tokens(self, until: float, sent_until: float | None = None) -> None:
         """Forget the first tokens that came at ``until`` or before, and the peers' prompts
-        sent by then (a snapshot taken at ``until`` counts them)."""
+        sent by ``sent_until`` (default ``until``): a snapshot taken at ``until``, of an engine
+        that had taken the requests sent by ``sent_until``, counts them."""
         done = self.first_tokens
         while done and done[0][0] <= until:
             self.first_token_tokens -= done.popleft()[1]
         peers = self.peers
-        while peers and peers[0][0] <= until:
+        sent = until if sent_until is None else sent_until
+        while peers and peers[0][0] <= sent:
             self.peer_tokens -= peers.popleft()[1]
 
     def __post_init__(self) -> None:
@@ -180,7 +183,7 @@ class LoadTracker:
             # of the engine since the failure
             newer = inst.snapshot is None or snap.ts > inst.snapshot.ts
             inst.snapshot = snap
-            inst.drop_first_tokens(snap.ts)  # the snapshot no longer counts them
+            inst.drop_first_tokens(snap.ts, taken_by(snap))  # the snapshot counts them
             if inst.failures and newer:
                 inst.failures = 0
             self._dirty.add(iid)
@@ -192,7 +195,7 @@ class LoadTracker:
         replica sees another's prompts only from the engine's next report, and replicas that
         each see an engine idle all send to it (herding)."""
         inst = self._instances.get(instance_id)
-        if inst is None or (inst.snapshot is not None and at <= inst.snapshot.ts):
+        if inst is None or (inst.snapshot is not None and at <= taken_by(inst.snapshot)):
             return
         bisect.insort(inst.peers, (at, prefill_tokens))  # by time, though they may come late
         inst.peer_tokens += prefill_tokens
@@ -343,7 +346,7 @@ class LoadTracker:
         snap = inst.snapshot
         if snap is not None and now - snap.ts <= self.stale_after_s:  # fresh
             n_newer, newer_tokens = (
-                local.newer(snap.ts) if local is not None and local.unprefilled else (0, 0)
+                local.newer(taken_by(snap)) if local is not None and local.unprefilled else (0, 0)
             )
             waiting, running = snap.waiting + n_newer + len(inst.peers), snap.running
             kv_usage = snap.gpu_kv_usage
@@ -374,6 +377,14 @@ class LoadTracker:
             self._busy.pop(iid, None)
         healthy = inst.failures == 0
         return _kept_or_new(iid, inst, old, waiting, running, kv_usage, pending, healthy)
+
+
+def taken_by(snap: LoadSnapshot) -> float:
+    """The time by which ``snap``'s engine had taken every request sent to it: a request sent
+    later is not in the snapshot (``LoadSnapshot.inputs_ts``, where the engine says; else the
+    snapshot's time, as a front end that counts what it was sent does)."""
+    inputs = snap.inputs_ts
+    return inputs if 0.0 < inputs < snap.ts else snap.ts
 
 
 def _kept_or_new(

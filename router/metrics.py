@@ -324,6 +324,14 @@ class RouterMetrics:
             "now): how stale the cache map is",
             registry=r,
         )
+        self.load_samples_dropped = Gauge(
+            "kvroute_load_samples_dropped",
+            "Engine load samples this replica dropped, by reason: malformed, future (stamped "
+            "over engines.liveness.FUTURE_S past its clock), out_of_order (older than the "
+            "instance's latest)",
+            ["reason"],
+            registry=r,
+        )
         self.kv_events_behind = Gauge(
             "kvroute_kv_events_behind",
             "1 while this replica is behind the engines' KV events (the latest read was full, "
@@ -426,6 +434,8 @@ class RouterMetrics:
         watcher = state.core.watcher
         if watcher is not None:
             self.kv_event_lag.set(watcher.event_lag_s)
+            for why, n in watcher.dropped_loads.items():
+                self.load_samples_dropped.labels(why).set(n)
             self.kv_events_behind.set(int(watcher.behind))
         if state.disaggregated:
             pd = dispatcher.pd

@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from engines.base import LOAD_INTERVAL_S, REPORT_INTERVAL_S
 from loadgen.cli import check_positive
 from router.inflight import DEFAULT_INFLIGHT_PROMPTS
 from simulation.jobs import DEFAULT_JOBS
@@ -131,6 +132,14 @@ def add_truth_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--stragglers", type=float, default=0.0, help="fraction of slow engines [0]")
     t.add_argument("--straggler-slowdown", type=float, default=3.0, help="their slowdown [3]")
     t.add_argument("--lag-ms", type=float, default=10.0, help="KV event and load sample lag [10]")
+    t.add_argument(
+        "--load-interval-ms",
+        type=float,
+        default=LOAD_INTERVAL_S * 1e3,
+        help="each engine's load sample interval; an engine that reports every step, as "
+        f"kvroute's vLLM engine does, is sampled at most every {REPORT_INTERVAL_S * 1e3:g} "
+        f"[{LOAD_INTERVAL_S * 1e3:g}]",
+    )
 
 
 def sim_settings(args: argparse.Namespace, instances: int, slo_ttft_s: float | None = None) -> Any:
@@ -149,6 +158,7 @@ def sim_settings(args: argparse.Namespace, instances: int, slo_ttft_s: float | N
         ),
         event_lag_s=args.lag_ms / 1e3,
         load_lag_s=args.lag_ms / 1e3,
+        load_interval_s=args.load_interval_ms / 1e3,
         slo_ttft_s=slo_ttft_s,
         prefill_instances=getattr(args, "prefill_instances", 0),
         event_stride=args.event_stride,

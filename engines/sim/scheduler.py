@@ -83,14 +83,15 @@ class Step:
     NOTE: a plain class, not a dataclass: compiled (``deploy.native``), a dataclass still runs
     the interpreted ``__init__`` the dataclass decorator generates, once per engine step."""
 
-    __slots__ = ("admitted", "duration_s", "load_tokens", "preempted", "scheduled")
+    __slots__ = ("admitted", "duration_s", "load_tokens", "preempted", "scheduled", "start_s")
 
-    def __init__(self) -> None:
+    def __init__(self, start_s: float = 0.0) -> None:
         self.scheduled: list[tuple[SimRequest, int, int]] = []
         self.preempted: list[SimRequest] = []
         self.admitted: list[SimRequest] = []
         self.duration_s = 0.0
         self.load_tokens = 0
+        self.start_s = start_s
 
 
 class Scheduler:
@@ -124,6 +125,7 @@ class Scheduler:
         self._admission_blocked = False
         self._pulls_blocked = False  # a pull whose KV arrived waits for a batch slot
         self._link_free_s = 0.0  # when this engine's link to the KV pool ends its last load
+        self.last_step = (0, 0.0, 0.0)  # the last step done: scheduled tokens, start, end
         self.num_preemptions = 0
         # over the requests admitted so far, each counted once (on its first admission, not
         # again after a preemption): prompt tokens, and of those served from cache (GPU or CPU
@@ -232,14 +234,14 @@ class Scheduler:
             + cfg.transfer_latency_ms / 1e3
         )
 
-    def queued_prefill_tokens(self, now_s: float = math.inf) -> int:
-        """Prompt tokens still to compute: a waiting request's beyond its cached prefix as of
-        now (GPU or CPU tier, then the KV pool; a pool load's past its hit); a PD decode's
-        prompt is pulled but for its last token, recomputed (one token per pull). With
-        ``queued_until_first_token`` (the default) a running prompt counts beyond its admitted
-        hit until its first token is out at ``now_s``, as ``LoadSnapshot`` defines it and
-        kvroute's vLLM engine reports (it cannot see a prompt's chunks): the step computing
-        it, and chunks computed before, included; without, beyond what it has computed."""
+    def prefill_counts(self, now_s: float = math.inf) -> tuple[int, int]:
+        """Prompt tokens still to compute, (queued, left): a waiting request's beyond its cached
+        prefix as of now (GPU or CPU tier, then the KV pool; a pool load's past its hit); a PD
+        decode's prompt is pulled but for its last token, recomputed (one token per pull). In
+        ``queued`` a running prompt counts beyond its admitted hit until its first token is out
+        at ``now_s``, as ``LoadSnapshot.queued_prefill_tokens`` defines it (the step computing
+        it, and chunks computed before, included); in ``left`` beyond what it has computed (or
+        was scheduled to: ``LoadSnapshot.prefill_tokens_left``)."""
         bs, lookup = self.blocks.block_size, self.blocks.lookup
         pooled = self.blocks.pool is not None
         tokens = 0
@@ -254,12 +256,12 @@ class Scheduler:
             if pooled and r.pool_load:  # the KV pool's blocks past them are loaded
                 n += self.blocks.pool_hit(r, n)
             tokens += max(r.num_tokens - n * bs, 0)
-        if not self.config.queued_until_first_token:
-            return tokens + sum(max(r.prompt_len - r.num_computed, 0) for r in self.running)
+        queued = left = tokens
         for r in self.running:
+            left += max(r.prompt_len - r.num_computed, 0)
             if r.first_token_s < 0 or r.first_token_s > now_s:
-                tokens += 1 if r.remote_tokens else max(r.prompt_len - r.cached_tokens, 0)
-        return tokens
+                queued += 1 if r.remote_tokens else max(r.prompt_len - r.cached_tokens, 0)
+        return queued, left
 
     def load_snapshot(
         self, instance_id: str, ts: float, waiting: int, now_s: float = math.inf
@@ -268,6 +270,8 @@ class Scheduler:
         requests not yet handed to the scheduler); ``now_s``: the steps' clock, where a step
         is completed before it ends (the virtual engine's; a served engine completes a step
         once it has ended)."""
+        queued, left = self.prefill_counts(now_s)
+        tokens, start, end = self.last_step
         return LoadSnapshot(
             instance_id=instance_id,
             ts=ts,
@@ -275,8 +279,12 @@ class Scheduler:
             running=len(self.running),
             gpu_kv_usage=self.blocks.gpu_usage(),
             cpu_kv_usage=self.blocks.cpu_usage(),
-            queued_prefill_tokens=self.queued_prefill_tokens(now_s),
+            queued_prefill_tokens=queued if self.config.queued_until_first_token else left,
             running_context_tokens=sum(r.num_computed for r in self.running),
+            prefill_tokens_left=left,
+            step_tokens=tokens,
+            step_start=start,
+            step_end=end,
         )
 
     # -- one step ----------------------------------------------------------------------------
@@ -285,7 +293,7 @@ class Scheduler:
         """Pick this step's work and allocate its blocks; progress is advanced right away."""
         cfg, blocks = self.config, self.blocks
         blocks.now_s = now_s
-        step = Step()
+        step = Step(now_s)
         budget = cfg.max_num_batched_tokens
         running = self.running
         # as vLLM: the cap holds only when there is another request to make room for
@@ -473,7 +481,9 @@ class Scheduler:
         cfg, blocks = self.config, self.blocks
         out: list[tuple[SimRequest, list[int]]] = []
         finished = False
+        scheduled = 0
         for r, n, before in step.scheduled:
+            scheduled += n
             if blocks.pool is not None:
                 blocks.store_to_pool(r, before, n, end_s)
             if r.status != Status.RUNNING or r.num_computed < r.num_tokens:
@@ -496,6 +506,7 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.status == Status.RUNNING]
             self._admission_blocked = self._pulls_blocked = False  # freed blocks and a slot
+        self.last_step = (scheduled, step.start_s, end_s)
         return out
 
     # -- virtual time: skip a run of pure-decode steps ---------------------------------------
@@ -553,7 +564,11 @@ class Scheduler:
             if not blocks.allocate_running(r, k, cfg.max_model_len):
                 raise RuntimeError("decode_run: block budget was checked but allocation failed")
             r.num_computed += k
-        return k, (k * a + d * k * (k - 1) / 2) / 1e3
+        total_s = (k * a + d * k * (k - 1) / 2) / 1e3
+        # the run's last step, on the profile's clock (a perturbed engine stretches it)
+        last_s = (a + d * (k - 1)) / 1e3
+        self.last_step = (batch, now_s + total_s - last_s, now_s + total_s)
+        return k, total_s
 
 
 def _ready_s(r: SimRequest) -> float:

@@ -4,6 +4,7 @@ events flowing through the forwarder and a bus into a cache map."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -115,9 +116,7 @@ def test_load_reports_a_running_request(loop, engine) -> None:
     assert seen and all(s.instance_id == INSTANCE for s in seen)
     assert max(s.running for s in seen) == 1
     assert max(s.running_context_tokens for s in seen) >= 100
-    assert wait_for(
-        lambda: (engine.load().running, engine.load().waiting) == (0, 0), timeout_s=2
-    )
+    assert wait_for(lambda: (engine.load().running, engine.load().waiting) == (0, 0), timeout_s=2)
     assert engine.load().queued_prefill_tokens == 0
 
 
@@ -284,4 +283,4 @@ def test_forwarder_publishes_a_sample_at_each_report(loop, engine) -> None:
     # one sample per 20 ms of the run at most (and a few more as the idle heartbeats come)
     assert len(samples) >= min(3, int(elapsed / 0.02)), (len(samples), elapsed)
     assert any(s.step_tokens for s in samples)
-    assert all(b.ts >= a.ts for a, b in zip(samples, samples[1:], strict=False))
+    assert all(b.ts >= a.ts for a, b in itertools.pairwise(samples))

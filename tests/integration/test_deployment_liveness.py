@@ -11,7 +11,7 @@ from cachemap.ingest import CacheMapIngestor
 from cachemap.map import CacheMap
 from engines.base import LoadSnapshot
 from engines.forwarder import encode_load
-from engines.liveness import EngineWatcher
+from engines.liveness import FUTURE_S, EngineWatcher
 
 pytestmark = pytest.mark.integration
 
@@ -105,3 +105,24 @@ def test_malformed_load_samples_are_counted_and_skipped() -> None:
 def test_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="timeout_s"):
         EngineWatcher(InProcessBus(), InProcessBus(), CacheMapIngestor(CacheMap()), timeout_s=0)
+
+
+def test_load_samples_from_the_future_or_out_of_order_are_dropped() -> None:
+    """A sample stamped past the router's clock (over ``FUTURE_S``) or older than the
+    instance's latest never replaces it: dropped and counted by reason."""
+    events, loads = InProcessBus(), InProcessBus()
+    w = EngineWatcher(events, loads, CacheMapIngestor(CacheMap()))
+
+    def sample(ts: float, running: int) -> bytes:
+        return encode_load(LoadSnapshot("a", ts, 0, running, 0.1, 0.0, 0))
+
+    loads.publish(sample(100.0, 1))
+    w.pump(100.5)
+    loads.publish(sample(100.0 + FUTURE_S + 60, 9))  # from the future
+    loads.publish(sample(99.0, 7))  # older than the one held
+    w.pump(101.0)
+    assert w.loads["a"].running == 1
+    assert w.dropped_loads == {"malformed": 0, "future": 1, "out_of_order": 1}
+    loads.publish(sample(100.9, 2))  # newer, within the clock: taken
+    w.pump(101.0)
+    assert w.loads["a"].running == 2

@@ -178,6 +178,22 @@ def test_load_tracker_combines_snapshots_with_newer_local_assignments() -> None:
     assert lt.in_flight() == 0
 
 
+def test_a_snapshot_counts_only_the_requests_its_engine_had_taken() -> None:
+    """An engine that says when it last took the requests sent to it (``inputs_ts``: vLLM's
+    engine core takes them between steps) does not count one sent after that, though sent
+    before the snapshot's time: the router adds its own, and a peer's, on top."""
+    lt = LoadTracker(stale_after_s=1.0)
+    lt.register("a", BS, Linear())
+    lt.assigned("r1", "a", 500, now=10.0)  # taken at the step's start, 10.01
+    lt.assigned("r2", "a", 300, now=10.02)  # sent mid-step: waits in the engine's input
+    lt.peer_assigned("a", 70, 10.03)
+    lt.on_snapshot(LoadSnapshot("a", 10.05, 0, 1, 0.1, 0.0, 500, inputs_ts=10.01))
+    assert lt.views(now=10.06)[0].pending_prefill_tokens == 500 + 300 + 70
+    # an engine that does not say (a front end counting what it was sent): all in it
+    lt.on_snapshot(LoadSnapshot("a", 10.07, 0, 1, 0.1, 0.0, 870))
+    assert lt.views(now=10.08)[0].pending_prefill_tokens == 870
+
+
 def test_load_tracker_counts_other_replicas_prompts_until_a_snapshot_does() -> None:
     """A prompt another router replica shared counts in the view (a waiting request and its
     tokens) from when it arrives until a snapshot taken after it was sent counts it itself;

@@ -354,6 +354,11 @@ def test_decode_run_is_equivalent_to_stepping(seed, cpu, passes):
         assert any(r[2] for r in slow)  # the CPU tier served hits
 
 
+def _queued(s: Scheduler, now_s: float) -> int:
+    """What ``s``'s load report says is queued at ``now_s``."""
+    return s.load_snapshot("e", now_s, 0, now_s).queued_prefill_tokens
+
+
 def test_the_queued_prefill_report_counts_a_prompt_until_its_first_token_unless_asked() -> None:
     """What is still to schedule (if asked) against kvroute's vLLM engine's count (the
     default): a prompt beyond its cached prefix until its first token is out, computed chunks
@@ -372,12 +377,10 @@ def test_the_queued_prefill_report_counts_a_prompt_until_its_first_token_unless_
             s.complete(step, t)
             ends.append(t)
             if len(ends) == 1:
-                assert s.queued_prefill_tokens(ends[0] / 2) == in_flight
+                assert _queued(s, ends[0] / 2) == in_flight
                 s.add(b)  # waiting: counted beyond its cached prefix either way
-                assert s.queued_prefill_tokens(ends[0] / 2) == in_flight + 40
+                assert _queued(s, ends[0] / 2) == in_flight + 40
         # b was admitted in the last step beside a's 8 tokens; both answered at its end
         assert a.first_token_s == b.first_token_s == ends[-1]
-        assert s.queued_prefill_tokens((ends[-2] + ends[-1]) / 2) == last_in_flight + (
-            0 if s is asked else 40
-        )
-        assert s.queued_prefill_tokens(ends[-1]) == 0
+        assert _queued(s, (ends[-2] + ends[-1]) / 2) == last_in_flight + (0 if s is asked else 40)
+        assert _queued(s, ends[-1]) == 0

@@ -28,7 +28,9 @@ def test_queued_prefill_subtracts_the_routers_cached_estimate() -> None:
 
 
 def _report(seq: int, ts: float, queued: int = 0) -> CoreReport:
-    return CoreReport(seq, ts, 1, 2, queued, queued // 2, 900, 0.25, 512, ts - 0.03, ts - 0.001)
+    return CoreReport(
+        seq, ts, 1, 2, queued, queued // 2, 900, 0.25, 512, ts - 0.03, ts - 0.001, ts - 0.03
+    )
 
 
 def test_the_engine_cores_report_wins_and_keeps_its_age() -> None:
@@ -52,6 +54,7 @@ def test_the_engine_cores_report_wins_and_keeps_its_age() -> None:
         assert (snap.prefill_tokens_left, snap.running_context_tokens) == (600, 900)
         assert (snap.step_tokens, snap.gpu_kv_usage) == (512, 0.25)
         assert snap.step_start < snap.step_end < snap.ts == ts  # dated when the core held it
+        assert snap.inputs_ts == snap.step_start  # it took the requests sent by then
         # a malformed frame and an older report are dropped; the held one stands (the socket
         # keeps the newest frame only: each is read before the next is sent)
         reader = load.reports
