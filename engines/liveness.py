@@ -39,7 +39,9 @@ FUTURE_S = 5.0
 
 
 class EngineWatcher:
-    """Pumps an event bus and a load bus; ``now`` is the caller's clock in seconds."""
+    """Pumps an event bus and a load bus; ``now`` is the caller's clock in seconds, the one
+    engines stamp their load samples with (the wall clock; the simulator's virtual clock): a
+    sample stamped over ``FUTURE_S`` past it is dropped."""
 
     def __init__(
         self,

@@ -61,7 +61,7 @@ def test_vllm_replica_streams_and_publishes_events(app) -> None:
     hashes = BlockHasher(CONFIG.engine.model_name, 32)(prompt)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        watcher.pump(time.monotonic())
+        watcher.pump(time.time())
         if inst in watcher.ingestor.map.match(hashes) and inst in watcher.loads:
             break
         time.sleep(0.1)
