@@ -222,7 +222,7 @@ class VllmEngine(Engine):
             env.update(mooncake_store_env(transfer or {}, self._scratch.name))
             with scoped_environ(env):
                 self._llm = AsyncLLM.from_engine_args(
-                    args, stat_loggers=[self._load.stat_logger_factory]
+                    args, stat_loggers=[self._stat_logger_factory]
                 )
         except Exception as e:
             raise EngineError(f"vLLM engine {self.instance_id} failed to start: {e}") from e
@@ -341,6 +341,11 @@ class VllmEngine(Engine):
         await self._run_once([1 + i % 100 for i in range(n)], 2, "warmup")
         if not await self.clear_cache():
             log.warning("engine %s: its warm-up prompt stays cached", self.instance_id)
+
+    def _stat_logger_factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        """The stat logger vLLM builds in the front end (``VllmLoad``'s; a subclass may wrap
+        it to see the scheduler's stats too)."""
+        return self._load.stat_logger_factory(vllm_config, engine_index)
 
     # -- requests ----------------------------------------------------------------------------
 
