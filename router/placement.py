@@ -230,6 +230,10 @@ class Scorer(ABC):
     def on_finished(self, request: PlacementRequest, instance_id: str) -> None:  # noqa: B027
         """The request ended (scorers with their own bookkeeping override this)."""
 
+    def as_replica(self, index: int, count: int) -> None:  # noqa: B027
+        """The scorer serves router replica ``index`` of ``count`` (0 of 1: the only one), all
+        deciding from the same view: scorers that break ties may break them apart."""
+
     def on_first_token(self, placement: Placement, ttft_s: float) -> None:  # noqa: B027
         """The request placed by ``placement`` got its first token ``ttft_s`` after it was sent
         (scorers that learn from outcomes override this)."""

@@ -387,6 +387,8 @@ class WiredCluster:
             else:
                 raise ValueError("router replicas need a scorer by name or a scorer_factory")
             self.cores.append(self._router_core(more, belief, gpu_blocks, options, recorder))
+        for i, core in enumerate(self.cores):
+            core.scorer.as_replica(i, len(self.cores))
         if s.share_assignments:
             for core in self.cores:
                 core.share = _SharedChannel(self._shared, core)

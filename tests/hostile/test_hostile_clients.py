@@ -15,7 +15,9 @@ the issue's list and fails on the code before the fix:
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,12 +141,13 @@ def test_2_chats_of_ever_more_turns_share_one_label_past_the_bound(monkeypatch) 
 
 
 def test_3_the_rate_limit_is_keyed_on_the_key_not_the_header_spelling() -> None:
-    """``rate 1/s, burst 2``: 64 spellings of ``Bearer`` for one key get the key's 2 (or 3, a
-    second passing) requests, not 64."""
+    """``rate 1/s, burst 2``: 64 spellings of ``Bearer`` for one key get the key's budget (its
+    burst of 2, and one more per second the requests took), not 64."""
     stack = sim_stack(api_keys=frozenset({VICTIM}), rate_limit=1.0, rate_burst=2)
     with Server(stack, free_port()) as s:
         base = f"http://127.0.0.1:{s.port}"
         codes = []
+        start = time.monotonic()
         for i in range(64):
             scheme = "".join(c.upper() if i >> k & 1 else c for k, c in enumerate("bearer"))
             r = httpx.post(
@@ -154,7 +157,8 @@ def test_3_the_rate_limit_is_keyed_on_the_key_not_the_header_spelling() -> None:
                 timeout=30,
             )
             codes.append(r.status_code)
-    assert set(codes) == {200, 429} and codes.count(200) <= 4, codes
+        budget = 2 + math.ceil(time.monotonic() - start)
+    assert set(codes) == {200, 429} and codes.count(200) <= budget, (budget, codes)
 
 
 def test_4_a_tenant_reads_no_cached_tokens_of_anothers_prefix(tenants: str) -> None:

@@ -828,3 +828,25 @@ def test_placement_records_pickle_compiled_or_not() -> None:
     for r in records:
         assert pickle.loads(pickle.dumps(r)) == r
         assert copy.deepcopy(r) == r
+
+
+def test_kv_ttft_replicas_share_out_near_equal_candidates_only_when_asked() -> None:
+    """Router replicas placing at once from one view all pick the best (they herd); with
+    ``replica_spread`` each takes its own among the candidates about as good."""
+    from router.scorers.kv_ttft import KvTtftScorer
+
+    views = [view(f"e{i}") for i in range(8)]
+    req = PlacementRequest("r", 4000, list(range(4000 // BS)))
+
+    def picks(spread: bool) -> set[str]:
+        out = set()
+        for i in range(4):
+            s = KvTtftScorer(replica_spread=spread, calibrate=False)
+            s.as_replica(i, 4)
+            out.add(s.place(req, views, {}).instance_id)
+        return out
+
+    assert len(picks(False)) == 1
+    assert len(picks(True)) == 4
+    with pytest.raises(ValueError, match="replica index"):
+        KvTtftScorer().as_replica(4, 4)
