@@ -149,9 +149,10 @@ class KvTtftScorer(Scorer):
             raise ValueError(f"interference must be >= 0, got {interference}")
         self.interference = interference
         # router replica ``index`` of ``count`` (``as_replica``), and whether replicas share
-        # out near-equal candidates (``replica_spread``)
+        # out near-equal candidates (``replica_spread``, where there are several)
         self._replica = (0, 1)
         self.replica_spread = replica_spread
+        self._spreading = False
         self._cache_map: CacheMap | None = None
         self.price_pool = price_pool
         self.pool_toll = pool_toll
@@ -225,7 +226,7 @@ class KvTtftScorer(Scorer):
         in_pool = self.pool_blocks(match)
         scored = self._scored(request, pool, toll, stall, in_pool if self.price_pool else 0)
         spread = 0.0
-        if self._replica[1] > 1 and self.replica_spread:
+        if self._spreading:
             # the other replicas may each send a request like this one to the best at once:
             # what that adds to it makes the candidates within it as good
             top = min(scored, key=_estimate)
@@ -396,6 +397,7 @@ class KvTtftScorer(Scorer):
         if not 0 <= index < count:
             raise ValueError(f"replica index must be in [0, {count}), got {index}")
         self._replica = (index, count)
+        self._spreading = self.replica_spread and count > 1
 
     def on_first_token(self, placement: Placement, ttft_s: float) -> None:
         cal, d = self.calibration, placement.detail
