@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import bisect
 import json
-import os
 import random
 import sys
 import tempfile
@@ -32,17 +31,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import print_json
 from cachemap.bus import InProcessBus
 from cachemap.ingest import EngineEventTranslator
-from engines.base import REPORT_INTERVAL_S, EngineRequest, SamplingParams
+from engines.base import REPORT_INTERVAL_S, EngineRequest, LoadSnapshot, SamplingParams
 from engines.core_report import HEARTBEAT_S, TRACE_ENV
+from engines.environ import scoped_environ
 from engines.forwarder import KvEventForwarder, decode_load
 from engines.sim.profile import LatencyProfile
 from engines.tiny_model import resolve_model
 from engines.vllm_engine import VllmEngine
+from engines.vllm_scheduler import SCHEDULER_QUALNAME
 from router.load import LoadTracker
 from router.state import BUS_POLL_S
 
@@ -50,11 +53,12 @@ IID = "bench-0"
 BLOCK = 32
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def _pcts(values: list[float], *qs: int, scale: float = 1.0) -> dict[str, float | None]:
+    """``{"p50": ...}`` for each percentile ``qs`` of ``values`` (None where there are none),
+    each times ``scale``."""
     if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
+        return {f"p{q}": None for q in qs}
+    return {f"p{q}": float(np.percentile(values, q)) * scale for q in qs}
 
 
 def _prompts(rng: random.Random, n: int, prefixes: int, prefix_len: int) -> list[list[int]]:
@@ -109,7 +113,8 @@ async def _client(
 
 
 async def _run_mode(mode: str, args: argparse.Namespace, trace: Path) -> dict[str, Any]:
-    os.environ[TRACE_ENV] = str(trace)
+    # NOTE: both modes run kvroute's scheduler, which traces the truth; "before" names it
+    # itself, so the engine publishes no report and its load is the front end's own count
     eng = VllmEngine(
         resolve_model(args.model),
         IID,
@@ -118,11 +123,10 @@ async def _run_mode(mode: str, args: argparse.Namespace, trace: Path) -> dict[st
         max_model_len=4096,
         kv_blocks=args.kv_blocks,
         cpu_threads_bind=args.cpu_threads_bind,
+        extra_engine_args={"scheduler_cls": SCHEDULER_QUALNAME} if mode == "before" else None,
     )
-    await eng.start()
-    os.environ.pop(TRACE_ENV, None)
-    if mode == "before":  # the front end's own accounting: the report is read by nobody
-        eng._load.close()
+    with scoped_environ({TRACE_ENV: str(trace)}):
+        await eng.start()
     load_bus = InProcessBus()
     fwd = KvEventForwarder(
         EngineEventTranslator(IID, args.model, BLOCK),
@@ -143,13 +147,16 @@ async def _run_mode(mode: str, args: argparse.Namespace, trace: Path) -> dict[st
     done = asyncio.Event()
     rng = random.Random(args.seed + 1)
 
+    latest: list[LoadSnapshot] = []  # the newest sample the router read
+
     async def pump() -> None:
         cursor = load_bus.end()
         while not done.is_set():
             got = load_bus.read(cursor)
             cursor = got.cursor
             for payload in got.items:
-                tracker.on_snapshot(decode_load(payload))
+                latest[:] = [decode_load(payload)]
+                tracker.on_snapshot(latest[0])
             await asyncio.sleep(args.bus_poll_s)
 
     async def sample() -> None:
@@ -157,7 +164,7 @@ async def _run_mode(mode: str, args: argparse.Namespace, trace: Path) -> dict[st
             await asyncio.sleep(rng.expovariate(1 / args.sample_every_s))
             now = time.time()
             view = tracker.views(now)[0]
-            snap = tracker._instances[IID].snapshot
+            snap = latest[0] if latest else None
             age = now - snap.ts if snap is not None else float("inf")
             raw = snap.queued_prefill_tokens if snap is not None else 0
             samples.append((now, view.pending_prefill_tokens, age, raw))
@@ -216,22 +223,16 @@ def _score(
         "samples": len(samples),
         "busy_samples": len(busy_err),
         "error_tokens": {
-            "busy": {q: _pct(busy_err, v) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
-            "all": {q: _pct(all_err, v) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))},
+            "busy": _pcts(busy_err, 50, 90, 99),
+            "all": _pcts(all_err, 50, 90, 99),
             # the sample as it came, without the router's own corrections
-            "busy_sample_alone": {
-                q: _pct(raw_err, v) for q, v in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
-            },
+            "busy_sample_alone": _pcts(raw_err, 50, 90, 99),
         },
-        "age_s": {
-            "busy": {"p50": _pct(busy_age, 0.5), "p99": _pct(busy_age, 0.99)},
-            "idle": {"p50": _pct(idle_age, 0.5), "p99": _pct(idle_age, 0.99)},
-        },
+        "age_s": {"busy": _pcts(busy_age, 50, 99), "idle": _pcts(idle_age, 50, 99)},
         "steps": len(steps),
-        "step_s": {"p50": _pct(step_s, 0.5), "p90": _pct(step_s, 0.9)},
-        "step_tokens_p50": _pct(list(steps.values()), 0.5),
-        "report_cost_us_p50": (_pct(costs, 0.5) or 0) * 1e6,
-        "report_cost_us_p99": (_pct(costs, 0.99) or 0) * 1e6,
+        "step_s": _pcts(step_s, 50, 90),
+        "step_tokens_p50": _pcts(list(steps.values()), 50)["p50"],
+        "report_cost_us": _pcts(costs, 50, 99, scale=1e6),
         "load_samples_published": published,
     }
 

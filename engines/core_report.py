@@ -87,7 +87,7 @@ class CoreReportReader:
     """The newest ``CoreReport`` an engine core published on ``endpoint``, read without a
     thread: ``latest`` takes what arrived since the last call. A malformed frame is dropped,
     counted in ``malformed`` and logged once; a report older than the one held (by ``seq``: the
-    engine core numbers them) is dropped too."""
+    engine core numbers them) is dropped too, counted in ``stale``."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
@@ -95,6 +95,7 @@ class CoreReportReader:
         self._latest: CoreReport | None = None
         self.received = 0
         self.malformed = 0
+        self.stale = 0
 
     def latest(self) -> CoreReport | None:
         sock = self._sock
@@ -119,6 +120,8 @@ class CoreReportReader:
         if held is None or report.seq > held.seq or report.seq == 0:  # 0: a restarted core
             self._latest = report
             self.received += 1
+        else:
+            self.stale += 1
 
     def close(self) -> None:
         self._sock.close(0)

@@ -40,14 +40,20 @@ log = logging.getLogger(__name__)
 
 
 class _Reporter:
-    """The engine core's end of the report: the state, its socket and its heartbeat."""
+    """The engine core's end of the report: the state, its socket and its heartbeat (where
+    there is an ``endpoint``), and its trace file (where there is a ``trace``)."""
 
-    def __init__(self, endpoint: str, trace: str | None, heartbeat_s: float = HEARTBEAT_S):
-        self._ctx: zmq.Context[Any] = zmq.Context()
-        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.PUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 64)
-        self._sock.bind(endpoint)
+    def __init__(
+        self, endpoint: str | None, trace: str | None, heartbeat_s: float = HEARTBEAT_S
+    ) -> None:
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        if endpoint:
+            self._ctx = zmq.Context()
+            self._sock = self._ctx.socket(zmq.PUB)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.setsockopt(zmq.SNDHWM, 64)
+            self._sock.bind(endpoint)
         self._lock = threading.Lock()  # the socket and ``last``, between the core and heartbeat
         self.seq = 0
         self.last: CoreReport | None = None  # the state now, while ``dirty`` is clear
@@ -61,10 +67,19 @@ class _Reporter:
         self.inputs_ts = 0.0  # when the core last took its input (the last schedule's start)
         self.sends = self.dropped = self.lookup_errors = 0
         self._trace: TextIO | None = open(trace, "a") if trace else None  # noqa: SIM115
+        self.cost_s = 0.0  # what the last state cost to take (timed where it is traced)
         self._stop = threading.Event()
         self._heartbeat_s = heartbeat_s
-        self._thread = threading.Thread(target=self._beat, name="kvroute-core-report", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if self._sock is not None:
+            self._thread = threading.Thread(
+                target=self._beat, name="kvroute-core-report", daemon=True
+            )
+            self._thread.start()
+
+    @property
+    def tracing(self) -> bool:
+        return self._trace is not None
 
     # -- state -------------------------------------------------------------------------------
 
@@ -116,16 +131,22 @@ class _Reporter:
             self.inputs_ts or ts,
         )
 
-    def traced(self, sched: Any, added: str = "") -> None:
-        """Write the state now to the trace file, where there is one (benchmarks only), with
-        the id of the request just added (vLLM's, which ends in ``-`` and 8 characters)."""
+    def now(self, sched: Any) -> CoreReport:
+        """The state now (``state`` at the wall clock), timed into ``cost_s`` when tracing."""
+        if self._trace is None:
+            return self.state(sched, time.time())
+        t0 = time.perf_counter()
+        report = self.state(sched, time.time())
+        self.cost_s = time.perf_counter() - t0
+        return report
+
+    def traced(self, s: CoreReport, added: str = "") -> None:
+        """Write state ``s`` to the trace file, where there is one (benchmarks only), with the
+        id of the request just added (vLLM's, which ends in ``-`` and 8 characters)."""
         if self._trace is not None:
-            now, t0 = time.time(), time.perf_counter()
-            s = self.state(sched, now)
-            cost = time.perf_counter() - t0
-            row: list[Any] = [now, s.waiting, s.running, s.queued_prefill_tokens]
-            row += [s.prefill_tokens_left, s.step_tokens, s.step_start, s.step_end, cost, added]
-            self._trace.write(json.dumps(row) + "\n")
+            row: list[Any] = [s.ts, s.waiting, s.running, s.queued_prefill_tokens]
+            row += [s.prefill_tokens_left, s.step_tokens, s.step_start, s.step_end, self.cost_s]
+            self._trace.write(json.dumps([*row, added]) + "\n")
 
     # -- sending -----------------------------------------------------------------------------
 
@@ -135,22 +156,25 @@ class _Reporter:
         this report's ``ts`` rightly takes that prompt out of it); ``settle`` follows."""
         with self._lock:
             self.seq += 1
-            report = self.state(sched, time.time())
+            report = self.now(sched)
             if settled:
                 self.last, self.dirty = report, False
             self.sent_ts = report.ts
             self._send(report)
         if settled:
-            self.traced(sched)
+            self.traced(report)
 
     def settle(self, sched: Any) -> None:
         """Keep the state now for the heartbeat, unsent: it is true from now on, but a router
         may not have seen the first tokens it left out yet (they go out after it)."""
         with self._lock:
-            self.last, self.dirty = self.state(sched, time.time()), False
-        self.traced(sched)
+            report = self.last = self.now(sched)
+            self.dirty = False
+        self.traced(report)
 
     def _send(self, report: CoreReport) -> None:
+        if self._sock is None:
+            return
         try:
             self._sock.send(encode(report), zmq.NOBLOCK)
             self.sends += 1
@@ -175,34 +199,37 @@ class _Reporter:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(2 * self._heartbeat_s)
+        if self._thread is not None:
+            self._thread.join(2 * self._heartbeat_s)
         with self._lock:
-            self._sock.close(0)
-        self._ctx.term()
+            if self._sock is not None:
+                self._sock.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
         if self._trace is not None:
             self._trace.close()
 
 
 class _Reporting:
     """Mixed into vLLM's scheduler classes: keeps the engine core's ``CoreReport``. Inert
-    unless ``ENDPOINT_ENV`` names where to publish it."""
+    unless ``ENDPOINT_ENV`` names where to publish it or ``TRACE_ENV`` where to trace it."""
 
     _kvroute_report: _Reporter | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        endpoint = os.environ.get(ENDPOINT_ENV)
-        if endpoint:
-            self._kvroute_report = _Reporter(endpoint, os.environ.get(TRACE_ENV))
-            log.info("kvroute: engine core reports its load on %s", endpoint)
+        endpoint, trace = os.environ.get(ENDPOINT_ENV), os.environ.get(TRACE_ENV)
+        if endpoint or trace:
+            self._kvroute_report = _Reporter(endpoint, trace)
+            log.info("kvroute: engine core reports its load on %s", endpoint or "no socket")
 
     def add_request(self, request: Any) -> None:
         rep = self._kvroute_report
         if rep is not None:
             rep.dirty = True
         super().add_request(request)  # type: ignore[misc]
-        if rep is not None:
-            rep.traced(self, request.request_id)
+        if rep is not None and rep.tracing:
+            rep.traced(rep.now(self), request.request_id)
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
         rep = self._kvroute_report
@@ -224,21 +251,24 @@ class _Reporting:
             rep.steps[id(out)] = (start, out.total_num_scheduled_tokens)
             for new in out.scheduled_new_reqs:  # the cached prefix the schedule found
                 rep.hits[new.req_id] = new.num_computed_tokens
-            rep.traced(self)
+            if rep.tracing:
+                rep.traced(rep.now(self))
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         rep = self._kvroute_report
+        changed = False  # nothing moved the state: the last report still holds, none is due
         if rep is not None:
             step = rep.steps.pop(id(scheduler_output), None)
             if step is not None:
                 rep.step = (step[1], step[0], time.time())
-            if step is not None or rep.dirty:
+            changed = step is not None or rep.dirty
+            if changed:
                 # NOTE: before the outputs: a report dated after a first token that a router
                 # sees later would have that prompt taken out twice (``router.load``)
                 rep.publish(self, settled=False)
         out = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        if rep is not None:
+        if rep is not None and changed:
             rep.settle(self)
         return out
 

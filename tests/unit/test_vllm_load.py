@@ -61,7 +61,7 @@ def test_the_engine_cores_report_wins_and_keeps_its_age() -> None:
         pub.send(b"\x93garbage")
         assert wait_for(lambda: reader.latest() is not None and reader.malformed == 1, 3)
         pub.send(core_report.encode(_report(4, ts + 1, 7)))
-        time.sleep(0.1)
+        assert wait_for(lambda: reader.latest() is not None and reader.stale == 1, 3)
         assert load.snapshot().queued_prefill_tokens == 1200
         pub.send(core_report.encode(_report(6, ts + 0.01, 300)))
         assert wait_for(lambda: load.snapshot().queued_prefill_tokens == 300, 3)
