@@ -104,13 +104,18 @@ class IngressDeployment:
         setup_tracing()
         kv_bus, load_bus = open_buses(cfg.deployment_bus)
         pre_place = cfg.router.scorer != RAY_PREFIX_ROUTER
-        scorer = create_scorer(cfg.router.scorer, **cfg.router.scorer_options)
+        # NOTE: Serve's own router places for ray_prefix; the core keeps load with least_loaded
+        scorer = (
+            create_scorer(cfg.router.scorer, **cfg.router.scorer_options)
+            if pre_place
+            else create_scorer("least_loaded")
+        )
         ctx = serve.get_replica_context()
         # which ingress replica this is, of how many (kv_ttft's ``replica_spread`` reads it)
         replicas = max(ctx.world_size or 1, 1)
         scorer.as_replica(getattr(ctx.rank, "rank", 0) % replicas, replicas)
         self.state = RouterState(
-            scorer=scorer if pre_place else "least_loaded",
+            scorer=scorer,
             pools=router_pools(cfg),
             planner=pd_planner(cfg),
             kv_bus=kv_bus,

@@ -225,14 +225,16 @@ class KvTtftScorer(Scorer):
         stall = self.interference * (cal.a if cal else 1.0)
         in_pool = self.pool_blocks(match)
         scored = self._scored(request, pool, toll, stall, in_pool if self.price_pool else 0)
-        spread = 0.0
+        chosen = None
         if self._spreading:
             # the other replicas may each send a request like this one to the best at once:
             # what that adds to it makes the candidates within it as good
-            top = min(scored, key=_estimate)
-            own = self.profile_estimate(request, top[3], match.get(top[3].instance_id), idle=True)
+            lead = min(scored, key=_estimate)
+            own = self.profile_estimate(request, lead[3], match.get(lead[3].instance_id), idle=True)
             spread = own[0] * (cal.a if cal else 1.0)
-        s, cached, base, inst = self._choose(scored, filler, spread)
+            if spread > self.tie_s:
+                chosen = self._replicas_pick(scored, lead, spread)
+        s, cached, base, inst = chosen or self._choose(scored, filler)
         if toll > 0 or stall > 0:  # the estimate itself, for admission
             s = cal.correct(base, inst.running, inst.waiting) if cal else base
         detail: dict[str, Any] = dict(
@@ -341,16 +343,11 @@ class KvTtftScorer(Scorer):
         return scored
 
     def _choose(
-        self,
-        scored: list[tuple[float, int, float, InstanceView]],
-        filler: _Fill | None,
-        spread: float = 0.0,
+        self, scored: list[tuple[float, int, float, InstanceView]], filler: _Fill | None
     ) -> tuple[float, int, float, InstanceView]:
         """The winner among the candidates scored: the best estimate, with affinity and
-        near-tie rules; router replicas share out the candidates within ``spread`` of it."""
+        near-tie rules."""
         best = min(x[0] for x in scored)
-        if spread > self.tie_s:
-            return self._replicas_pick(scored, spread)
         near = [x for x in scored if x[0] <= best + self.tie_s]
         if self.affinity_s > 0:
             # within ``affinity_s`` of the best, the longest cached prefix wins (then the
@@ -379,14 +376,16 @@ class KvTtftScorer(Scorer):
         return min(near, key=lambda x: (x[3].running + x[3].waiting, x[0]))
 
     def _replicas_pick(
-        self, scored: list[tuple[float, int, float, InstanceView]], spread: float
+        self,
+        scored: list[tuple[float, int, float, InstanceView]],
+        lead: tuple[float, int, float, InstanceView],
+        spread: float,
     ) -> tuple[float, int, float, InstanceView]:
         """``replica_spread``: replicas deciding from one view at once (a burst spread over
-        them) would all take the best; among the candidates within ``spread`` of it that hold
-        as much of the prompt (never a cache hit traded), each takes the best of its own (by a
-        stable hash of the instance id), else its own place in the order of the estimates."""
+        them) would all take the best (``lead``); among the candidates within ``spread`` of it
+        that hold as much of the prompt (never a cache hit traded), each takes the best of its
+        own (by a stable hash of the instance id), else its own place in the estimates' order."""
         me, count = self._replica
-        lead = min(scored, key=_estimate)
         ahead = sorted(
             (x for x in scored if x[0] <= lead[0] + spread and x[1] >= lead[1]), key=_estimate
         )
