@@ -9,7 +9,6 @@ real Serve, whose proxy must be running it (the default 10 s header deadline).""
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import threading
 import time
@@ -26,6 +25,7 @@ from deploy.proxy_guard import (
     HEADER_TIMEOUT_ENV,
     guarded_protocol_class,
 )
+from engines.environ import scoped_environ
 from engines.ports import free_port
 from tests.hostile import hostile_config, raw_exchange, status_of
 from tests.support import serve_app
@@ -58,16 +58,8 @@ async def echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 @pytest.fixture(scope="module")
 def guarded_port() -> Iterator[int]:
-    saved = {k: os.environ.get(k) for k in (HEADER_TIMEOUT_ENV, BODY_TIMEOUT_ENV)}
-    os.environ[HEADER_TIMEOUT_ENV], os.environ[BODY_TIMEOUT_ENV] = str(HEADER_S), str(BODY_S)
-    try:
+    with scoped_environ({HEADER_TIMEOUT_ENV: str(HEADER_S), BODY_TIMEOUT_ENV: str(BODY_S)}):
         protocol = guarded_protocol_class()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     port = free_port()
     config = uvicorn.Config(
         echo, host="127.0.0.1", port=port, http=protocol, lifespan="off", log_level="warning"
