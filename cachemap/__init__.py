@@ -10,7 +10,8 @@ from cachemap.hashing import (
     block_hashes,
     salt_hash,
 )
-from cachemap.map import CacheMap, CacheMapStats, Match, MatchResult
+from cachemap.map import CacheMap, CacheMapStats
+from cachemap.match import Match, MatchResult
 
 __all__ = [
     "POOL_INSTANCE",

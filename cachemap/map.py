@@ -21,124 +21,33 @@ the slot (and its row) for reuse. Because hashes chain the whole prefix, ``match
 lookup per block (done as one vectorised probe), then one pass that runs an AND of the rows over
 the widely shared head of the prompt and follows the few inline holders after it gives every
 instance's leading run at once.
+
+The passes over the columns are numba kernels (``cachemap.kernels``); ``match``'s answer is a
+``MatchResult`` (``cachemap.match``).
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import ItemsView, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import NamedTuple, TypeVar, overload
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+# NOTE: the kernels are called through their module, where ``cachemap.jit`` puts a kernel's
+# compiled dispatcher after its first call; a name imported from it would stay the lazy wrapper,
+# one Python call more per use
+import cachemap.kernels as kernels
 from cachemap.hashing import BlockHash, InstanceId, Tier, as_tier
-from cachemap.index import TOMBSTONE, HashIndex, _insert, _probe
-from cachemap.jit import KERNELS, jit
+from cachemap.index import HashIndex
+from cachemap.jit import KERNELS
+from cachemap.match import Match, MatchResult
 
 _TIERS: tuple[Tier, ...] = tuple(Tier)
-_new_tuple = tuple.__new__
-_LOW = (1 << 32) - 1
 U64 = npt.NDArray[np.uint64]
-_T = TypeVar("_T")
 _A = TypeVar("_A", bound=np.generic)
-
-
-class Match(NamedTuple):
-    """Leading blocks of a prompt resident on one instance."""
-
-    gpu_blocks: int  # leading blocks on GPU
-    total_blocks: int  # leading blocks on GPU or CPU (>= gpu_blocks)
-
-    @property
-    def cpu_blocks(self) -> int:
-        """Blocks after the GPU run that would be loaded from the CPU tier."""
-        return self.total_blocks - self.gpu_blocks
-
-
-class MatchResult(Mapping[str, Match]):
-    """``match``'s answer: a read-only mapping built lazily from per-instance-bit run lengths, so
-    a prefix held by dozens of instances costs nothing until a scorer asks about them. Keyed by
-    plain ``str``, as scorers and views name instances (its keys are ``InstanceId``s)."""
-
-    __slots__ = ("_bit_of", "_instance_at", "_runs")
-
-    def __init__(
-        self,
-        bit_of: dict[str, int],
-        instance_at: dict[int, InstanceId],
-        runs: array[int] | dict[int, int],
-    ) -> None:
-        """``runs``: per instance bit its runs packed as ``gpu_blocks << 32 | total_blocks``
-        (0: none), as an int64 ``array`` indexed by bit (many holders: a copy of the kernel's
-        answer, where a list would make an int object per bit) or a dict of the bits that have
-        one (a few)."""
-        self._bit_of, self._instance_at, self._runs = bit_of, instance_at, runs
-
-    def __getitem__(self, instance: str) -> Match:
-        m = self.get(instance)
-        if m is None:
-            raise KeyError(instance)
-        return m
-
-    # NOTE: scorers call ``get`` once per candidate on every placement; the Mapping mixin's
-    # version goes through ``__getitem__`` and a raised KeyError for every instance without a hit.
-    @overload
-    def get(self, instance: str, /) -> Match | None: ...
-    @overload
-    def get(self, instance: str, /, default: Match | _T) -> Match | _T: ...
-    def get(self, instance: str, /, default: object = None) -> object:
-        b = self._bit_of.get(instance)
-        if b is None:
-            return default
-        runs = self._runs
-        v = runs.get(b, 0) if isinstance(runs, dict) else runs[b]
-        if not v:
-            return default
-        # NOTE: ``Match(g, a)`` is this through the namedtuple's Python-level ``__new__``
-        return _new_tuple(Match, (v >> 32, v & _LOW))
-
-    def __contains__(self, instance: object) -> bool:
-        return isinstance(instance, str) and self.get(instance) is not None
-
-    def __iter__(self) -> Iterator[InstanceId]:
-        inst, runs = self._instance_at, self._runs
-        if isinstance(runs, dict):
-            return (inst[b] for b, v in runs.items() if v and b in inst)
-        held = np.flatnonzero(np.frombuffer(runs, np.int64)).tolist()
-        return (inst[b] for b in held if b in inst)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __repr__(self) -> str:
-        return f"MatchResult({dict(self.items())!r})"
-
-    def items(self) -> ItemsView[str, Match]:
-        return _MatchItems(self)
-
-    def _pairs(self) -> Iterator[tuple[str, Match]]:
-        inst, runs = self._instance_at, self._runs
-        if isinstance(runs, dict):
-            held = [b for b, v in runs.items() if v]
-        else:
-            held = np.flatnonzero(np.frombuffer(runs, np.int64)).tolist()
-        for b in held:
-            iid = inst.get(b)
-            if iid is not None:
-                v = runs[b]
-                yield iid, _new_tuple(Match, (v >> 32, v & _LOW))
-
-
-class _MatchItems(ItemsView[str, Match]):
-    """``MatchResult.items()``: the pairs straight from the runs (a scorer walks them on every
-    placement), not a ``get`` per key."""
-
-    _mapping: MatchResult
-
-    def __iter__(self) -> Iterator[tuple[str, Match]]:
-        return self._mapping._pairs()
 
 
 class CacheMapStats(NamedTuple):
@@ -318,7 +227,7 @@ class CacheMap:
             self._resize(_doubled(len(self._hash), self._next + n - self._n_free))
         index = self._index
         index.reserve(n)
-        added, reused, grown, cells, full = _store(
+        added, reused, grown, cells, full = kernels._store(
             *index.table(),
             *self._holders(),
             self._hash,
@@ -339,7 +248,7 @@ class CacheMap:
             full = np.unique(full)
             at_rows = self._alloc_rows(len(full))
             # NOTE: after _alloc_rows, which may regrow the rows
-            added += _promote(*self._holders(), full, at_rows, bit, flag)
+            added += kernels._promote(*self._holders(), full, at_rows, bit, flag)
         self._count[tier][instance] += added
         self._count_at[tier][bit] += added
         return int(added)
@@ -354,7 +263,7 @@ class CacheMap:
         hs = np.fromiter(hashes, np.uint64)
         # NOTE: one kernel finds the slots, removes the holder, takes the nodes left with none
         # out of the index and frees their slots (``_recycle``); only their rows come back
-        held, n_dead, rows = _remove(
+        held, n_dead, rows = kernels._remove(
             *self._index.table(),
             hs,
             *self._holders(),
@@ -431,14 +340,16 @@ class CacheMap:
 
     def _recycle(self, dead: npt.NDArray[np.int64]) -> None:
         """Slots ``dead`` (distinct, ascending, out of the index) and their rows become free."""
-        self._freed(len(dead), _free_slots(dead, self._has_parent, self._wide, *self._stack()))
+        rows = kernels._free_slots(dead, self._has_parent, self._wide, *self._stack())
+        self._freed(len(dead), rows)
 
     def _stack(self) -> tuple[npt.NDArray[np.int64], int]:
         """The free-slot stack as the kernels take it: ``free[:n_free]``."""
         return self._free, self._n_free
 
     def _freed(self, n: int, rows: npt.NDArray[np.int64]) -> None:
-        """A kernel pushed ``n`` slots on the free stack (``_free_slots``), which had ``rows``."""
+        """A kernel pushed ``n`` slots on the free stack (``kernels._free_slots``), which had
+        ``rows``."""
         self._n_free += n
         if len(rows):
             self._free_rows.extend(rows.tolist())
@@ -452,7 +363,7 @@ class CacheMap:
             return {}
         k = self.stride
         keys = np.asarray(hashes if k == 1 else hashes[k - 1 :: k], np.uint64)
-        bits, packed, dense = _match(*self._index.table(), keys, *self._holders(), k)
+        bits, packed, dense = kernels._match(*self._index.table(), keys, *self._holders(), k)
         if len(dense):
             return MatchResult(self._bit_of, self._instance_at, array("q", dense.tobytes()))
         if len(bits) == 0:
@@ -585,354 +496,6 @@ class CacheMap:
                         f"count of {inst}/{t} is {self._count[t][inst]} "
                         f"({int(self._count_at[t][bit])} by bit), not {int(counts[bit])}"
                     )
-
-
-@jit
-def _tiers_at(hold, wide, gpu, cpu, s, b):  # type: ignore[no-untyped-def]
-    """The tier flags (1 GPU, 2 CPU) instance bit ``b`` holds slot ``s`` with."""
-    r = wide[s]
-    if r >= 0:
-        w, m = b >> 6, np.uint64(b & 63)
-        return np.int64((gpu[r, w] >> m) & np.uint64(1)) | np.int64(
-            ((cpu[r, w] >> m) & np.uint64(1)) << np.uint64(1)
-        )
-    for k in range(hold.shape[1]):
-        e = np.int64(hold[s, k])
-        if e and e >> 2 == b:
-            return e & 3
-    return 0
-
-
-@jit
-def _drops(d, w, i, out):  # type: ignore[no-untyped-def]
-    """Write ``i`` into ``out`` at the bits set in word ``d`` (word ``w`` of a bitmask)."""
-    b = 0
-    while d:
-        if d & np.uint64(1):
-            out[64 * w + b] = i
-        d >>= np.uint64(1)
-        b += 1
-
-
-@jit
-def _match(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, scale):  # type: ignore[no-untyped-def]
-    """Every instance bit's leading run of ``keys`` (found in the index table ``tk``, ``tv``,
-    ``shift``, ``tmask``: ``HashIndex.table``) on GPU and on GPU or CPU, times ``scale``, packed
-    as ``gpu << 32 | any``, for the bits holding the first key: as a dense array indexed by bit
-    when that block is wide, else as (bits, packed runs) of its few inline holders.
-
-    While the slots are wide, the rows are ANDed a word at a time and each bit that drops out
-    at position ``i`` gets a run of ``i``; at the first narrow slot only its few inline holders
-    can go on, and are followed one by one from there."""
-    idx = np.empty(keys.shape[0], np.int64)
-    n = 0
-    for j in range(keys.shape[0]):
-        v = _probe(tk, tv, shift, tmask, keys[j])[0]
-        if v < 0:
-            break
-        idx[j] = v
-        n += 1
-    inline = hold.shape[1]
-    words = gpu.shape[1]
-    cand = np.empty(inline, np.int64)  # the bits followed one by one
-    cg = np.empty(inline, np.int64)  # their GPU run's end (-1: still running)
-    ca = np.empty(inline, np.int64)
-    nc = 0
-    i = 1
-    dense_start = n > 0 and wide[idx[0]] >= 0
-    ng = np.zeros(64 * words if dense_start else 0, np.int64)
-    na = np.zeros(64 * words if dense_start else 0, np.int64)
-    if dense_start:
-        r0 = wide[idx[0]]
-        run_g = gpu[r0].copy()
-        run_a = run_g | cpu[r0]
-        alive = True
-        while i < n and wide[idx[i]] >= 0 and alive:
-            r = wide[idx[i]]
-            alive = False
-            for w in range(words):
-                new_g = run_g[w] & gpu[r, w]
-                new_a = run_a[w] & (gpu[r, w] | cpu[r, w])
-                _drops(run_g[w] & ~new_g, w, i, ng)
-                _drops(run_a[w] & ~new_a, w, i, na)
-                run_g[w] = new_g
-                run_a[w] = new_a
-                if new_a:
-                    alive = True
-            i += 1
-        if alive and i < n:
-            # a narrow slot: only its inline holders still in the run go on, from here
-            s = idx[i]
-            for k in range(inline):
-                e = np.int64(hold[s, k])
-                if not e:
-                    continue
-                hb = e >> 2
-                hw, hm = hb >> 6, np.uint64(hb & 63)
-                if not (run_a[hw] >> hm) & np.uint64(1):
-                    continue
-                cand[nc] = hb
-                cg[nc] = -1 if (run_g[hw] >> hm) & np.uint64(1) else ng[hb]
-                ca[nc] = -1
-                nc += 1
-                run_g[hw] &= ~(np.uint64(1) << hm)
-                run_a[hw] &= ~(np.uint64(1) << hm)
-        for w in range(words):  # the rest of the run ends here
-            _drops(run_g[w], w, i, ng)
-            _drops(run_a[w], w, i, na)
-    elif n > 0:
-        s = idx[0]
-        for k in range(inline):
-            e = np.int64(hold[s, k])
-            if e:
-                cand[nc] = e >> 2
-                cg[nc] = -1 if e & 1 else 0
-                ca[nc] = -1
-                nc += 1
-    left = nc
-    while i < n and left:
-        s = idx[i]
-        for c in range(nc):
-            if ca[c] >= 0:
-                continue
-            t = _tiers_at(hold, wide, gpu, cpu, s, cand[c])
-            if cg[c] < 0 and not t & 1:
-                cg[c] = i
-            if not t:
-                ca[c] = i
-                left -= 1
-        i += 1
-    for c in range(1, nc):  # in bit order, as the dense form iterates
-        j = c
-        while j > 0 and cand[j - 1] > cand[j]:
-            cand[j - 1], cand[j] = cand[j], cand[j - 1]
-            cg[j - 1], cg[j] = cg[j], cg[j - 1]
-            ca[j - 1], ca[j] = ca[j], ca[j - 1]
-            j -= 1
-    bits = np.empty(0 if dense_start else nc, np.int64)
-    packed = np.empty(0 if dense_start else nc, np.int64)
-    dense = np.empty(64 * words if dense_start else 0, np.int64)
-    if dense_start:
-        for d in range(dense.shape[0]):
-            dense[d] = ng[d] * scale << 32 | na[d] * scale
-    for c in range(nc):
-        g = (n if cg[c] < 0 else cg[c]) * scale
-        a = (n if ca[c] < 0 else ca[c]) * scale
-        if dense_start:
-            dense[cand[c]] = g << 32 | a
-        else:
-            bits[c] = cand[c]
-            packed[c] = g << 32 | a
-    return bits, packed, dense
-
-
-@jit
-def _remove(  # type: ignore[no-untyped-def]
-    tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, bit, flag, has_parent, free, n_free
-):
-    """Take instance ``bit``'s tier ``flag`` (1 GPU, 2 CPU) off the slots of ``keys`` (found in
-    the index table ``tk``, ``tv``, ``shift``, ``tmask``: ``HashIndex.table``; absent keys and
-    slots without that holder are skipped, a key may repeat). The slots left with no holder
-    die: their keys are tombstoned in the table afterwards, as ``HashIndex.delete`` would, and
-    they are freed in ascending order (``_free_slots``). Returns (holders removed, dead slots,
-    the rows they had)."""
-    w, m = bit >> 6, np.uint64(bit & 63)
-    one = np.uint64(1) << m
-    words = gpu.shape[1]
-    inline = hold.shape[1]
-    cells = np.empty(keys.shape[0], np.int64)
-    dead = np.empty(keys.shape[0], np.int64)
-    held = 0
-    n_dead = 0
-    for i in range(keys.shape[0]):
-        s, p = _probe(tk, tv, shift, tmask, keys[i])
-        if s < 0:
-            continue
-        r = wide[s]
-        live = False
-        if r >= 0:
-            rows = gpu if flag == 1 else cpu
-            if not rows[r, w] & one:
-                continue
-            rows[r, w] &= ~one
-            for v in range(words):
-                if gpu[r, v] or cpu[r, v]:
-                    live = True
-                    break
-        else:
-            found = False
-            for k in range(inline):
-                e = np.int64(hold[s, k])
-                if e and e >> 2 == bit and e & flag:
-                    e &= ~flag
-                    hold[s, k] = e if e & 3 else 0
-                    found = True
-                    break
-            if not found:
-                continue
-            for k in range(inline):
-                if hold[s, k]:
-                    live = True
-                    break
-        held += 1
-        if not live:
-            dead[n_dead] = s
-            cells[n_dead] = p
-            n_dead += 1
-    for j in range(n_dead):
-        tv[cells[j]] = TOMBSTONE
-    return held, n_dead, _free_slots(np.sort(dead[:n_dead]), has_parent, wide, free, n_free)
-
-
-@jit
-def _free_slots(dead, has_parent, wide, free, n_free):  # type: ignore[no-untyped-def]
-    """Free the slots ``dead`` (distinct, ascending, out of the index): pushed in that order on
-    the free stack ``free[:n_free]``, without a parent, their rows dropped. Returns those rows,
-    in order (for the caller's free rows)."""
-    rows = np.empty(dead.shape[0], np.int64)
-    n_rows = 0
-    for j in range(dead.shape[0]):
-        s = dead[j]
-        has_parent[s] = False
-        if wide[s] >= 0:
-            rows[n_rows] = wide[s]
-            n_rows += 1
-            wide[s] = -1
-        free[n_free + j] = s
-    return rows[:n_rows]
-
-
-@jit
-def _store_known(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, bit, flag):  # type: ignore[no-untyped-def]
-    """Add instance ``bit`` with tier ``flag`` to the slots of the ``keys`` the index table
-    holds (``HashIndex.table``; a key may repeat). Returns (holders added, the position of the
-    first occurrence of each absent key in ascending key order, the narrow slots with no room
-    left for it)."""
-    w, m = bit >> 6, np.uint64(bit & 63)
-    one = np.uint64(1) << m
-    inline = hold.shape[1]
-    n = keys.shape[0]
-    miss = np.empty(n, np.int64)
-    full = np.empty(n, np.int64)
-    n_miss = 0
-    n_full = 0
-    added = 0
-    for i in range(n):
-        s = _probe(tk, tv, shift, tmask, keys[i])[0]
-        if s < 0:
-            miss[n_miss] = i
-            n_miss += 1
-            continue
-        r = wide[s]
-        if r >= 0:
-            rows = gpu if flag == 1 else cpu
-            if not rows[r, w] & one:
-                rows[r, w] |= one
-                added += 1
-            continue
-        empty = -1
-        found = False
-        for k in range(inline):
-            e = np.int64(hold[s, k])
-            if not e:
-                if empty < 0:
-                    empty = k
-            elif e >> 2 == bit:
-                found = True
-                if not e & flag:
-                    hold[s, k] = e | flag
-                    added += 1
-                break
-        if found:
-            continue
-        if empty >= 0:
-            hold[s, empty] = bit << 2 | flag
-            added += 1
-        else:
-            full[n_full] = s
-            n_full += 1
-    miss = miss[:n_miss]
-    missing_keys = keys[miss]
-    order = np.argsort(missing_keys, kind="mergesort")  # stable: equal keys keep their first
-    out = np.empty(n_miss, np.int64)
-    n_out = 0
-    for j in range(n_miss):
-        if j == 0 or missing_keys[order[j]] != missing_keys[order[j - 1]]:
-            out[n_out] = miss[order[j]]
-            n_out += 1
-    return added, out[:n_out], full[:n_full]
-
-
-@jit
-def _promote(hold, wide, gpu, cpu, slots, rows, bit, flag):  # type: ignore[no-untyped-def]
-    """Give each narrow slot of ``slots`` (distinct, full) the row of ``rows`` beside it: its
-    inline holders move there, then instance ``bit`` joins with tier ``flag``. Returns how
-    many joined (all of them)."""
-    for j in range(slots.shape[0]):
-        s, r = slots[j], rows[j]
-        gpu[r, :] = 0
-        cpu[r, :] = 0
-        for k in range(hold.shape[1]):
-            e = np.int64(hold[s, k])
-            if e:
-                b = e >> 2
-                w, m = b >> 6, np.uint64(b & 63)
-                if e & 1:
-                    gpu[r, w] |= np.uint64(1) << m
-                if e & 2:
-                    cpu[r, w] |= np.uint64(1) << m
-                hold[s, k] = 0
-        wide[s] = r
-        w, m = bit >> 6, np.uint64(bit & 63)
-        if flag == 1:
-            gpu[r, w] |= np.uint64(1) << m
-        else:
-            cpu[r, w] |= np.uint64(1) << m
-    return slots.shape[0]
-
-
-@jit
-def _store(  # type: ignore[no-untyped-def]
-    tk, tv, shift, tmask, hold, wide, gpu, cpu, hash_, parent, has_parent, depth, free, n_free,
-    next_, hs, meta, bit, flag,
-):  # fmt: skip
-    """``CacheMap.store_chains``'s pass: add instance ``bit`` with tier ``flag`` to the known
-    keys among ``hs`` (``_store_known``), then give each new key (its first position) a slot,
-    from the top of the free stack ``free[:n_free]`` first (the stack's order: its last
-    ``reused`` in place), then from ``next_`` on, put it in the index table (``_insert``, as
-    ``HashIndex.insert`` does) and fill the slot's columns with that one holder. ``hs`` is
-    the chains' hashes laid end to end, then each chain's parent (0 for none); ``meta`` is per
-    chain (start in ``hs``, first block's depth, has a parent). The caller made room (slots,
-    free stack and table) for every key being new. Returns (holders added, slots reused, slots
-    taken from ``next_``, EMPTY table cells used, the known narrow slots with no room left for
-    the holder)."""
-    k = meta.shape[0] // 3
-    n = hs.shape[0] - k
-    keys = hs[:n]
-    added, pos, full = _store_known(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, bit, flag)
-    new = pos.shape[0]
-    reused = min(new, n_free)
-    at = np.empty(new, np.int64)
-    for j in range(new):
-        at[j] = free[n_free - reused + j] if j < reused else next_ + j - reused
-    cells = _insert(tk, tv, shift, tmask, keys[pos], at)
-    starts = np.empty(k, np.int64)
-    for c in range(k):
-        starts[c] = meta[3 * c]
-    entry = bit << 2 | flag
-    for j in range(new):
-        s, p = at[j], pos[j]
-        key = keys[p]
-        c = np.searchsorted(starts, p, side="right") - 1
-        hash_[s] = key
-        if p > starts[c]:
-            parent[s], has_parent[s] = keys[p - 1], True
-        else:
-            parent[s], has_parent[s] = hs[n + c], meta[3 * c + 2] != 0
-        depth[s] = meta[3 * c + 1] + p - starts[c]
-        hold[s, :] = 0
-        hold[s, 0] = entry
-    return added + new, reused, new - reused, cells, full
 
 
 def _doubled(size: int, need: int) -> int:

@@ -33,9 +33,9 @@ and every module they import, more strictly than ``make typecheck``: code it ref
 ``make native`` (``--strict``), so a change cannot quietly lose the compiled build.
 
 What a compiled module cannot be (so these are not in MODULES): one with numba kernels
-(``cachemap.map``, ``cachemap.index``), one with msgspec ``Struct`` unions (``cachemap.events``),
-or one whose classes are patched by interpreted code (``cachemap.bus``: tests patch
-``InProcessBus``). A class that interpreted code subclasses says so
+(``cachemap.kernels``, ``cachemap.index``), one with msgspec ``Struct`` unions
+(``cachemap.events``), or one whose classes are patched by interpreted code (``cachemap.bus``:
+tests patch ``InProcessBus``). A class that interpreted code subclasses says so
 (``@mypyc_attr(allow_interpreted_subclasses=True)``: ``router.placement.Scorer``, which the
 baseline scorers extend), and an exception class stays a plain Python class
 (``@mypyc_attr(native_class=False)``: mypyc cannot extend ``RuntimeError``); ``mypy_extensions``,
@@ -390,8 +390,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def warm_kernels() -> None:
-    """Fill numba's on-disk cache with the cache map's kernels (``cachemap.map.warm_kernels``),
-    so that no process compiles them at its first use."""
+    """Fill numba's on-disk cache with the cache map's kernels (those of ``cachemap.kernels`` and
+    ``cachemap.index``, through ``cachemap.map.warm_kernels``), so that no process compiles them
+    at its first use."""
     import time
 
     from cachemap.map import warm_kernels

@@ -35,7 +35,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cachemap import BlockHasher
-from cachemap.map import Match
+from cachemap.match import Match
 from engines.base import EngineError, EngineRequest, KvCommand, RoutedRequest, SamplingParams
 from policies.hints import PolicyHints
 from router.api import checked_token_ids
