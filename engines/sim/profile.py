@@ -33,12 +33,18 @@ from the start, at most that many of its own tokens per step (see ``ttft_s``).
 
 Affine in every term, so a run of pure decode steps has a closed-form duration (what lets the
 virtual-time engine skip ahead instead of stepping one token at a time).
+
+This is the project's one cost model: the sim engine's steps (``step_s``, ``decode_ms`` and
+``decode_growth_ms`` for a run of decodes), the router's estimate (``ttft_s``) and the
+autoscaler's capacity model (``work_ms``, ``busy_step_ms``) all price with these methods, and
+none reads a coefficient itself: a new term is written here, once.
 """
 
 from __future__ import annotations
 
 import importlib.resources
 import json
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -143,13 +149,13 @@ class LatencyProfile:
 
     # -- the model ---------------------------------------------------------------------------
 
-    def chunk_ms(self, new_tokens: int, context: int) -> float:
+    def chunk_ms(self, new_tokens: float, context: float) -> float:
         """Cost of one prefill chunk inside a step (no ``base_ms``)."""
         return new_tokens * (
             self.prefill_token_ms + self.prefill_attn_ms * (context + new_tokens / 2)
         )
 
-    def pass_ms(self, new_tokens: int) -> float:
+    def pass_ms(self, new_tokens: float) -> float:
         """The fixed and squared part of a prefilling pass of ``new_tokens`` in all (no
         ``base_ms``)."""
         return self.prefill_pass_ms + self.prefill_sq_ms * new_tokens * new_tokens
@@ -160,16 +166,61 @@ class LatencyProfile:
             self.base_ms + self.pass_ms(uncached_tokens) + self.chunk_ms(uncached_tokens, context)
         ) / 1e3
 
+    def decode_ms(self, batch: int, context_tokens: float) -> float:
+        """Cost of a step's decodes (no ``base_ms``): ``batch`` requests attending
+        ``context_tokens`` in total. Affine in both (``decode_run`` and ``work_ms`` rely on it)."""
+        return (
+            self.decode_pass_ms + self.decode_seq_ms * batch + self.decode_ctx_ms * context_tokens
+        )
+
+    def decode_growth_ms(self, batch: int) -> float:
+        """How much longer each pure-decode step of ``batch`` requests is than the one before:
+        every request's context grew by its token."""
+        return self.decode_ctx_ms * batch
+
+    def step_s(
+        self, chunks: Sequence[tuple[int, int]], batch: int, context_tokens: float, load_tokens: int
+    ) -> float:
+        """One scheduler step: the prefill ``chunks`` (``(new tokens, tokens before)`` each), the
+        decodes of ``batch`` requests attending ``context_tokens`` in total, and the
+        ``load_tokens`` of KV it loads from the CPU tier."""
+        if not chunks and not batch:
+            return 0.0
+        ms, new = self.base_ms, 0
+        for n, before in chunks:
+            ms += self.chunk_ms(n, before)
+            new += n
+        if chunks:
+            ms += self.pass_ms(new)
+        if batch:
+            ms += self.decode_ms(batch, context_tokens)
+        return ms / 1e3 + self.load_s(load_tokens)
+
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         """A step that only decodes: ``batch`` requests attending ``context_tokens`` in total."""
         if batch <= 0:
             return 0.0
-        return (
-            self.base_ms
-            + self.decode_pass_ms
-            + self.decode_seq_ms * batch
-            + self.decode_ctx_ms * context_tokens
-        ) / 1e3
+        return (self.base_ms + self.decode_ms(batch, context_tokens)) / 1e3
+
+    @property
+    def busy_step_ms(self) -> float:
+        """The fixed cost of a busy engine's step (its steps decode), ``work_ms`` excluded."""
+        return self.base_ms + self.decode_ms(0, 0)
+
+    def work_ms(self, prompt_tokens: float, uncached_tokens: float, output_tokens: float) -> float:
+        """GPU time one request adds to a busy engine's steps beyond ``busy_step_ms``: its
+        ``uncached_tokens`` of prefill after the cached rest of ``prompt_tokens``, in chunks of
+        ``max_num_batched_tokens`` (each with its pass cost), then ``output_tokens`` decodes at
+        the request's mean context (the steady-state view of the capacity model)."""
+        o, u = max(output_tokens, 1.0), max(uncached_tokens, 0.0)
+        full, rest = divmod(u, self.max_num_batched_tokens)
+        prefill = self.chunk_ms(u, prompt_tokens - u) + full * self.pass_ms(
+            self.max_num_batched_tokens
+        )
+        if rest:
+            prefill += self.pass_ms(rest)
+        ctx = prompt_tokens + o / 2
+        return prefill + o * (self.decode_ms(1, ctx) - self.decode_ms(0, 0))
 
     def queue_s(self, tokens: int) -> float:
         """Queued prefill work priced at the rate of full ``max_num_batched_tokens`` steps

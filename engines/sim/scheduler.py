@@ -454,23 +454,17 @@ class Scheduler:
         self.waiting.appendleft(r)
 
     def _duration_s(self, step: Step) -> float:
-        p = self.profile
-        if not step.scheduled:
-            return 0.0
-        ms, batch, ctx, prefills, new = p.base_ms, 0, 0, False, 0
+        """The step's duration by the profile: its requests sorted into decodes (one new token
+        after a sampled one) and prefill chunks."""
+        batch, ctx = 0, 0
+        chunks: list[tuple[int, int]] = []
         for r, n, before in step.scheduled:
             if n == 1 and r.num_output > 0 and before == r.num_tokens - 1:
                 batch += 1
                 ctx += before + 1
             else:
-                ms += p.chunk_ms(n, before)
-                prefills = True
-                new += n
-        if prefills:
-            ms += p.pass_ms(new)
-        if batch:
-            ms += p.decode_pass_ms + p.decode_seq_ms * batch + p.decode_ctx_ms * ctx
-        return ms / 1e3 + p.load_s(step.load_tokens)
+                chunks.append((n, before))
+        return self.profile.step_s(chunks, batch, ctx, step.load_tokens)
 
     def complete(self, step: Step, end_s: float) -> list[tuple[SimRequest, list[int]]]:
         """Sample tokens for the requests the step finished computing; finish those done.
@@ -534,8 +528,8 @@ class Scheduler:
         if k <= 0:
             return 0, 0.0
         # the first step, ms
-        a = p.base_ms + p.decode_pass_ms + p.decode_seq_ms * batch + p.decode_ctx_ms * ctx0
-        d = p.decode_ctx_ms * batch  # growth per step, ms
+        a = p.base_ms + p.decode_ms(batch, ctx0)
+        d = p.decode_growth_ms(batch)  # growth per step, ms
         k = min(k, _steps_starting_before(a, d, (limit_s - now_s) * 1e3))
         bs, free = blocks.block_size, blocks.num_free
 

@@ -1,5 +1,5 @@
 """The autoscaling core's records (what a policy is handed, what it answers), its SLO, and
-the profile's capacity model of one replica."""
+the capacity model of one replica (over the profile's cost model, ``engines.sim.profile``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from engines.sim.profile import LatencyProfile
 
 # seconds between two decisions (the simulator's default; Ray's own loop runs every 0.1 s)
 DEFAULT_INTERVAL_S = 10.0
@@ -118,46 +120,8 @@ class Slo:
         return good / n
 
 
-class ProfileLike(Protocol):
-    """The latency profile fields the capacity model reads (``engines.sim.profile``), read
-    only: a frozen profile satisfies it."""
-
-    @property
-    def base_ms(self) -> float: ...
-
-    @property
-    def prefill_pass_ms(self) -> float: ...
-
-    @property
-    def prefill_sq_ms(self) -> float: ...
-
-    @property
-    def decode_pass_ms(self) -> float: ...
-
-    @property
-    def prefill_token_ms(self) -> float: ...
-
-    @property
-    def prefill_attn_ms(self) -> float: ...
-
-    @property
-    def decode_seq_ms(self) -> float: ...
-
-    @property
-    def decode_ctx_ms(self) -> float: ...
-
-    @property
-    def kv_capacity_tokens(self) -> int: ...
-
-    @property
-    def max_num_seqs(self) -> int: ...
-
-    @property
-    def max_num_batched_tokens(self) -> int: ...
-
-
 def replica_capacity(
-    profile: ProfileLike,
+    profile: LatencyProfile,
     prompt_tokens: float,
     uncached_tokens: float,
     output_tokens: float,
@@ -172,21 +136,14 @@ def replica_capacity(
     ``max_num_seqs``.
 
     The steady state of a colocated engine at rate ``lam``: each request spends ``W`` ms of
-    GPU work beyond the steps' fixed cost ``base`` (``base_ms`` and ``decode_pass_ms``: a busy
-    engine's steps decode; ``W``: its uncached prefill chunks, each with ``prefill_pass_ms`` and
-    ``prefill_sq_ms`` per squared token, plus ``O`` decode tokens at the mean context), and is in
-    decode for ``O`` steps; with step time ``tau`` the step holds ``lam tau`` requests' work, so
-    ``tau = base / (1 - lam W)``, and the decoding batch is ``lam O tau`` (Little). Closed form,
-    microseconds per call."""
+    GPU work beyond the steps' fixed cost ``base`` (the profile's ``work_ms`` and
+    ``busy_step_ms``), and is in decode for ``O`` steps; with step time ``tau`` the step holds
+    ``lam tau`` requests' work, so ``tau = base / (1 - lam W)``, and the decoding batch is
+    ``lam O tau`` (Little). Closed form, microseconds per call."""
     o = max(output_tokens, 1.0)
-    u = max(uncached_tokens, 0.0)
-    ctx = prompt_tokens + o / 2
-    prefill_ms = u * (profile.prefill_token_ms + profile.prefill_attn_ms * (prompt_tokens - u / 2))
-    prefill_ms += profile.prefill_pass_ms * math.ceil(u / profile.max_num_batched_tokens)
-    full, rest = divmod(u, profile.max_num_batched_tokens)
-    prefill_ms += profile.prefill_sq_ms * (full * profile.max_num_batched_tokens**2 + rest**2)
-    w_ms = prefill_ms + o * (profile.decode_seq_ms + profile.decode_ctx_ms * ctx)
-    base_ms = profile.base_ms + profile.decode_pass_ms
+    ctx = prompt_tokens + o / 2  # a decoding request's mean context: the KV it holds
+    w_ms = profile.work_ms(prompt_tokens, uncached_tokens, output_tokens)
+    base_ms = profile.busy_step_ms
     lam_util = max_utilization / w_ms  # per ms
     lam = lam_util
     tau_max = math.inf

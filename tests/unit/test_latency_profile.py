@@ -58,3 +58,25 @@ def test_a_bad_profile_file_names_the_field_as_the_file_spells_it(edit, message)
     edit(data)
     with pytest.raises(ValueError, match=re.escape(message)):
         LatencyProfile.from_dict(data)
+
+
+def test_a_request_works_what_its_steps_add_to_a_busy_engine() -> None:
+    """``work_ms`` (the capacity model's view of one request) is what the request's own steps
+    add to a busy engine's: its prefill chunks, each a pass of its own, and its decodes at
+    the request's mean context; ``busy_step_ms`` is that engine's step without them."""
+    p = LatencyProfile.load("dynamo-mocker-h100")
+    m = p.max_num_batched_tokens
+    prompt, u, out = 3 * m, 2 * m + 100, 7
+
+    def added_ms(chunks: list[tuple[int, int]], batch: int = 0, ctx: float = 0) -> float:
+        return (p.step_s(chunks, 4 + batch, 1000 + ctx, 0) - p.step_s([], 4, 1000, 0)) * 1e3
+
+    before = prompt - u
+    chunks = [(m, before), (m, before + m), (100, before + 2 * m)]
+    prefill = sum(added_ms([c]) for c in chunks)
+    decode = out * added_ms([], 1, prompt + out / 2)
+    assert p.work_ms(prompt, u, out) == pytest.approx(prefill + decode)
+    assert p.busy_step_ms == pytest.approx(
+        p.step_s([], 1, 0, 0) * 1e3 - p.decode_ms(1, 0) + p.decode_ms(0, 0)
+    )
+    assert p.step_s([], 0, 0, 4096) == 0.0  # no work, no step
