@@ -103,8 +103,9 @@ class LocalStack:
             )
             fwd.start()
             self.forwarders.append(fwd)
-        for pool in self.state.core.pools:
-            default = pool == self.state.core.default_pool.name
+        pools = list(self.state.pools)  # the default pool first
+        for pool in pools:
+            default = pool == pools[0]
             members = [
                 i for i in self.engines if self.pool_of.get(i, pool if default else "") == pool
             ]

@@ -211,7 +211,7 @@ class Ingress:
         state = self.dispatcher.state
         views, _ = state.observe(())
         healthy = [v.instance_id for v in views if v.healthy]
-        watcher = state.core.watcher
+        watcher = state.watcher
         if watcher is None:
             bus, routable = "none", healthy
         else:

@@ -430,8 +430,8 @@ class RouterMetrics:
         self.admission_rejected.labels("queue").set(admission.rejected_queue)
         self.bus_errors.set(state.bus_errors)
         self.resync_pending.set(len(state.needs_resync()))
-        self.kv_event_gaps.set(state.core.ingestor.gaps)
-        watcher = state.core.watcher
+        self.kv_event_gaps.set(state.event_gaps)
+        watcher = state.watcher
         if watcher is not None:
             self.kv_event_lag.set(watcher.event_lag_s)
             for why, n in watcher.dropped_loads.items():
@@ -452,7 +452,7 @@ class RouterMetrics:
         per_instance = (self.instance_waiting, self.instance_running, self.instance_kv_usage)
         for gauge in (*per_instance, self.pool_waiting, self.pool_running):
             gauge.clear()
-        pools: dict[str, list[int]] = {name: [0, 0] for name in state.core.pools}
+        pools: dict[str, list[int]] = {name: [0, 0] for name in state.pools}
         for v in state.views():
             self.instance_waiting.labels(v.instance_id).set(v.waiting)
             self.instance_running.labels(v.instance_id).set(v.running)

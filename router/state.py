@@ -17,10 +17,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from cachemap import CacheMap, Match
+from engines.liveness import EngineWatcher
 from router.admission import Admission
 from router.core import RouterCore
 from router.load import LoadTracker
 from router.placement import InstanceView, Placement, PlacementRequest, Scorer
+from router.pools import Pool
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,21 @@ class RouterState:
     @property
     def block_size(self) -> int:
         return self.core.block_size
+
+    @property
+    def watcher(self) -> EngineWatcher | None:
+        """The core's reader of the buses (None: the core is driven by hand)."""
+        return self.core.watcher
+
+    @property
+    def pools(self) -> dict[str, Pool]:
+        """The engine pools by name; the default pool first."""
+        return self.core.pools
+
+    @property
+    def event_gaps(self) -> int:
+        """KV event sequence gaps the map's ingestor has seen."""
+        return self.core.ingestor.gaps
 
     def sync_instances(self, instance_ids: Iterable[str], pool: str | None = None) -> None:
         with self._lock:
