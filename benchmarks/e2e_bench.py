@@ -223,7 +223,7 @@ def scrape_router_metrics(base: str) -> dict[str, Any]:
 def schedule(workload: list[str], rate: float, duration: float) -> tuple[list[Any], int]:
     """The schedule ``kvroute loadgen`` sends for ``workload`` at ``rate`` for ``duration``,
     and the block size of its hash ids."""
-    from loadgen.cli import add_workload_arguments, plan_workload
+    from loadgen.args import add_workload_arguments, plan_workload
 
     parser = argparse.ArgumentParser()
     add_workload_arguments(parser)
@@ -315,8 +315,8 @@ def validation(results: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the JSON
+def _parser() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--routers",
@@ -355,6 +355,42 @@ def main() -> None:
         help="also replay the same schedule in the cluster simulator and report simulated vs"
         " measured per router",
     )
+    return ap
+
+
+def _results(runs: dict[str, list[dict[str, Any]]]) -> tuple[float | None, dict[str, Any]]:
+    """The engines' slowdown over the profile (kv_ttft's calibrated ``a``, median over its runs;
+    None without one) and per router its runs, each given its ``no_wait_p50_ms``, beside their
+    medians."""
+    # NOTE: the engines run slower than the profile (one core each, shared with Ray, the ingress
+    # and loadgen); kv_ttft's online calibration measures by how much (its 'a'). Scaled by it,
+    # a run's idle-engine TTFT p50 is the p50 that run would have had if no request had ever
+    # waited for another: a floor for that run's p50 at the cache hits it got.
+    scales = [
+        run["router"]["ttft_calibration"]["a"]
+        for rs in runs.values()
+        for run in rs
+        if (run["router"].get("ttft_calibration") or {}).get("a")
+    ]
+    scale = statistics.median(scales) if scales else None
+    for rs in runs.values():
+        for run in rs:
+            idle = run["idle_ttft_p50_ms"]
+            run["no_wait_p50_ms"] = round(scale * idle, 1) if scale else None
+    keys = ("ttft_p50_ms", "ttft_p99_ms", "server_hit_rate", "no_wait_p50_ms")
+    results = {
+        r: {
+            **{f"median_{k}": median_or_none([run[k] for run in rs]) for k in keys},
+            "runs": rs,
+        }
+        for r, rs in runs.items()
+    }
+    return scale, results
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the JSON
+    ap = _parser()
     args = ap.parse_args()
     workload = list(WORKLOAD)
     for item in args.workload_arg:
@@ -411,29 +447,7 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    # NOTE: the engines run slower than the profile (one core each, shared with Ray, the ingress
-    # and loadgen); kv_ttft's online calibration measures by how much (its 'a'). Scaled by it,
-    # a run's idle-engine TTFT p50 is the p50 that run would have had if no request had ever
-    # waited for another: a floor for that run's p50 at the cache hits it got.
-    scales = [
-        run["router"]["ttft_calibration"]["a"]
-        for rs in runs.values()
-        for run in rs
-        if (run["router"].get("ttft_calibration") or {}).get("a")
-    ]
-    scale = statistics.median(scales) if scales else None
-    for rs in runs.values():
-        for run in rs:
-            idle = run["idle_ttft_p50_ms"]
-            run["no_wait_p50_ms"] = round(scale * idle, 1) if scale else None
-    keys = ("ttft_p50_ms", "ttft_p99_ms", "server_hit_rate", "no_wait_p50_ms")
-    results = {
-        r: {
-            **{f"median_{k}": median_or_none([run[k] for run in rs]) for k in keys},
-            "runs": rs,
-        }
-        for r, rs in runs.items()
-    }
+    scale, results = _results(runs)
     report: dict[str, Any] = {}
     if args.simulate:
         sim_args = (routers, args.rate, args.duration, workload, engine_opts)

@@ -48,6 +48,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -124,8 +126,8 @@ def fit_slowdown(plan: list[Any], tbs: int, n: int, measured_p50_ms: float, prof
     return round((lo * hi) ** 0.5, 4)
 
 
-def main() -> None:
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the JSON
+def _parser() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rate", type=float, default=3.0, help="requests/s of the sizing runs [3]")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of schedule [60]")
@@ -147,11 +149,153 @@ def main() -> None:
         default=3,
         help="measured runs per deployment size at --rate; the median is compared [3]",
     )
-    args = ap.parse_args()
+    return ap
+
+
+def _real(
+    port: int, profile: Any, instances: int, rate: float, duration: float, workload: list[str]
+) -> Any:
+    """One real run (``e2e_bench.run_router``) on the Serve instance at ``port``, once the box
+    is idle (``wait_quiet``)."""
+    quiet_after = wait_quiet()
+    res = run_router(ROUTER, rate, duration, port, workload, profile, instances=instances)
+    res["waited_for_quiet_s"] = quiet_after
+    print(f"real: {instances} engines, rate {rate}: {res['ttft_p50_ms']}", file=sys.stderr)
+    return res
+
+
+def _calibrate(
+    real: Callable[..., Any],
+    args: argparse.Namespace,
+    slow: dict[tuple[int, float], float],
+    profile: Any,
+) -> dict[str, Any]:
+    """Step 1 (see the module): each deployment's slowdown at each rate it is calibrated at, into
+    ``slow``, from a real run on other requests (seed 99); those ``slow`` has are skipped."""
+    calibration: dict[str, Any] = {}
+    other = list(WORKLOAD)
+    other[other.index("--seed") + 1] = "99"  # other requests than the measured runs'
+    for n, rate in ((1, args.rate), (2, args.rate), (2, 2 * args.rate)):
+        if (n, rate) in slow:
+            continue
+        res = real(n, rate, args.duration, other)
+        cal_plan, cal_tbs = schedule(other, rate, args.duration)
+        slow[(n, rate)] = fit_slowdown(cal_plan, cal_tbs, n, res["ttft_p50_ms"], profile)
+        calibration[f"{n}@{rate:g}"] = {
+            "measured_p50_ms": res["ttft_p50_ms"],
+            "slowdown": slow[(n, rate)],
+            "kv_ttft_calibration_a": (res["router"].get("ttft_calibration") or {}).get("a"),
+        }
+    return calibration
+
+
+def _predict(
+    args: argparse.Namespace, slow: dict[tuple[int, float], float], profile: Any, slo: Any
+) -> dict[str, Any]:
+    """Step 2 (see the module): the planner's attainment of 1 and 2 engines and the break rate
+    of 2, each run priced at the slowdown of its size and rate (interpolated from ``slow``)."""
+    from simulation.planner import RATE_STEPS_PER_DOUBLING, find_boundary
+    from simulation.pricing import Candidate, PlanSetup
+
+    def slowdown(n: int, rate: float) -> float:
+        pts = sorted((r, x) for (m, r), x in slow.items() if m == n)
+        if len(pts) == 1:
+            return pts[0][1]
+        (r0, x0), (r1, x1) = pts[0], pts[-1]
+        return max(1.0, x0 + (x1 - x0) * (rate - r0) / (r1 - r0))
+
+    plan, tbs = schedule(WORKLOAD, args.rate, args.duration)
+
+    def setup(n: int, rate: float) -> Any:
+        truth = profile.slowed(slowdown(n, rate))
+        return PlanSetup(plan, tbs, truth, ROUTER, settings=sim_settings_like_real({}, n),
+                         router_profile=profile)  # fmt: skip
+
+    pred: dict[str, Any] = {}
+    for n in (1, 2):
+        out = setup(n, args.rate).evaluate(Candidate(n), slo, False)
+        pred[str(n)] = predicted(out, slo)
+    # the break rate of 2 engines: each rate scale priced at the slowdown of its rate
+    base_rate = setup(2, args.rate).rate
+    per = RATE_STEPS_PER_DOUBLING
+
+    def meets(i: int) -> bool:
+        scale = 2 ** (i / per)
+        st = setup(2, base_rate * scale)
+        return st.evaluate(Candidate(2, rate_scale=scale), slo, True).passes(slo)
+
+    # the planner's search for the smallest grid index that fails (1/16 to 16 x --rate),
+    # each scale priced where it is asked about
+    lo, hi = -4 * per, 4 * per
+    first_fail = find_boundary(lo, hi, [0, per], meets, lambda _: None, step=per)
+    brk_i = None if first_fail == lo else (hi if first_fail is None else first_fail - 1)
+    brk = 2 ** (brk_i / per) if brk_i is not None else None
+    return {
+        **pred,
+        "break_rate_scale_2": brk,
+        "break_rate_rps_2": round(brk * base_rate, 3) if brk else None,
+        "slowdown_at_break": round(slowdown(2, brk * base_rate), 4) if brk else None,
+    }
+
+
+def _measure(
+    real: Callable[..., Any], args: argparse.Namespace, slo: Any, brk: float | None
+) -> dict[str, Any]:
+    """Step 3 (see the module): 1 and 2 engines at ``--rate`` (``--repeats`` runs each, their
+    median attainment), and 2 engines just below and just above the predicted break rate
+    ``brk`` (unless ``--skip-break``)."""
+    meas: dict[str, Any] = {}
+    for n in (1, 2):
+        runs = []
+        for _ in range(args.repeats):
+            res = real(n, args.rate, args.duration, list(WORKLOAD))
+            runs.append({**measured_attainment(res["records"], slo),
+                         "ttft_p50_ms": res["ttft_p50_ms"]})  # fmt: skip
+        atts = [r["attainment"] for r in runs]
+        meas[str(n)] = {
+            "attainment": statistics.median(atts),
+            "attainment_min": min(atts),
+            "attainment_max": max(atts),
+            "runs": runs,
+        }
+    if brk is not None and not args.skip_break:
+        for side, f in (("below", 1 - args.margin), ("above", 1 + args.margin)):
+            s = brk * f
+            res = real(2, args.rate, args.duration, [*WORKLOAD, "--rate-scale", str(s)])
+            m = measured_attainment(res["records"], slo)
+            m["rate_scale"] = round(s, 4)
+            meas[f"2_{side}_break"] = m
+    return meas
+
+
+def _checks(report: dict[str, Any], slo: Any) -> dict[str, Any]:
+    """The targets (see the module), each met or not, from the report's predictions and
+    measurements."""
+    checks: dict[str, Any] = {}
+    for n in ("1", "2"):
+        p, m = report["predicted"][n]["attainment"], report["measured"][n]["attainment"]
+        checks[f"attainment_{n}_points_off"] = round(abs(p - m) * 100, 2)
+        checks[f"attainment_{n}_within_10_points"] = abs(p - m) <= 0.10
+    checks["planner_says_1_fails_2_meets"] = (
+        not report["predicted"]["1"]["passes"] and report["predicted"]["2"]["passes"]
+    )
+    meas = report["measured"]
+    checks["measured_1_fails_2_meets"] = (
+        meas["1"]["attainment"] < slo.attainment <= meas["2"]["attainment"]
+    )
+    if "2_below_break" in meas:
+        checks["break_rate_within_margin"] = (
+            meas["2_below_break"]["meets"] and not meas["2_above_break"]["meets"]
+        )
+    return checks
+
+
+def main() -> None:
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the JSON
+    args = _parser().parse_args()
 
     from engines.sim.profile import LatencyProfile
-    from simulation.planner import RATE_STEPS_PER_DOUBLING, find_boundary
-    from simulation.pricing import Candidate, PlanSetup, Slo
+    from simulation.pricing import Slo
 
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment)
     profile = LatencyProfile.load(PROFILE)
@@ -184,115 +328,17 @@ def main() -> None:
         "note": "the measured runs (seed 7) never feed the planner; calibration runs use seed 99",
         "workload": WORKLOAD,
     }
-
-    def real(instances: int, rate: float, duration: float, workload: list[str]) -> Any:
-        quiet_after = wait_quiet()
-        res = run_router(ROUTER, rate, duration, port, workload, profile, instances=instances)
-        res["waited_for_quiet_s"] = quiet_after
-        print(f"real: {instances} engines, rate {rate}: {res['ttft_p50_ms']}", file=sys.stderr)
-        return res
-
+    real = partial(_real, port, profile)
     try:
-        calibration: dict[str, Any] = {}
-        other = list(WORKLOAD)
-        other[other.index("--seed") + 1] = "99"  # other requests than the measured runs'
-        for n, rate in ((1, args.rate), (2, args.rate), (2, 2 * args.rate)):
-            if (n, rate) in slow:
-                continue
-            res = real(n, rate, args.duration, other)
-            cal_plan, cal_tbs = schedule(other, rate, args.duration)
-            slow[(n, rate)] = fit_slowdown(cal_plan, cal_tbs, n, res["ttft_p50_ms"], profile)
-            calibration[f"{n}@{rate:g}"] = {
-                "measured_p50_ms": res["ttft_p50_ms"],
-                "slowdown": slow[(n, rate)],
-                "kv_ttft_calibration_a": (res["router"].get("ttft_calibration") or {}).get("a"),
-            }
-        report["calibration"] = calibration
+        report["calibration"] = _calibrate(real, args, slow, profile)
         report["slowdown"] = {f"{n}@{r:g}": x for (n, r), x in sorted(slow.items())}
-
-        def slowdown(n: int, rate: float) -> float:
-            pts = sorted((r, x) for (m, r), x in slow.items() if m == n)
-            if len(pts) == 1:
-                return pts[0][1]
-            (r0, x0), (r1, x1) = pts[0], pts[-1]
-            return max(1.0, x0 + (x1 - x0) * (rate - r0) / (r1 - r0))
-
-        plan, tbs = schedule(WORKLOAD, args.rate, args.duration)
-
-        def setup(n: int, rate: float) -> Any:
-            truth = profile.slowed(slowdown(n, rate))
-            return PlanSetup(plan, tbs, truth, ROUTER, settings=sim_settings_like_real({}, n),
-                             router_profile=profile)  # fmt: skip
-
-        pred: dict[str, Any] = {}
-        for n in (1, 2):
-            out = setup(n, args.rate).evaluate(Candidate(n), slo, False)
-            pred[str(n)] = predicted(out, slo)
-        # the break rate of 2 engines: each rate scale priced at the slowdown of its rate
-        base_rate = setup(2, args.rate).rate
-        per = RATE_STEPS_PER_DOUBLING
-
-        def meets(i: int) -> bool:
-            scale = 2 ** (i / per)
-            st = setup(2, base_rate * scale)
-            return st.evaluate(Candidate(2, rate_scale=scale), slo, True).passes(slo)
-
-        # the planner's search for the smallest grid index that fails (1/16 to 16 x --rate),
-        # each scale priced where it is asked about
-        lo, hi = -4 * per, 4 * per
-        first_fail = find_boundary(lo, hi, [0, per], meets, lambda _: None, step=per)
-        brk_i = None if first_fail == lo else (hi if first_fail is None else first_fail - 1)
-        brk = 2 ** (brk_i / per) if brk_i is not None else None
-        report["predicted"] = {
-            **pred,
-            "break_rate_scale_2": brk,
-            "break_rate_rps_2": round(brk * base_rate, 3) if brk else None,
-            "slowdown_at_break": round(slowdown(2, brk * base_rate), 4) if brk else None,
-        }
+        report["predicted"] = _predict(args, slow, profile, slo)
         print(f"predicted: {report['predicted']}", file=sys.stderr)
-
-        meas: dict[str, Any] = {}
-        for n in (1, 2):
-            runs = []
-            for _ in range(args.repeats):
-                res = real(n, args.rate, args.duration, list(WORKLOAD))
-                runs.append({**measured_attainment(res["records"], slo),
-                             "ttft_p50_ms": res["ttft_p50_ms"]})  # fmt: skip
-            atts = [r["attainment"] for r in runs]
-            meas[str(n)] = {
-                "attainment": statistics.median(atts),
-                "attainment_min": min(atts),
-                "attainment_max": max(atts),
-                "runs": runs,
-            }
-        if brk is not None and not args.skip_break:
-            for side, f in (("below", 1 - args.margin), ("above", 1 + args.margin)):
-                s = brk * f
-                res = real(2, args.rate, args.duration, [*WORKLOAD, "--rate-scale", str(s)])
-                m = measured_attainment(res["records"], slo)
-                m["rate_scale"] = round(s, 4)
-                meas[f"2_{side}_break"] = m
-        report["measured"] = meas
+        report["measured"] = _measure(real, args, slo, report["predicted"]["break_rate_scale_2"])
     finally:
         serve.shutdown()
         ray.shutdown()
-    checks: dict[str, Any] = {}
-    for n in ("1", "2"):
-        p, m = report["predicted"][n]["attainment"], report["measured"][n]["attainment"]
-        checks[f"attainment_{n}_points_off"] = round(abs(p - m) * 100, 2)
-        checks[f"attainment_{n}_within_10_points"] = abs(p - m) <= 0.10
-    checks["planner_says_1_fails_2_meets"] = (
-        not report["predicted"]["1"]["passes"] and report["predicted"]["2"]["passes"]
-    )
-    meas = report["measured"]
-    checks["measured_1_fails_2_meets"] = (
-        meas["1"]["attainment"] < slo.attainment <= meas["2"]["attainment"]
-    )
-    if "2_below_break" in meas:
-        checks["break_rate_within_margin"] = (
-            meas["2_below_break"]["meets"] and not meas["2_above_break"]["meets"]
-        )
-    report["checks"] = checks
+    report["checks"] = _checks(report, slo)
     sys.stdout.flush()
     os.dup2(json_fd, 1)
     print(json.dumps(report, indent=2))

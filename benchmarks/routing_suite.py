@@ -1,14 +1,14 @@
 """The routing suite: every router on workloads it was never tuned on, at loads set by a rule.
 
-Workloads (``WORKLOADS``): the shared Mooncake conversation trace (``conversation``), the
-synthetic ``to-b``, ``mix``, ``agentic`` and ``rag`` (``loadgen.synthetic``), and the Azure LLM
-inference 2023 conversation trace (``azure-conv``, its prefixes drawn by
-``loadgen.traces.PrefixModel``). Any trace file ``kvroute simulate --trace`` reads (Mooncake or
-Bailian JSONL, Azure or BurstGPT CSV) is a workload too, named by its path in ``--workloads``:
-the suite's loads, seeds and table apply to it unchanged. Each run is the first ``--requests``
-requests of the workload (a trace's first requests, its gaps divided by the rate scale; a
-synthetic workload generated at ``SYNTH_BASE_RATE`` times the rate scale for as long as that
-many requests take).
+Workloads (``WORKLOADS``, in ``benchmarks/routing_workloads.py``): the shared Mooncake
+conversation trace (``conversation``), the synthetic ``to-b``, ``mix``, ``agentic`` and ``rag``
+(``loadgen.synthetic``), and the Azure LLM inference 2023 conversation trace (``azure-conv``, its
+prefixes drawn by ``loadgen.traces.PrefixModel``). Any trace file ``kvroute simulate --trace``
+reads (Mooncake or Bailian JSONL, Azure or BurstGPT CSV) is a workload too, named by its path in
+``--workloads``: the suite's loads, seeds and table apply to it unchanged. Each run is the first
+``--requests`` requests of the workload (a trace's first requests, its gaps divided by the rate
+scale; a synthetic workload generated at ``SYNTH_BASE_RATE`` times the rate scale for as long as
+that many requests take).
 
 Loads, by rule, per workload: L1 is the rate scale at which round_robin's TTFT p50 is twice its
 idle p50 (the p50 at rate scale ``IDLE_SCALE``), found by bisection in log scale on
@@ -60,34 +60,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
 
-from benchmarks.common import TRACES, print_json
+from benchmarks.common import print_json
+from benchmarks.routing_table import table
+from benchmarks.routing_workloads import SYNTH_BASE_RATE, WORKLOADS, make_plan, parse_workloads
 from engines.base import LOAD_INTERVAL_S
 from engines.sim.profile import LatencyProfile
 from loadgen.metrics import summarize
-from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate_count
-from loadgen.traces import PrefixModel, TraceRequest, load_trace
-from loadgen.workloads import Planned, build_schedule, ideal_hit_rate
+from loadgen.workloads import Planned, ideal_hit_rate
 from router.inflight import DEFAULT_INFLIGHT_PROMPTS
 from router.placement import parse_options, scorer_names
 from simulation.cluster import simulate
 from simulation.jobs import DEFAULT_JOBS, run_each
+from simulation.measures import excess_ttfts
 from simulation.options import POOL_FLAGS, add_pool_arguments, parse_router, parse_routers
 from simulation.settings import Perturbation, SimSettings, ideal_ttfts
-from simulation.simulate_cmd import excess_ttfts
 from simulation.tenants import check_tenants, isolate
 
-WORKLOADS: dict[str, str] = {
-    # name: a trace file under TRACES, or a ``loadgen.synthetic`` workload
-    "conversation": "mooncake_conversation.jsonl",
-    "to-b": "to-b",
-    "mix": "mix",
-    "agentic": "agentic",
-    "rag": "rag",
-    "azure-conv": "azure_llm_2023_conv.csv",
-}
-# a workload that names a file with one of these is a trace (``loadgen.traces.load_trace``)
-TRACE_SUFFIXES = (".jsonl", ".csv")
-SYNTH_BASE_RATE = SynthParams().rate  # req/s of a synthetic workload at rate scale 1
 IDLE_SCALE = 0.05  # the rate scale whose round_robin p50 is the idle p50
 MAX_SCALE = 256.0  # the search gives up above this rate scale (``capped`` in its output)
 L2_OVER_L1 = 1.5
@@ -108,35 +96,8 @@ METRICS: tuple[str, ...] = (
     "spread",
 )
 
-# loaded traces (and their block size) by (file, prefix model seed)
-_traces: dict[tuple[str, int], tuple[list[TraceRequest], int]] = {}
-
-
-def _trace(path: Path, seed: int) -> tuple[list[TraceRequest], int]:
-    """A trace's requests and block size, loaded once per process (a CSV's prefixes drawn with
-    ``seed``; a JSONL trace carries its own)."""
-    key = (str(path), seed if path.suffix == ".csv" else 0)
-    if key not in _traces:
-        trace = load_trace(path, prefix_model=PrefixModel(seed=seed))
-        _traces[key] = (trace.requests, trace.block_size)
-    return _traces[key]
-
-
-def make_plan(
-    workload: str,
-    scale: float,
-    seed: int,
-    requests: int,
-    traces: Path = TRACES,
-) -> tuple[list[Planned], int]:
-    """The first ``requests`` requests of ``workload`` at rate scale ``scale``, seeded:
-    ``(plan, block size of its hash ids)``."""
-    source = WORKLOADS.get(workload, workload)  # else a trace file's path (``_workloads``)
-    if source.endswith(TRACE_SUFFIXES):
-        reqs, block = _trace(traces / source, seed)
-        return build_schedule(reqs, time_scale=1.0 / scale, max_requests=requests), block
-    reqs = generate_count(source, requests, SYNTH_BASE_RATE * scale, seed)
-    return build_schedule(reqs), SYNTH_BLOCK_SIZE
+# a run of the suite: (workload, load, seed, plan, block size, each request's ideal TTFT)
+Cell = tuple[str, str, int, list[Planned], int, list[float]]
 
 
 def _with_tier(
@@ -280,6 +241,71 @@ def _spread_stats(values: list[Any]) -> dict[str, Any]:
     }
 
 
+def _loads(
+    workloads: list[str],
+    loads: dict[str, Any] | None,
+    requests: int,
+    steps: int,
+    truth: LatencyProfile,
+    instances: int,
+    jobs: int,
+    log: Callable[[str], None],
+) -> dict[str, Any]:
+    """Each workload's loads: a previous output's (``loads``) where it has them, else found by
+    the rule (``find_l1`` on ``requests`` requests a probe), ``jobs`` searches at a time."""
+    chosen = {w: v for w, v in (loads or {}).items() if w in workloads}
+    todo = [w for w in workloads if w not in chosen]
+    if todo:
+        log(f"routing suite: searching L1 for {', '.join(todo)} ({requests} requests a probe)")
+        found = run_each(
+            [partial(find_l1, w, requests, steps, truth, instances) for w in todo], jobs
+        )
+        chosen.update(zip(todo, found, strict=True))
+    return chosen
+
+
+def _plans(
+    workloads: list[str],
+    loads: dict[str, Any],
+    seeds: int,
+    requests: int,
+    tenants: int,
+    truth: LatencyProfile,
+    instances: int,
+) -> tuple[list[Cell], dict[str, dict[str, list[float]]]]:
+    """Every run's plan, per workload x load x seed (split into ``tenants`` isolated tenants),
+    and per workload and load the virtual seconds from each run's first to its last arrival."""
+    cells: list[Cell] = []
+    spans: dict[str, dict[str, list[float]]] = {}
+    for w in workloads:
+        for load, key in (("L1", "l1_scale"), ("L2", "l2_scale")):
+            for seed in range(seeds):
+                plan, block = make_plan(w, loads[w][key], seed, requests)
+                plan = isolate(plan, tenants, seed)
+                span = plan[-1].offset_s - plan[0].offset_s if plan else 0.0
+                spans.setdefault(w, {}).setdefault(load, []).append(round(span, 2))
+                ideal = ideal_ttfts(plan, block, truth, settings_for(seed, instances))
+                cells.append((w, load, seed, plan, block, ideal))
+    return cells, spans
+
+
+def _results(cells: list[Cell], routers: list[str], out: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs' metrics (``out``: per cell, a run per router) as a row per workload, load and
+    router: each metric's spread over the seeds, the completed requests and the wall time."""
+    results: dict[str, Any] = {}
+    it = iter(out)
+    raw: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for w, load, _seed, _p, _b, _i in cells:
+        for r in routers:
+            raw.setdefault((w, load, r), []).append(next(it))
+    for (w, load, r), runs in raw.items():
+        row: dict[str, Any] = {m: _spread_stats([x[m] for x in runs]) for m in METRICS}
+        row["completed"] = [x["completed"] for x in runs]
+        row["wall_s"] = round(sum(x["wall_s"] for x in runs), 2)
+        results.setdefault(w, {}).setdefault(load, {})[r] = row
+    return results
+
+
 def run_suite(
     workloads: list[str],
     routers: list[str],
@@ -314,24 +340,9 @@ def run_suite(
     steps = BISECT_STEPS[q] if bisect_steps is None else bisect_steps
     truth = LatencyProfile.load(profile)
     t0 = time.perf_counter()
-    chosen = {w: v for w, v in (loads or {}).items() if w in workloads}
-    todo = [w for w in workloads if w not in chosen]
-    if todo:
-        log(f"routing suite: searching L1 for {', '.join(todo)} ({nb} requests a probe)")
-        found = run_each([partial(find_l1, w, nb, steps, truth, instances) for w in todo], jobs)
-        chosen.update(zip(todo, found, strict=True))
+    chosen = _loads(workloads, loads, nb, steps, truth, instances, jobs, log)
     search_s = time.perf_counter() - t0
-    cells = []  # (workload, load, seed, plan, block, ideal)
-    spans: dict[str, dict[str, list[float]]] = {}  # virtual seconds from first to last arrival
-    for w in workloads:
-        for load, key in (("L1", "l1_scale"), ("L2", "l2_scale")):
-            for seed in range(seeds):
-                plan, block = make_plan(w, chosen[w][key], seed, n)
-                plan = isolate(plan, tenants, seed)
-                span = plan[-1].offset_s - plan[0].offset_s if plan else 0.0
-                spans.setdefault(w, {}).setdefault(load, []).append(round(span, 2))
-                ideal = ideal_ttfts(plan, block, truth, settings_for(seed, instances))
-                cells.append((w, load, seed, plan, block, ideal))
+    cells, spans = _plans(workloads, chosen, seeds, n, tenants, truth, instances)
     calls = [
         partial(
             measure,
@@ -356,18 +367,7 @@ def run_suite(
     ]
     log(f"routing suite: {len(calls)} simulations of {n} requests, {jobs} at a time")
     t1 = time.perf_counter()
-    out = run_each(calls, jobs)
-    results: dict[str, Any] = {}
-    it = iter(out)
-    raw: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
-    for w, load, _seed, _p, _b, _i in cells:
-        for r in routers:
-            raw.setdefault((w, load, r), []).append(next(it))
-    for (w, load, r), runs in raw.items():
-        row: dict[str, Any] = {m: _spread_stats([x[m] for x in runs]) for m in METRICS}
-        row["completed"] = [x["completed"] for x in runs]
-        row["wall_s"] = round(sum(x["wall_s"] for x in runs), 2)
-        results.setdefault(w, {}).setdefault(load, {})[r] = row
+    results = _results(cells, routers, run_each(calls, jobs))
     meta_tenants = {"tenants": tenants} if tenants > 1 else {}
     return {
         "meta": {
@@ -402,87 +402,8 @@ def run_suite(
     }
 
 
-def _cell(s: dict[str, Any], digits: int) -> str:
-    if s["mean"] is None:
-        return "-"
-    f = f"{{:,.{digits}f}}"
-    if s["min"] == s["max"]:
-        return f.format(s["mean"])
-    return f"{f.format(s['mean'])} ({f.format(s['min'])}-{f.format(s['max'])})"
-
-
-def table(doc: dict[str, Any]) -> str:
-    """The results as text: one block per workload and load, a row per router."""
-    cols = [
-        ("TTFT p50", "ttft_p50_ms", 0),
-        ("TTFT p99", "ttft_p99_ms", 0),
-        ("excess mean", "excess_mean_ms", 0),
-        ("excess p99", "excess_p99_ms", 0),
-        ("TPOT p99", "tpot_p99_ms", 1),
-        ("hit", "hit_rate", 3),
-        ("goodput/s", "goodput_rps", 2),
-        ("max/min req", "spread", 2),
-    ]
-    lines = []
-    for w, by_load in doc["results"].items():
-        ld = doc["loads"][w]
-        for load, rows in by_load.items():
-            scale = ld["l1_scale"] if load == "L1" else ld["l2_scale"]
-            span = doc["meta"].get("arrival_span_s", {}).get(w, {}).get(load)
-            lines.append(
-                f"\n{w} {load} (rate scale {scale:g}; round_robin idle p50 "
-                f"{ld['idle_p50_ms']:g} ms"
-                + (f"; arrivals over {np.mean(span):.1f} s" if span else "")
-                + ")"
-            )
-            cells = [["router", *(c[0] for c in cols)]]
-            for r, row in rows.items():
-                cells.append([r, *(_cell(row[k], d) for _, k, d in cols)])
-            widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
-            for c in cells:
-                lines.append(
-                    "  ".join(
-                        x.ljust(wd) if i == 0 else x.rjust(wd)
-                        for i, (x, wd) in enumerate(zip(c, widths, strict=True))
-                    )
-                )
-    m = doc["meta"]
-    lines.append(
-        f"\nms; mean (min-max) over {m['seeds']} seeds; {m['requests_per_run']} requests a run, "
-        f"{m['instances']} x {m['profile']}; goodput at TTFT <= {m['slo_ttft_ms']:g} ms and "
-        f"TPOT <= {m['slo_tpot_ms']:g} ms; wall {m['wall_s']:g} s"
-    )
-    return "\n".join(lines)
-
-
-def _workloads(raw: str) -> list[str]:
-    """``--workloads``: suite names, or trace files by path (resolved, and loaded here, into
-    the cache ``make_plan`` reads, so that a bad file is named before any run)."""
-    out = []
-    for x in (x.strip() for x in raw.split(",")):
-        if not x:
-            continue
-        if x in WORKLOADS:
-            out.append(x)
-            continue
-        if not x.endswith(TRACE_SUFFIXES):
-            valid = ", ".join([*WORKLOADS, "a trace file (.jsonl, .csv)"])
-            raise ValueError(f"--workloads: unknown {x}; valid: {valid}")
-        path = Path(x).resolve()
-        if not path.is_file():
-            raise ValueError(f"--workloads: no trace file {x!r}")
-        try:
-            if not _trace(path, 0)[0]:
-                raise ValueError("no requests in it")
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--workloads: cannot read trace {x!r}: {e}") from None
-        out.append(str(path))
-    if not out:
-        raise ValueError("--workloads: none given")
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The suite's command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
         "--workloads",
@@ -563,9 +484,13 @@ def main(argv: list[str] | None = None) -> int:
         f"--load-interval-ms [{LOAD_INTERVAL_S * 1e3:g}]",
     )
     add_pool_arguments(ap.add_argument_group("the cluster KV pool (the routers' runs)"))
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
-        workloads = _workloads(args.workloads)
+        workloads = parse_workloads(args.workloads)
         routers = [label for label, _, _ in parse_routers(args.routers)]
         for v, flag in (
             (args.seeds, "--seeds"),

@@ -59,6 +59,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.transfer_pd_ttft import PROMPTS, pd_ttft
 from engines.pd.layout import LayerSpec, gather_blocks, layer_specs, scatter_blocks
 from engines.pd.transfer import KVTransport
 from engines.ports import free_port
@@ -70,7 +71,6 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 DTYPE = torch.bfloat16
 SIZES_MIB = [1, 4, 16, 64, 256]
-PROMPTS = {"1k": 1024, "4k": 4096}
 
 
 def block_bytes(cfg: dict[str, Any]) -> int:
@@ -194,6 +194,101 @@ def _rank(rank: int, port: int, args: argparse.Namespace, cases: list[Any], q: A
         q.put(("error", f"rank {rank}: {traceback.format_exc()}"))
 
 
+def _run_case(
+    t: KVTransport,
+    rank: int,
+    ci: int,
+    case: dict[str, Any],
+    cache: list[torch.Tensor],
+    args: argparse.Namespace,
+    rng: random.Random,
+) -> dict[str, Any]:
+    """Case ``ci`` on this rank, between the ranks' ``cache``s: its staging, wire and end-to-end
+    times over ``--reps`` (after one to warm up), the medians of this rank's side (rank 1's with
+    the receiver's figures and whether the blocks arrived intact)."""
+    device = cache[0].device
+    store = t.store
+    pg = t._pg  # the raw group, for the wire-only measurement
+    peer = 1 - rank
+    cfg = MODELS[case["model"]]
+    specs = layer_specs(cache)
+    n = case["blocks"]
+    bb = block_bytes(cfg)
+    nbytes = n * bb
+    bpc = max(1, t.chunk_bytes // bb)
+    chunk_sizes = [(min(n, lo + bpc) - lo) * bb for lo in range(0, n, bpc)]
+    # the wire alone moves what the transport's staging buffers hold: pinned host memory
+    # for a GPU cache over Gloo, the GPU's for NCCL
+    pin = device.type == "cuda" and args.backend == "gloo"
+    stage = torch.zeros(min(n, bpc) * bb, dtype=torch.uint8, device=t.comm_device, pin_memory=pin)
+    num_cache_blocks = cache[0].shape[0]
+    gather_s, scatter_s, wire_s, e2e_s = [], [], [], []
+    send_split: list[tuple[float, float]] = []
+    recv_split: list[tuple[float, float]] = []
+    ok = True
+    for rep in range(args.reps + 1):  # the first one warms up
+        src_ids = rng.sample(range(num_cache_blocks), n)  # the same on both ranks
+        dst_ids = rng.sample(range(num_cache_blocks), n)
+        # staging alone, in process
+        if rank == 0:
+            g = _timed_staging(specs, src_ids, stage, bpc, gather=True)
+        else:
+            s = _timed_staging(specs, dst_ids, stage, bpc, gather=False)
+        # wire alone: the same chunks as plain buffers
+        store.set(f"w{ci}.{rep}.{rank}", "1")
+        store.wait([f"w{ci}.{rep}.{peer}"])
+        t0 = time.perf_counter()
+        works: list[Any] = []
+        for c, size in enumerate(chunk_sizes):  # the transport's tags, depth in flight
+            if len(works) == args.depth:
+                works.pop(0).wait()
+            op = pg.send if rank == 0 else pg.recv
+            works.append(op([stage[:size]], peer, t._payload_tag(c)))
+        for work in works:
+            work.wait()
+        sync(t.comm_device)
+        w = time.perf_counter() - t0
+        # end to end: the receiver is waiting before the sender starts
+        if rank == 1:
+            store.set(f"r{ci}.{rep}", "1")
+            st = t.recv_blocks(0, f"req-{ci}-{rep}", specs, dst_ids)
+            sync(device)  # the last chunk's scatter is queued on the GPU
+            t_end = time.perf_counter()
+            t_start = float(store.get(f"s{ci}.{rep}").decode())
+            if rep == args.reps:  # rank 0's pattern (seed 0) in the freshly written blocks
+                ok = check_blocks(cache, src_ids, dst_ids, seed=0)
+        else:
+            store.wait([f"r{ci}.{rep}"])
+            t_start = time.perf_counter()
+            st = t.send_blocks(1, f"req-{ci}-{rep}", specs, src_ids)
+            store.set(f"s{ci}.{rep}", repr(t_start))
+        if rep == 0:
+            continue
+        if rank == 0:
+            gather_s.append(g)
+            send_split.append((st.staging_s, st.wait_s))
+        else:
+            scatter_s.append(s)
+            recv_split.append((st.staging_s, st.wait_s))
+            e2e_s.append(t_end - t_start)
+        wire_s.append(w)
+    out: dict[str, Any] = {"case": ci, "rank": rank}
+    if rank == 0:
+        out["gather_s"] = statistics.median(gather_s)
+        out["sender_staging_s"] = statistics.median(x for x, _ in send_split)
+        out["sender_wait_s"] = statistics.median(x for _, x in send_split)
+    else:
+        out["scatter_s"] = statistics.median(scatter_s)
+        out["wire_s"] = statistics.median(wire_s)
+        out["e2e_s"] = statistics.median(e2e_s)
+        out["e2e_min_s"] = min(e2e_s)
+        out["receiver_staging_s"] = statistics.median(x for x, _ in recv_split)
+        out["receiver_wait_s"] = statistics.median(x for _, x in recv_split)
+        out["verified"] = ok
+        out["bytes"] = nbytes
+    return out
+
+
 def _run_rank(
     rank: int, port: int, args: argparse.Namespace, cases: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -213,7 +308,6 @@ def _run_rank(
         device=device if args.backend == "nccl" else None,
     )
     store = t.store
-    pg = t._pg  # the raw group, for the wire-only measurement
     peer = 1 - rank
     rng = random.Random(1234)
     results = []
@@ -224,85 +318,7 @@ def _run_rank(
             caches.clear()
             most = max(c["blocks"] for c in cases if c["model"] == case["model"])
             caches[case["model"]] = make_cache(cfg, int(most * 1.25) + 4, rank, device)
-        cache = caches[case["model"]]
-        specs = layer_specs(cache)
-        n = case["blocks"]
-        bb = block_bytes(cfg)
-        nbytes = n * bb
-        bpc = max(1, t.chunk_bytes // bb)
-        chunk_sizes = [(min(n, lo + bpc) - lo) * bb for lo in range(0, n, bpc)]
-        # the wire alone moves what the transport's staging buffers hold: pinned host memory
-        # for a GPU cache over Gloo, the GPU's for NCCL
-        pin = device.type == "cuda" and args.backend == "gloo"
-        stage = torch.zeros(
-            min(n, bpc) * bb, dtype=torch.uint8, device=t.comm_device, pin_memory=pin
-        )
-        num_cache_blocks = cache[0].shape[0]
-        gather_s, scatter_s, wire_s, e2e_s = [], [], [], []
-        send_split: list[tuple[float, float]] = []
-        recv_split: list[tuple[float, float]] = []
-        ok = True
-        for rep in range(args.reps + 1):  # the first one warms up
-            src_ids = rng.sample(range(num_cache_blocks), n)  # the same on both ranks
-            dst_ids = rng.sample(range(num_cache_blocks), n)
-            # staging alone, in process
-            if rank == 0:
-                g = _timed_staging(specs, src_ids, stage, bpc, gather=True)
-            else:
-                s = _timed_staging(specs, dst_ids, stage, bpc, gather=False)
-            # wire alone: the same chunks as plain buffers
-            store.set(f"w{ci}.{rep}.{rank}", "1")
-            store.wait([f"w{ci}.{rep}.{peer}"])
-            t0 = time.perf_counter()
-            works: list[Any] = []
-            for c, size in enumerate(chunk_sizes):  # the transport's tags, depth in flight
-                if len(works) == args.depth:
-                    works.pop(0).wait()
-                op = pg.send if rank == 0 else pg.recv
-                works.append(op([stage[:size]], peer, t._payload_tag(c)))
-            for work in works:
-                work.wait()
-            sync(t.comm_device)
-            w = time.perf_counter() - t0
-            # end to end: the receiver is waiting before the sender starts
-            if rank == 1:
-                store.set(f"r{ci}.{rep}", "1")
-                st = t.recv_blocks(0, f"req-{ci}-{rep}", specs, dst_ids)
-                sync(device)  # the last chunk's scatter is queued on the GPU
-                t_end = time.perf_counter()
-                t_start = float(store.get(f"s{ci}.{rep}").decode())
-                if rep == args.reps:  # rank 0's pattern (seed 0) in the freshly written blocks
-                    ok = check_blocks(cache, src_ids, dst_ids, seed=0)
-            else:
-                store.wait([f"r{ci}.{rep}"])
-                t_start = time.perf_counter()
-                st = t.send_blocks(1, f"req-{ci}-{rep}", specs, src_ids)
-                store.set(f"s{ci}.{rep}", repr(t_start))
-            if rep == 0:
-                continue
-            if rank == 0:
-                gather_s.append(g)
-                send_split.append((st.staging_s, st.wait_s))
-            else:
-                scatter_s.append(s)
-                recv_split.append((st.staging_s, st.wait_s))
-                e2e_s.append(t_end - t_start)
-            wire_s.append(w)
-        out: dict[str, Any] = {"case": ci, "rank": rank}
-        if rank == 0:
-            out["gather_s"] = statistics.median(gather_s)
-            out["sender_staging_s"] = statistics.median(x for x, _ in send_split)
-            out["sender_wait_s"] = statistics.median(x for _, x in send_split)
-        else:
-            out["scatter_s"] = statistics.median(scatter_s)
-            out["wire_s"] = statistics.median(wire_s)
-            out["e2e_s"] = statistics.median(e2e_s)
-            out["e2e_min_s"] = min(e2e_s)
-            out["receiver_staging_s"] = statistics.median(x for x, _ in recv_split)
-            out["receiver_wait_s"] = statistics.median(x for _, x in recv_split)
-            out["verified"] = ok
-            out["bytes"] = nbytes
-        results.append(out)
+        results.append(_run_case(t, rank, ci, case, caches[case["model"]], args, rng))
     # rank 0 hosts the store: it leaves last
     store.set(f"done.{rank}", "1")
     store.wait([f"done.{peer}"])
@@ -314,116 +330,8 @@ def _run_rank(
     return results
 
 
-def pd_ttft(args: argparse.Namespace) -> dict[str, Any]:
-    """Added TTFT of a PD request over a colocated one, with two real engines (``--engines``)."""
-    import asyncio
-
-    from engines.base import EngineRequest, SamplingParams
-    from engines.pd.connector import kv_transfer_config
-    from engines.tiny_model import build_tiny_model
-    from engines.vllm_engine import VllmEngine
-
-    block = 32
-    max_len = max(PROMPTS.values()) + 4 * block
-    rng = random.Random(0)
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(5, 405) for _ in range(n)]
-
-    async def first_token(eng: VllmEngine, rid: str, ids: list[int], params: Any) -> Any:
-        sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        last = None
-        async for out in eng.generate(EngineRequest(rid, ids, sampling, kv_transfer_params=params)):
-            last = out
-        assert last is not None and last.finished and last.finish_reason == "length", last
-        return last
-
-    async def run() -> dict[str, Any]:
-        path = build_tiny_model(preset=args.engine_model)
-        common: dict[str, Any] = {"block_size": block, "max_model_len": max_len}
-        prefill = VllmEngine(
-            path, "bench-prefill", kv_transfer_config=kv_transfer_config(port=free_port()), **common
-        )
-        decode = VllmEngine(
-            path, "bench-decode", kv_transfer_config=kv_transfer_config(port=None), **common
-        )
-        await prefill.start()
-        await decode.start()
-        rows: dict[str, Any] = {}
-        try:
-            n_req = 0
-
-            async def one(n: int) -> dict[str, float]:
-                nonlocal n_req
-                n_req += 1
-                t0 = time.perf_counter()
-                await first_token(decode, f"c{n_req}", prompt(n), None)
-                coloc = time.perf_counter() - t0
-                ids = prompt(n)
-                t0 = time.perf_counter()
-                p_out = await first_token(prefill, f"p{n_req}", ids, {"do_remote_decode": True})
-                t1 = time.perf_counter()
-                d_out = await first_token(decode, f"d{n_req}", ids, p_out.kv_transfer_params)
-                t2 = time.perf_counter()
-                xfer = d_out.kv_transfer_params["kvroute"]["transfer"]
-                assert xfer["ok"] and xfer["prompt_tokens_computed"] == 1, xfer
-                return {
-                    "colocated": coloc,
-                    "pd": t2 - t0,
-                    "prefill_leg": t1 - t0,
-                    "decode_leg": t2 - t1,
-                    "pull": float(xfer["seconds"]),
-                    "wire": float(xfer["wire_seconds"]),
-                    "bytes": float(xfer["bytes"]),
-                }
-
-            await one(256)  # warm both engines and the pair's process group
-            for label, n in PROMPTS.items():
-                runs = [await one(n) for _ in range(args.reps)]
-
-                def med(key: str, runs: list[dict[str, float]] = runs) -> float:
-                    return statistics.median(r[key] for r in runs)
-
-                rows[label] = {
-                    "tokens": n,
-                    "colocated_ms": round(med("colocated") * 1e3, 1),
-                    "pd_ms": round(med("pd") * 1e3, 1),
-                    "added_ms": round(
-                        statistics.median(r["pd"] - r["colocated"] for r in runs) * 1e3, 1
-                    ),
-                    "prefill_leg_ms": round(med("prefill_leg") * 1e3, 1),
-                    "decode_leg_ms": round(med("decode_leg") * 1e3, 1),
-                    "pull_ms": round(med("pull") * 1e3, 2),
-                    "wire_ms": round(med("wire") * 1e3, 2),
-                    "transfer_bytes": int(med("bytes")),
-                }
-        finally:
-            await decode.stop()
-            await prefill.stop()
-        return rows
-
-    load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    prompts = asyncio.run(run())
-    return {
-        "benchmark": "transfer_bench/pd_ttft",
-        "model": args.engine_model,
-        "config": {
-            "connector": "KvrouteConnector, Gloo on 127.0.0.1",
-            "block_size": block,
-            "reps": args.reps,
-            "ttft": "wall time to the finished one-token output, in this process (VllmEngine)",
-        },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "loadavg_1m_before_after": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        },
-        "prompts": prompts,
-        "wall_s": round(time.perf_counter() - t0, 1),
-    }
-
-
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The benchmark's command line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=None)
@@ -440,24 +348,14 @@ def main() -> None:
     ap.add_argument(
         "--backend", choices=("gloo", "nccl"), default="gloo", help="nccl: --device cuda only"
     )
-    args = ap.parse_args()
-    if args.backend == "nccl" and args.device != "cuda":
-        ap.error("--backend nccl moves GPU caches: add --device cuda")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        ap.error("--device cuda: torch sees no GPU here")
-    if args.engines:
-        args.reps = args.reps or (2 if args.quick else 5)
-        print(json.dumps(pd_ttft(args), indent=2))
-        return
-    if args.reps is None:
-        args.reps = 3 if args.quick else 7
-    torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()[0]  # others' work on the box skews everything
-    cases = plan(args)
-    memcpy = {}
-    for nbytes in sorted({c["blocks"] * block_bytes(MODELS[c["model"]]) for c in cases}):
-        memcpy[nbytes] = memcpy_rates(nbytes, max(5, args.reps), rank_device(0, args.device))
+    return ap
 
+
+def _run_ranks(
+    args: argparse.Namespace, cases: list[dict[str, Any]]
+) -> tuple[dict[int, dict[str, Any]], float]:
+    """Both ranks (``_rank`` in spawned processes) through every case: each case's figures, the
+    two ranks' merged, and the seconds from their start to their end."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -489,7 +387,50 @@ def main() -> None:
             merged.setdefault(r["case"], {}).update(
                 {k: v for k, v in r.items() if k not in ("case", "rank")}
             )
+    return merged, wall
 
+
+def _case_row(case: dict[str, Any], r: dict[str, Any], mc: dict[str, float]) -> dict[str, Any]:
+    """A case's row of the report from its figures ``r``: rates, each side's split, and the
+    ratios to the fastest memcpy of the same bytes (``mc``)."""
+    nbytes = r["bytes"]
+    limit = max(mc.values())
+    e2e_gbps = nbytes / r["e2e_s"] / 1e9
+    row = {
+        "blocks": case["blocks"],
+        "MiB": round(nbytes / MIB, 2),
+        "e2e_ms": round(r["e2e_s"] * 1e3, 2),
+        "e2e_GBps": round(e2e_gbps, 3),
+        "e2e_best_GBps": round(nbytes / r["e2e_min_s"] / 1e9, 3),
+        "wire_GBps": round(nbytes / r["wire_s"] / 1e9, 3),
+        "gather_GBps": round(nbytes / r["gather_s"] / 1e9, 3),
+        "scatter_GBps": round(nbytes / r["scatter_s"] / 1e9, 3),
+        **{f"memcpy_{k}": round(v, 3) for k, v in mc.items()},
+        "e2e_vs_memcpy": round(e2e_gbps / limit, 3),
+        "wire_vs_memcpy": round(nbytes / r["wire_s"] / 1e9 / limit, 3),
+        "split_ms": {
+            "sender_gather": round(r["sender_staging_s"] * 1e3, 2),
+            "sender_wait": round(r["sender_wait_s"] * 1e3, 2),
+            "receiver_scatter": round(r["receiver_staging_s"] * 1e3, 2),
+            "receiver_wait": round(r["receiver_wait_s"] * 1e3, 2),
+        },
+        "verified": r["verified"],
+    }
+    if case["kind"] == "prompt":
+        row["tokens"] = case["tokens"]
+    return row
+
+
+def _report(
+    args: argparse.Namespace,
+    cases: list[dict[str, Any]],
+    merged: dict[int, dict[str, Any]],
+    memcpy: dict[int, dict[str, float]],
+    load_before: float,
+    wall: float,
+) -> dict[str, Any]:
+    """The JSON ``main`` prints: the machine and the configuration, a row per case under its
+    model, and the goal (e2e at least half of memcpy) per size of 16 MiB and more."""
     report: dict[str, Any] = {
         "benchmark": "transfer_bench",
         "machine": {
@@ -523,34 +464,9 @@ def main() -> None:
     }
     goal_ok = True
     for ci, case in enumerate(cases):
-        r = merged[ci]
         cfg = MODELS[case["model"]]
-        nbytes = r["bytes"]
-        mc = memcpy[nbytes]
-        limit = max(mc.values())
-        e2e_gbps = nbytes / r["e2e_s"] / 1e9
-        row = {
-            "blocks": case["blocks"],
-            "MiB": round(nbytes / MIB, 2),
-            "e2e_ms": round(r["e2e_s"] * 1e3, 2),
-            "e2e_GBps": round(e2e_gbps, 3),
-            "e2e_best_GBps": round(nbytes / r["e2e_min_s"] / 1e9, 3),
-            "wire_GBps": round(nbytes / r["wire_s"] / 1e9, 3),
-            "gather_GBps": round(nbytes / r["gather_s"] / 1e9, 3),
-            "scatter_GBps": round(nbytes / r["scatter_s"] / 1e9, 3),
-            **{f"memcpy_{k}": round(v, 3) for k, v in mc.items()},
-            "e2e_vs_memcpy": round(e2e_gbps / limit, 3),
-            "wire_vs_memcpy": round(nbytes / r["wire_s"] / 1e9 / limit, 3),
-            "split_ms": {
-                "sender_gather": round(r["sender_staging_s"] * 1e3, 2),
-                "sender_wait": round(r["sender_wait_s"] * 1e3, 2),
-                "receiver_scatter": round(r["receiver_staging_s"] * 1e3, 2),
-                "receiver_wait": round(r["receiver_wait_s"] * 1e3, 2),
-            },
-            "verified": r["verified"],
-        }
-        if case["kind"] == "prompt":
-            row["tokens"] = case["tokens"]
+        nbytes = merged[ci]["bytes"]
+        row = _case_row(case, merged[ci], memcpy[nbytes])
         m = report["models"].setdefault(
             case["model"],
             {
@@ -567,7 +483,31 @@ def main() -> None:
             report["goal"][f"{case['model']}/{case['label']}"] = met
             goal_ok = goal_ok and met
     report["goal"]["e2e >= 50% of memcpy for all sizes >= 16 MiB"] = goal_ok
-    print(json.dumps(report, indent=2))
+    return report
+
+
+def main() -> None:
+    ap = _parser()
+    args = ap.parse_args()
+    if args.backend == "nccl" and args.device != "cuda":
+        ap.error("--backend nccl moves GPU caches: add --device cuda")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no GPU here")
+    if args.engines:
+        args.reps = args.reps or (2 if args.quick else 5)
+        print(json.dumps(pd_ttft(args), indent=2))
+        return
+    if args.reps is None:
+        args.reps = 3 if args.quick else 7
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0]  # others' work on the box skews everything
+    cases = plan(args)
+    memcpy = {}
+    for nbytes in sorted({c["blocks"] * block_bytes(MODELS[c["model"]]) for c in cases}):
+        memcpy[nbytes] = memcpy_rates(nbytes, max(5, args.reps), rank_device(0, args.device))
+
+    merged, wall = _run_ranks(args, cases)
+    print(json.dumps(_report(args, cases, merged, memcpy, load_before, wall), indent=2))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""The ``kvroute`` command line. Each subcommand lives in its own module, registered below by
-module path; a module provides ``add_arguments(parser)`` and ``run(args) -> int`` and keeps heavy
-imports inside ``run`` so ``kvroute --help`` stays fast."""
+"""The ``kvroute`` command line. Each subcommand lives in its own module in ``deploy.commands``,
+registered below by module path; a module provides ``add_arguments(parser)`` and ``run(args) ->
+int`` and keeps heavy imports inside ``run`` so ``kvroute --help`` stays fast."""
 
 from __future__ import annotations
 
@@ -13,25 +13,25 @@ from deploy.native import warn_if_stale
 
 # name: (module path, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("deploy.serve", "run the OpenAI-compatible endpoint with its engines"),
+    "serve": ("deploy.commands.serve", "run the OpenAI-compatible endpoint with its engines"),
     "loadgen": (
-        "loadgen.cli",
+        "deploy.commands.loadgen",
         "replay traces or synthetic workloads against an OpenAI-compatible endpoint",
     ),
     "profile": (
-        "engines.profile_cmd",
+        "deploy.commands.profile",
         "measure a real engine and write a latency profile for the sim engine",
     ),
     "simulate": (
-        "simulation.simulate_cmd",
+        "deploy.commands.simulate",
         "replay a workload on a virtual cluster placed by the real router core, per router",
     ),
     "plan": (
-        "simulation.plan_cmd",
+        "deploy.commands.plan",
         "size a cluster for a workload and SLO (engines, CPU tier, policy) in the simulator",
     ),
     "cachesim": (
-        "simulation.cachesim_cmd",
+        "deploy.commands.cachesim",
         "replay a trace through eviction policies and report hit rates",
     ),
 }

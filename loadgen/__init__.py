@@ -1,5 +1,6 @@
-"""Traces (Mooncake, Qwen-Bailian), synthetic workloads, the open-loop HTTP runner, metrics and
-reports (``kvroute loadgen``). The HTTP runner imports nothing of kvroute's but
+"""Traces (Mooncake, Qwen-Bailian), synthetic workloads and the flags that describe them
+(``loadgen.args``), the open-loop HTTP runner, metrics and reports: what ``kvroute loadgen``
+(``deploy.commands.loadgen``) runs. The HTTP runner imports nothing of kvroute's but
 ``cachemap.hashing``. The simulators that replay these workloads are ``simulation``'s."""
 
 from loadgen.traces import Trace, TraceFormatError, TraceRequest, load_trace

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engines.base import LOAD_INTERVAL_S, REPORT_INTERVAL_S
-from loadgen.cli import check_positive
+from loadgen.args import check_positive
 from router.inflight import DEFAULT_INFLIGHT_PROMPTS
 from simulation.jobs import DEFAULT_JOBS
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from deploy.cli import main
-from engines.profile_cmd import Measurements, fit, nnls
+from engines.profiling import Measurements, fit, nnls
 from engines.sim.profile import LatencyProfile
 
 pytestmark = pytest.mark.engine

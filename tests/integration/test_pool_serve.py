@@ -9,8 +9,8 @@ import socket
 
 import pytest
 
+from deploy.commands.serve import local_pool
 from deploy.config import ServeConfig
-from deploy.serve import local_pool
 from engines.pool import PoolUnavailable, find_master_binary
 
 try:

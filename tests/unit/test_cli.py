@@ -48,7 +48,7 @@ def test_serve_refuses_a_missing_model_path_before_starting_anything(argv: list[
 
 
 def test_serve_takes_presets_and_hub_ids_as_they_are(tmp_path: Path) -> None:
-    from deploy.serve import build_config, check_local_models
+    from deploy.commands.serve import build_config, check_local_models
 
     parser = cli.build_parser()
     for model in ("tiny", "small", "meta-llama/Llama-3.1-8B-Instruct", str(tmp_path)):

@@ -191,7 +191,7 @@ def test_ray_serve_env_is_set_where_the_operator_set_nothing_and_on_every_ray_st
 def test_pools_share_the_deployment_bus_and_the_flags_reach_every_pool() -> None:
     import argparse
 
-    from deploy.serve import add_arguments, build_config
+    from deploy.commands.serve import add_arguments, build_config
 
     cfg = ServeConfig.validated(
         {
@@ -217,7 +217,7 @@ def test_pools_share_the_deployment_bus_and_the_flags_reach_every_pool() -> None
 def test_pool_flags_refuse_instances_without_a_single_pool(tmp_path: Path) -> None:
     import argparse
 
-    from deploy.serve import add_arguments, build_config
+    from deploy.commands.serve import add_arguments, build_config
 
     f = tmp_path / "pd.yaml"
     f.write_text("pools:\n  - {name: p, role: prefill}\n  - {name: d, role: decode}\n")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.cli import check_output_dir
+from loadgen.args import check_output_dir
 from loadgen.endpoint import fit_ids, fit_plan, parse_headers, redacted_argv
 from loadgen.traces import TraceRequest
 from loadgen.workloads import build_schedule

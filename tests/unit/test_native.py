@@ -65,8 +65,8 @@ def test_the_real_closure_holds_what_the_compiled_modules_import_and_not_the_cli
     assert {"router/__init__.py", "router/placement.py", "engines/sim/__init__.py"} <= set(closure)
     # no compiled module imports the command line or the builder: editing them rebuilds nothing
     assert not {"deploy/cli.py", "deploy/native.py", "deploy/__init__.py"} & set(closure)
-    # nor the workload generators, nor the commands of the simulation package
-    assert not {"loadgen/synthetic.py", "loadgen/cli.py", "simulation/simulate_cmd.py"} & set(
+    # nor the workload generators and their flags, nor the commands
+    assert not {"loadgen/synthetic.py", "loadgen/args.py", "deploy/commands/simulate.py"} & set(
         closure
     )
     assert all(p.split("/")[0] in native.PACKAGES for p in closure)

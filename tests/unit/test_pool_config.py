@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from deploy.commands.serve import cluster_pool
 from deploy.config import CLUSTER_POOL_PORTS, PoolConfig, ServeConfig
-from deploy.serve import cluster_pool
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

@@ -15,7 +15,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from loadgen.cli import add_workload_arguments, check_output_dir, check_positives, plan_workload
+from loadgen.args import add_workload_arguments, check_output_dir, check_positives, plan_workload
+from simulation.measures import excess_ttfts, slo_attainment
 from simulation.options import (
     add_engine_arguments,
     add_jobs_argument,
@@ -178,13 +179,6 @@ def autoscaler_factory(
         "attainment_target": args.attainment,
     }
     return make, meta
-
-
-def slo_attainment(records: Any, slo_ttft_s: float, slo_tpot_s: float | None) -> float:
-    """The fraction of all requests completed with TTFT <= ``slo_ttft_s`` and mean TPOT <=
-    ``slo_tpot_s`` (refused and unfinished requests miss; one output token has no TPOT)."""
-    met = [r.meets(slo_ttft_s, slo_tpot_s) for r in records]
-    return sum(met) / len(met) if met else math.nan
 
 
 def autoscale_row(sim: Any, slo_ttft_s: float, slo_tpot_s: float | None) -> dict[str, Any]:
@@ -366,14 +360,6 @@ def _stats_ms(values_s: Any) -> dict[str, float | None]:
     return {
         k: round(float(v) * 1e3, 4) for k, v in (("mean", arr.mean()), ("p50", p50), ("p99", p99))
     }
-
-
-def excess_ttfts(records: Any, ideal_s: list[float]) -> list[float]:
-    """Each completed request's TTFT over its ideal (``simulation.settings.ideal_ttfts``, indexed
-    as the plan), in seconds; refused and unfinished requests have none."""
-    return [
-        r.ttft_s - ideal_s[r.index] for r in records if r.ok and not math.isnan(ideal_s[r.index])
-    ]
 
 
 def excess_ttft_ms(records: Any, ideal_s: list[float]) -> dict[str, float | None]:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadgen.cli import add_workload_arguments, check_output_dir, check_positives, plan_workload
+from loadgen.args import add_workload_arguments, check_output_dir, check_positives, plan_workload
 from simulation.options import (
     add_engine_arguments,
     add_jobs_argument,
