@@ -16,8 +16,9 @@ JSON.
    faster, answering resync requests with the snapshot; every ``--churn-s`` seconds of soak time
    one engine actor is killed (``ray.kill``, as the soak kills a replica) and a new one with a
    new instance id replaces it. A router in this process reads both logs every
-   ``BUS_POLL_S`` / speedup, and asks a resync of every instance it sees appear and of every
-   engine just before it is killed (the worst case: a request its forwarder never takes).
+   ``RouterSettings.bus_poll_s`` / speedup, and asks a resync of every instance it sees appear
+   and of every engine just before it is killed (the worst case: a request its forwarder never
+   takes).
    Every ``--sample-s`` wall seconds: the hub process's RSS (psutil) and ``BusHub.stats()``.
 
 Reported: the recording (calls and messages per second per engine, payload sizes), then per sample
@@ -57,7 +58,7 @@ from engines.bus_ray import RayEventBus
 from engines.deployment import build_engine
 from engines.forwarder import KvEventForwarder, decode_load, encode_load
 from loadgen.synthetic import SynthParams, generate
-from router.state import BUS_POLL_S
+from router.settings import DEFAULTS
 
 # one recorded bus call: (seconds since the recording began, KV-event payloads, load payloads)
 Call = tuple[float, list[bytes], list[bytes]]
@@ -228,7 +229,7 @@ def _replay(args: argparse.Namespace, calls: list[Call], snapshot: bytes) -> dic
     seen: set[str] = set()
     t0 = time.monotonic()
     next_sample, next_kill, victim = t0, t0 + args.churn_s / args.speedup, 0
-    poll_s = BUS_POLL_S / args.speedup
+    poll_s = DEFAULTS.bus_poll_s / args.speedup
     while (now := time.monotonic()) - t0 < args.wall_s:
         got_ev, got_lo = events.read_pair(cur_ev, loads, cur_lo)
         cur_ev, cur_lo = got_ev.cursor, got_lo.cursor

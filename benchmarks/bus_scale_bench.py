@@ -16,11 +16,11 @@ the call's wall time; an interval without a batch publishes the load sample alon
 engine per interval, never merged across engines: Redis sees the production call count).
 
 ``--readers`` router replicas (processes) each poll like ``RouterState.start``: ``read_pair`` of
-the event and load streams (``max_items`` 4096) then a ``BUS_POLL_S`` wait, decoding every
-message (``--apply``: also applying it to a ``CacheMap`` through ``CacheMapIngestor``). A
-message's lag is the wall time once its poll's messages are decoded (applied) minus its publish
-stamp: the bus's share of a block's staleness (the forwarder's hold, up to
-``PUBLISH_INTERVAL_S``, comes on top and is not the bus's). All on one machine, one clock.
+the event and load streams (``max_items`` 4096) then a ``RouterSettings.bus_poll_s`` wait,
+decoding every message (``--apply``: also applying it to a ``CacheMap`` through
+``CacheMapIngestor``). A message's lag is the wall time once its poll's messages are decoded
+(applied) minus its publish stamp: the bus's share of a block's staleness (the forwarder's hold,
+up to ``PUBLISH_INTERVAL_S``, comes on top and is not the bus's). All on one machine, one clock.
 
 Figures per point (``engines`` x ``readers``), medians over ``--repeats`` runs: offered and
 carried messages, blocks and bytes per second; lag p50/p99/max; CPU (cores) of redis-server,
@@ -54,7 +54,7 @@ from cachemap.events import InstanceEvents, Removed, Stored, Update, decode_mess
 from cachemap.ingest import EngineEventTranslator
 from engines.base import PUBLISH_INTERVAL_S, LoadSnapshot
 from engines.forwarder import encode_load
-from router.state import BUS_POLL_S
+from router.settings import DEFAULTS
 
 PROFILE = "h100-llama3.1-8b"
 READ_MAX_ITEMS = 4096  # what RouterCore's read_pair asks (EventBus.read_pair's default)
@@ -275,7 +275,7 @@ def reader(url: str, start: float, stop: float, window: float, apply: bool, out:
                 lags.append(now - m.ts)
                 msgs += 1
                 blocks += sum(len(getattr(u, "hashes", ())) for u in m.updates)
-        time.sleep(BUS_POLL_S)  # RouterState.start: wait, then pump again
+        time.sleep(DEFAULTS.bus_poll_s)  # RouterState.start: wait, then pump again
     lags.sort()
     out.put(
         {
@@ -415,8 +415,8 @@ def fit_model(points: list[dict[str, Any]], idle: float, args: Any) -> dict[str,
     redis_at = idle + e * (pub + r * read)
     reader_at = reader_fixed + e * blocks_per_engine * reader_per_block
     # one poll's messages, read and decoded after the poll's wait (a message published just
-    # after a read waits BUS_POLL_S plus the previous pump's time, then its own pump's)
-    pump_s = reader_at * (BUS_POLL_S) / max(1e-9, 1 - min(reader_at, 0.999))
+    # after a read waits DEFAULTS.bus_poll_s plus the previous pump's time, then its own pump's)
+    pump_s = reader_at * (DEFAULTS.bus_poll_s) / max(1e-9, 1 - min(reader_at, 0.999))
     shards = max(1, math.ceil(redis_at / args.redis_core_budget))
     return {
         "assumptions": {
@@ -451,7 +451,7 @@ def fit_model(points: list[dict[str, Any]], idle: float, args: Any) -> dict[str,
             "redis_shards_needed": shards,
             "reader_cores": round(reader_at, 3),
             "reader_keeps_up": reader_at < 1.0,
-            "lag_p99_ms_predicted": round((BUS_POLL_S + 2 * pump_s) * 1e3, 1)
+            "lag_p99_ms_predicted": round((DEFAULTS.bus_poll_s + 2 * pump_s) * 1e3, 1)
             if reader_at < 1.0
             else None,
         },
@@ -513,7 +513,7 @@ def main() -> None:
             "bus_blocks_per_s": round(sum(rec.blocks) / rec.span_s, 1),
             "bytes_per_msg": round(sum(map(len, rec.updates)) / len(rec.updates) + 20, 1),
             "publish_interval_s": PUBLISH_INTERVAL_S,
-            "bus_poll_s": BUS_POLL_S,
+            "bus_poll_s": DEFAULTS.bus_poll_s,
         },
         "cpus": psutil.cpu_count(),
         "points": [],

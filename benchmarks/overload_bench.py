@@ -33,15 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from deploy.local import LocalStack
 from engines.sim import LatencyProfile
 from loadgen.metrics import percentiles_ms
-from router.admission import Admission
+from router.settings import RouterSettings
 from tests.support import SIM_MODEL as MODEL
 from tests.support import Server, free_port, sim_stack
 
 
-def stack(slow: float, admission: Admission) -> LocalStack:
+def stack(slow: float, settings: RouterSettings) -> LocalStack:
     """Two ``cpu-tiny-llama`` sim engines slowed ``slow`` times, the router priced the same."""
     latency = LatencyProfile.load("cpu-tiny-llama").slowed(slow)
-    return sim_stack(2, max_model_len=4096, time_scale=slow, latency=latency, admission=admission)
+    return sim_stack(2, max_model_len=4096, time_scale=slow, latency=latency, settings=settings)
 
 
 def prompt(rng: random.Random) -> str:
@@ -111,9 +111,9 @@ async def open_loop(url: str, rate: float, seconds: float, timeout: float) -> li
 
 
 def run_arm(
-    name: str, admission: Admission, args: argparse.Namespace, rate: float
+    name: str, settings: RouterSettings, args: argparse.Namespace, rate: float
 ) -> dict[str, Any]:
-    st = stack(args.slow, admission)
+    st = stack(args.slow, settings)
     with Server(st, free_port()) as server:
         url = f"http://127.0.0.1:{server.port}/v1/completions"
         results = asyncio.run(open_loop(url, rate, args.duration, args.timeout))
@@ -142,7 +142,7 @@ def main() -> None:
     ap.add_argument("--slo-ms", type=float, default=1500.0, help="TTFT SLO of the admission arm")
     ap.add_argument("--timeout", type=float, default=30.0, help="client timeout, seconds")
     args = ap.parse_args()
-    st = stack(args.slow, Admission())
+    st = stack(args.slow, RouterSettings())
     with Server(st, free_port()) as server:
         url = f"http://127.0.0.1:{server.port}/v1/completions"
         capacity = asyncio.run(closed_loop(url, 32, 15.0))
@@ -151,11 +151,13 @@ def main() -> None:
     arms = [
         run_arm(
             "admission",
-            Admission(slo_ttft_s=args.slo_ms / 1e3, max_in_flight=32, max_queue=32, max_wait_s=2),
+            RouterSettings(
+                slo_ttft_s=args.slo_ms / 1e3, max_in_flight=32, max_queue=32, max_wait_s=2
+            ),
             args,
             rate,
         ),
-        run_arm("no_admission", Admission(max_in_flight=100_000, max_queue=0), args, rate),
+        run_arm("no_admission", RouterSettings(max_in_flight=100_000, max_queue=0), args, rate),
     ]
     out = {
         "capacity_rps": round(capacity, 3),

@@ -38,6 +38,7 @@ from engines.sim.engine import SimEngine
 from engines.sim.options import SimEngineOptions
 from engines.tiny_model import build_tiny_model
 from router.placement import PlacementRequest
+from router.settings import RouterSettings
 from router.state import RouterState
 from router.tokenizer import PromptTokenizer
 
@@ -124,7 +125,7 @@ def engine_endpoint(engine: SimEngine) -> FastAPI:
 
 def decisions(n: int, profile: LatencyProfile) -> float:
     rng = np.random.default_rng(1)
-    state = RouterState("kv_ttft", profile, BS, kv_capacity_blocks=20_000)
+    state = RouterState(RouterSettings(block_size=BS, kv_capacity_blocks=20_000), profile)
     ids = [f"e{i}" for i in range(16)]
     state.sync_instances(ids)
     salt = salt_hash("bench")

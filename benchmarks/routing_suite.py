@@ -67,8 +67,8 @@ from engines.base import LOAD_INTERVAL_S
 from engines.sim.profile import LatencyProfile
 from loadgen.metrics import summarize
 from loadgen.workloads import Planned, ideal_hit_rate
-from router.inflight import DEFAULT_INFLIGHT_PROMPTS
 from router.placement import parse_options, scorer_names
+from router.settings import DEFAULTS
 from simulation.cluster import simulate
 from simulation.jobs import DEFAULT_JOBS, run_each
 from simulation.measures import excess_ttfts
@@ -113,7 +113,7 @@ def _with_tier(
 def settings_for(
     seed: int,
     instances: int,
-    inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS,
+    inflight_prompts: bool = DEFAULTS.inflight_prompts,
     engine: dict[str, Any] | None = None,
     pool: dict[str, Any] | None = None,
     router_replicas: int = 1,
@@ -319,7 +319,7 @@ def run_suite(
     instances: int = 16,
     profile: str = "h100-llama3.1-8b",
     log: Callable[[str], None] = lambda _m: None,
-    inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS,
+    inflight_prompts: bool = DEFAULTS.inflight_prompts,
     engine: dict[str, Any] | None = None,
     tenants: int = 0,
     pool: dict[str, Any] | None = None,
@@ -438,7 +438,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--inflight-prompts",
         action=argparse.BooleanOptionalAction,
-        default=DEFAULT_INFLIGHT_PROMPTS,
+        default=DEFAULTS.inflight_prompts,
         help="routers count the prompts they sent that no KV event shows yet (router.inflight; "
         "on by default)",
     )

@@ -37,14 +37,13 @@ from engines.deployment import build_engine_app, open_buses
 from engines.pool.link import PoolLink
 from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.tiny_model import resolve_model
-from router.admission import Admission
 from router.dispatch import Dispatcher
 from router.ingress import build_app
 from router.ingress_config import IngressConfig
 from router.pd import PdPlanner, TransferModel
-from router.placement import create_scorer
 from router.pools import Pool
 from router.serve_client import ServeEngineClient
+from router.settings import RouterSettings
 from router.state import RouterState, register_state, unregister_state
 from router.tokenizer import PromptTokenizer
 from router.tracing import setup_tracing
@@ -67,7 +66,7 @@ def latency_profile(cfg: ServeConfig, pool: EngineDeploymentConfig | None = None
     )
 
 
-def pd_planner(cfg: ServeConfig) -> PdPlanner | None:
+def pd_planner(cfg: ServeConfig, settings: RouterSettings) -> PdPlanner | None:
     """The planner of a deployment with prefill or decode pools (None: colocated only); the
     KV it prices per token is the decode pool's model's."""
     pools = cfg.engine_pools
@@ -80,7 +79,7 @@ def pd_planner(cfg: ServeConfig) -> PdPlanner | None:
         r.pd_transfer_gbps,
         r.pd_transfer_latency_ms / 1e3,
     )
-    return PdPlanner(transfer, r.pd_max_local_prefill_tokens, r.pd_overload_factor)
+    return settings.pd_planner(transfer)
 
 
 def router_pools(cfg: ServeConfig) -> list[Pool]:
@@ -104,37 +103,26 @@ class IngressDeployment:
         setup_tracing()
         kv_bus, load_bus = open_buses(cfg.deployment_bus)
         pre_place = cfg.router.scorer != RAY_PREFIX_ROUTER
-        # NOTE: Serve's own router places for ray_prefix; the core keeps load with least_loaded
-        scorer = (
-            create_scorer(cfg.router.scorer, **cfg.router.scorer_options)
-            if pre_place
-            else create_scorer("least_loaded")
-        )
+        settings = cfg.router_settings()
+        scorer = settings.create_scorer()
         ctx = serve.get_replica_context()
         # which ingress replica this is, of how many (kv_ttft's ``replica_spread`` reads it)
         replicas = max(ctx.world_size or 1, 1)
         scorer.as_replica(getattr(ctx.rank, "rank", 0) % replicas, replicas)
         self.state = RouterState(
+            settings,
             scorer=scorer,
             pools=router_pools(cfg),
-            planner=pd_planner(cfg),
+            planner=pd_planner(cfg, settings),
             kv_bus=kv_bus,
             load_bus=load_bus,
-            admission=Admission(
-                slo_ttft_s=cfg.router.slo_ttft_ms / 1e3 if cfg.router.slo_ttft_ms else None,
-                max_in_flight=cfg.router.max_in_flight,
-                max_queue=cfg.router.max_queue,
-                max_wait_s=cfg.router.max_wait_s,
-            ),
             recorder=placement_recorder(cfg.router),
-            event_stride=cfg.engine.event_stride,
-            inflight_prompts=cfg.router.inflight_prompts,
             kv_pool=PoolLink(cfg.pool.link_gbps, cfg.pool.link_latency_ms)
             if cfg.pool.enabled
             else None,
         )
         register_state(cfg.app_name, self.state)
-        self.state.start(cfg.router.bus_poll_s)
+        self.state.start()
         self.tokenizer = PromptTokenizer(_tokenizer_path(cfg))
         client = ServeEngineClient(engines, self.state.pool_name)
         self.dispatcher = Dispatcher(self.state, client, pre_place=pre_place)

@@ -33,13 +33,11 @@ from router.autoscale import (
     Slo,
     create_policy,
 )
-from router.inflight import DEFAULT_INFLIGHT_PROMPTS
 from router.keys import ApiKeys
-from router.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_OVERLOAD_FACTOR
 from router.placement import create_scorer, scorer_names
 from router.pools import Pool, check_pools
 from router.recorder import JsonlRecorder
-from router.state import BUS_POLL_S
+from router.settings import DEFAULTS, RouterSettings
 
 RAY_PREFIX_ROUTER = "ray_prefix"  # Ray Serve's own PrefixCacheAffinityRouter, as a peer
 ADMIN_KEY_ENV = "KVROUTE_ADMIN_KEY"
@@ -70,7 +68,7 @@ def apply_ray_serve_env() -> dict[str, str]:
 
 class RouterConfig(StrictModel):
     scorer: str = Field(
-        "kv_ttft", description=f"placement: one of the scorers or {RAY_PREFIX_ROUTER!r}"
+        DEFAULTS.scorer, description=f"placement: one of the scorers or {RAY_PREFIX_ROUTER!r}"
     )
     scorer_options: dict[str, Any] = Field(default_factory=dict)
     profile: str | None = Field(
@@ -79,11 +77,11 @@ class RouterConfig(StrictModel):
         "default: the sim engine's profile, or the shipped CPU profile",
     )
     slo_ttft_ms: float | None = Field(None, gt=0, description="reject (429) above this estimate")
-    max_in_flight: int = Field(1024, ge=1)
-    max_queue: int = Field(1024, ge=0)
-    max_wait_s: float = Field(30.0, gt=0)
+    max_in_flight: int = Field(DEFAULTS.max_in_flight, ge=1)
+    max_queue: int = Field(DEFAULTS.max_queue, ge=0)
+    max_wait_s: float = Field(DEFAULTS.max_wait_s, gt=0)
     inflight_prompts: bool = Field(
-        DEFAULT_INFLIGHT_PROMPTS,
+        DEFAULTS.inflight_prompts,
         description="count the prompts this router sent that no KV event shows yet as cached "
         "where they went, on engines where more prefill waits than one step computes "
         "(router.inflight): on the routing suite it lowers the heavier load's TTFT on "
@@ -128,7 +126,7 @@ class RouterConfig(StrictModel):
         False, description="/metrics answers only the admin keys (401 without, 403 with none set)"
     )
     bus_poll_s: float = Field(
-        BUS_POLL_S,
+        DEFAULTS.bus_poll_s,
         gt=0,
         le=1,
         description="the ingress reads KV events and load samples this often",
@@ -152,13 +150,13 @@ class RouterConfig(StrictModel):
         description="prefill/decode pools: fixed cost of one KV hand-over, ms",
     )
     pd_max_local_prefill_tokens: int = Field(
-        DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+        DEFAULTS.pd_max_local_prefill_tokens,
         ge=0,
         description="prefill/decode pools: a request with at most this many uncached prompt "
         "tokens runs whole on a decode engine when the TTFT estimate favours it (0: never)",
     )
     pd_overload_factor: float | None = Field(
-        DEFAULT_OVERLOAD_FACTOR,
+        DEFAULTS.pd_overload_factor,
         ge=1,
         description="prefill/decode pools: a request whose split is priced above this many "
         "times its colocated TTFT estimate runs whole on a decode engine (None: never)",
@@ -519,6 +517,27 @@ class ServeConfig(StrictModel):
         """The engine settings the router serves with (model, block size, context): the first
         pool's, which every pool shares."""
         return self.engine_pools[0].engine
+
+    def router_settings(self) -> RouterSettings:
+        """The router's settings (``router.settings``), built once from this file. Where
+        Serve's own router places (``ray_prefix``), the core keeps load with
+        ``least_loaded``."""
+        r = self.router
+        serve_places = r.scorer == RAY_PREFIX_ROUTER
+        return RouterSettings(
+            scorer="least_loaded" if serve_places else r.scorer,
+            scorer_options={} if serve_places else dict(r.scorer_options),
+            block_size=self.engine.block_size,
+            slo_ttft_s=r.slo_ttft_ms / 1e3 if r.slo_ttft_ms else None,
+            max_in_flight=r.max_in_flight,
+            max_queue=r.max_queue,
+            max_wait_s=r.max_wait_s,
+            event_stride=self.engine.event_stride,
+            inflight_prompts=r.inflight_prompts,
+            pd_max_local_prefill_tokens=r.pd_max_local_prefill_tokens,
+            pd_overload_factor=r.pd_overload_factor,
+            bus_poll_s=r.bus_poll_s,
+        )
 
     @property
     def instances(self) -> int:

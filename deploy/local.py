@@ -5,6 +5,7 @@ directly; used by the router-overhead benchmark and HTTP-layer tests, and fine f
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -14,7 +15,6 @@ from cachemap.bus import EventBus, InProcessBus
 from cachemap.ingest import EngineEventTranslator
 from engines.base import Engine, LoadSnapshot
 from engines.forwarder import KvEventForwarder
-from router.admission import Admission
 from router.dispatch import Dispatcher
 from router.ingress import build_app
 from router.ingress_config import IngressConfig
@@ -23,6 +23,7 @@ from router.pd import PdPlanner
 from router.placement import LatencyModel, Scorer
 from router.pools import Pool
 from router.recorder import PlacementRecorder
+from router.settings import DEFAULTS, RouterSettings
 from router.state import RouterState
 from router.tokenizer import PromptTokenizer
 
@@ -37,42 +38,39 @@ class LocalStack:
         max_model_len: int,
         latency: LatencyModel,
         tokenizer: PromptTokenizer,
-        scorer: Scorer | str = "kv_ttft",
-        kv_capacity_blocks: int = 0,
-        admission: Admission | None = None,
+        settings: RouterSettings = DEFAULTS,
+        scorer: Scorer | None = None,
         recorder: PlacementRecorder | None = None,
         buses: tuple[EventBus, EventBus] | None = None,
         forward: bool = True,
         pools: Sequence[Pool] | None = None,
         pool_of: Mapping[str, str] | None = None,
         planner: PdPlanner | None = None,
-        event_stride: int = 1,
         **ingress: Any,
     ) -> None:
         """``ingress``: ``IngressConfig`` fields past model, context and block size (api_keys,
-        admin_keys, pins, session_hints, rate_limit ...). ``buses``: the (KV-event, load) buses
-        (default: in-process ones). ``forward=False``: another stack runs these engines and their
-        forwarders on ``buses``, and this one is one more router replica over them.
+        admin_keys, pins, session_hints, rate_limit ...). ``settings``: the router's, at this
+        stack's ``block_size`` (its ``event_stride`` is the forwarders' too); ``scorer``: one
+        built by the caller, in place of the one they name. ``buses``: the (KV-event, load)
+        buses (default: in-process ones). ``forward=False``: another stack runs these engines
+        and their forwarders on ``buses``, and this one is one more router replica over them.
         ``pools``/``pool_of``/``planner``: engine pools (``router.pools``), each engine's pool
-        by id (default: the first pool), and the prefill/decode planner they need.
-        ``event_stride``: the forwarders' and the map's (``EngineConfig.event_stride``)."""
+        by id (default: the first pool), and the prefill/decode planner they need."""
+        settings = replace(settings, block_size=block_size)
         self.engines = dict(engines)
         self.pool_of = dict(pool_of or {})
-        self.model, self.block_size, self.event_stride = model, block_size, event_stride
+        self.model, self.block_size, self.event_stride = model, block_size, settings.event_stride
         self.kv_bus, self.load_bus = buses or (InProcessBus(), InProcessBus())
         self.forward = forward
         self.state = RouterState(
-            scorer,
+            settings,
             latency,
-            block_size,
-            kv_capacity_blocks,
+            scorer=scorer,
             kv_bus=self.kv_bus,
             load_bus=self.load_bus,
-            admission=admission,
             recorder=recorder,
             pools=pools,
             planner=planner,
-            event_stride=event_stride,
         )
         self.client = LocalEngineClient(self.engines)
         self.dispatcher = Dispatcher(self.state, self.client)

@@ -242,16 +242,16 @@ async def coalesce(outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[Engine
 
 # Seconds between two load samples of one engine on the load bus (the production interval).
 LOAD_INTERVAL_S = 0.1
-# Seconds a busy engine's KV-event batches are gathered into one bus call (the forwarder's;
-# the first batch after a quiet spell goes at once). A bus call costs the same whatever it
-# carries (benchmarks/bus_bench.py: ~1 ms of CPU per publish on the Ray bus, caller and hub,
-# ~0.25-0.4 ms on Redis), so this sets what a busy engine's events cost. A router learns of a
-# block up to this much later (plus its ``BUS_POLL_S``), which the cluster simulator prices at
-# nothing measurable up to 150 ms of lag (kv_ttft, 16 engines: on the Mooncake trace at 2x and
-# 3x, 3 seeds, and synthetic to-b and mix at 40 req/s, 2 seeds, the hit rate stays within 0.25
-# points of 10 ms lag's and TTFT p50/p90/p99 within the seeds' spread; at 300 ms the hit rate
-# slips by 0.05-0.45 points). At 100 ms a busy engine's load sample goes in every call: one bus
-# call per engine per 100 ms.
+# Seconds a busy engine's KV-event batches are gathered into one bus call (the forwarder's; the
+# first batch after a quiet spell goes at once). A bus call costs the same whatever it carries
+# (benchmarks/bus_bench.py: ~1 ms of CPU per publish on the Ray bus, caller and hub, ~0.25-0.4 ms on
+# Redis), so this sets what a busy engine's events cost. A router learns of a block up to this much
+# later (plus its ``RouterSettings.bus_poll_s``), which the cluster simulator prices at nothing
+# measurable up to 150 ms of lag (kv_ttft, 16 engines: on the Mooncake trace at 2x and 3x, 3 seeds,
+# and synthetic to-b and mix at 40 req/s, 2 seeds, the hit rate stays within 0.25 points of 10 ms
+# lag's and TTFT p50/p90/p99 within the seeds' spread; at 300 ms the hit rate slips by 0.05-0.45
+# points). At 100 ms a busy engine's load sample goes in every call: one bus call per engine per 100
+# ms.
 PUBLISH_INTERVAL_S = 0.1
 # Seconds between two load samples of an engine that reports from inside its scheduler
 # (``engines.core_report``): a new report makes the forwarder publish a sample at once, but not

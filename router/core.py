@@ -17,10 +17,9 @@ from typing import Any, Protocol
 from cachemap import CacheMap
 from cachemap.bus import BusRead, EventBus
 from cachemap.ingest import CacheMapIngestor
-from engines.liveness import STALE_AFTER_S, EngineWatcher
+from engines.liveness import EngineWatcher
 from engines.pool.link import PoolLink
-from router.admission import Admission
-from router.inflight import DEFAULT_INFLIGHT_PROMPTS, InFlightPrompts
+from router.inflight import InFlightPrompts
 from router.load import LoadTracker
 from router.pd import PdPlanner
 from router.placement import (
@@ -29,10 +28,10 @@ from router.placement import (
     Placement,
     PlacementRequest,
     Scorer,
-    create_scorer,
 )
 from router.pools import DEFAULT_POOL, Pool, Role, check_pools
 from router.recorder import PlacementRecorder, placement_record
+from router.settings import DEFAULTS, RouterSettings
 
 # another replica's request in this replica's in-flight prompts (no client id looks like it)
 _PEER = "\x00peer/"
@@ -65,47 +64,44 @@ class AssignmentChannel(Protocol):
 class RouterCore:
     def __init__(
         self,
-        scorer: Scorer | str = "kv_ttft",
+        settings: RouterSettings = DEFAULTS,
         latency: LatencyModel | None = None,
-        block_size: int = 16,
-        kv_capacity_blocks: int = 0,
+        *,
+        scorer: Scorer | None = None,
         kv_bus: EventBus | None = None,
         load_bus: EventBus | None = None,
-        admission: Admission | None = None,
-        stale_after_s: float = STALE_AFTER_S,
         recorder: PlacementRecorder | None = None,
         pools: Sequence[Pool] | None = None,
         planner: PdPlanner | None = None,
-        event_stride: int = 1,
-        inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS,
         kv_pool: PoolLink | None = None,
     ) -> None:
-        """``kv_bus`` and ``load_bus`` come together (or neither: the caller then drives the
-        core by hand); an instance silent on the load bus for ``stale_after_s`` is dropped.
-        After a sequence gap the event bus's own ``request_resync`` (where it has one) asks the
+        """``settings``: the router's configuration, whole (``router.settings``); ``scorer``:
+        a scorer built by the caller, in place of the one ``settings`` names. ``kv_bus`` and
+        ``load_bus`` come together (or neither: the caller then drives the core by hand); an
+        instance silent on the load bus for ``settings.stale_after_s`` is dropped. After a
+        sequence gap the event bus's own ``request_resync`` (where it has one) asks the
         instance's forwarder for a snapshot.
 
         ``pools``: the deployment's engine pools (``router.pools``); the first is the default
         pool, where instances go that name no pool. None: one pool of role ``both`` named
-        ``DEFAULT_POOL`` from ``latency``, ``block_size`` and ``kv_capacity_blocks``.
-        ``planner``: places the two legs of a request when there are prefill or decode pools
-        (``router.pd``; ``place`` then plans both). ``event_stride``: the engines' KV events
-        keep every ``event_stride``-th block (``EngineConfig.event_stride``; the map's
-        ``stride``). ``inflight_prompts``: a request's match also counts the prompts this core
-        sent that no KV event shows yet, where more prefill waits than one engine step takes
-        (``router.inflight``). ``kv_pool``: every engine's link to the cluster KV pool, whose
-        residency the map holds as ``cachemap.POOL_INSTANCE`` (None: no pool, or the router
-        does not price it)."""
-        self.cache_map = CacheMap(stride=event_stride)
+        ``DEFAULT_POOL`` from ``latency`` and the settings' ``block_size`` and
+        ``kv_capacity_blocks``. ``planner``: places the two legs of a request when there are
+        prefill or decode pools (``router.pd``, ``RouterSettings.pd_planner``; ``place`` then
+        plans both). ``kv_pool``: every engine's link to the cluster KV pool, whose residency
+        the map holds as ``cachemap.POOL_INSTANCE`` (None: no pool, or the router does not
+        price it)."""
+        self.settings = settings
+        self.cache_map = CacheMap(stride=settings.event_stride)
         self.kv_pool = kv_pool
         # where this replica's assignments are shared with the other router replicas
         # (``peer_assigned`` and ``peer_done`` there); None: they are not
         self.share: AssignmentChannel | None = None
-        self._scorer = create_scorer(scorer) if isinstance(scorer, str) else scorer
+        self._scorer = scorer if scorer is not None else settings.create_scorer()
         self._scorer.attach(self.cache_map)
         self._scorer.attach_pool(kv_pool)
         if pools is None:
-            pools = (Pool(DEFAULT_POOL, "both", block_size, latency, kv_capacity_blocks),)
+            bs, capacity = settings.block_size, settings.kv_capacity_blocks
+            pools = (Pool(DEFAULT_POOL, "both", bs, latency, capacity),)
         self.pools: dict[str, Pool] = {p.name: p for p in pools}
         check_pools(tuple(pools))
         self.default_pool = pools[0]
@@ -115,10 +111,10 @@ class RouterCore:
         # prefill or decode pools: a request may go in two legs (``planner`` places them)
         self.disaggregated = any(p.role != "both" for p in pools)
         self.ingestor = CacheMapIngestor(self.cache_map)
-        self.load = LoadTracker(stale_after_s)
+        self.load = LoadTracker(settings.stale_after_s)
         # prompts sent whose KV the map does not show yet (``router.inflight``)
-        self.inflight = InFlightPrompts() if inflight_prompts else None
-        self.admission = admission or Admission()
+        self.inflight = InFlightPrompts() if settings.inflight_prompts else None
+        self.admission = settings.admission()
         self.recorder = recorder
         if (kv_bus is None) != (load_bus is None):
             raise ValueError("kv_bus and load_bus go together: give both or neither")
@@ -127,7 +123,7 @@ class RouterCore:
                 kv_bus,
                 load_bus,
                 self.ingestor,
-                timeout_s=stale_after_s,
+                timeout_s=settings.stale_after_s,
                 request_resync=getattr(kv_bus, "request_resync", None),
             )
             if kv_bus is not None and load_bus is not None

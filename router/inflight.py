@@ -16,7 +16,7 @@ computed when it is admitted; a request that comes while the work ahead of it fi
 admitted beside its prompt's first copy and computes it again, so counting the copy there sends
 a burst of parallel calls after the first one onto one engine while others sit idle. Behind a
 longer queue it is admitted after the copy's blocks are computed. On by default
-(``DEFAULT_INFLIGHT_PROMPTS``); what the rule measured on the routing suite, against not
+(``RouterSettings.inflight_prompts``); what the rule measured on the routing suite, against not
 counting and against counting everywhere, is in ``docs/simulation.md``.
 """
 
@@ -26,10 +26,6 @@ from collections.abc import Callable, Mapping, Sequence
 
 from cachemap import Match
 from router.placement import InstanceView, queued_past_a_step
-
-# whether a router counts its in-flight prompts (``RouterCore``, the simulator's
-# ``SimSettings``, a deployment's ``router.inflight_prompts``)
-DEFAULT_INFLIGHT_PROMPTS = True
 
 
 class InFlightPrompts:

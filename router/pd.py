@@ -47,11 +47,6 @@ from router.placement import (
 )
 from router.pools import DECODE_ROLES, PREFILL_ROLES, Role
 
-# Dynamo's conditional disaggregation default (max_local_prefill_length)
-DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 1000
-# a split priced at more than this many times the colocated estimate runs colocated
-DEFAULT_OVERLOAD_FACTOR = 3.0
-
 
 @dataclass(frozen=True, slots=True)
 class TransferModel:
@@ -103,10 +98,12 @@ class PdPlanner:
     def __init__(
         self,
         transfer: TransferModel,
-        max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
-        overload_factor: float | None = DEFAULT_OVERLOAD_FACTOR,
+        max_local_prefill_tokens: int,
+        overload_factor: float | None,
     ) -> None:
-        """``overload_factor`` None: a long prompt is always split."""
+        """``max_local_prefill_tokens`` and ``overload_factor``: ``RouterSettings``'
+        ``pd_max_local_prefill_tokens`` and ``pd_overload_factor`` (``RouterSettings.pd_planner``
+        builds the planner with them); ``overload_factor`` None: a long prompt is always split."""
         if max_local_prefill_tokens < 0:
             raise ValueError(
                 f"max_local_prefill_tokens must be >= 0, got {max_local_prefill_tokens}"

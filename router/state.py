@@ -21,24 +21,28 @@ from engines.liveness import EngineWatcher
 from router.admission import Admission
 from router.core import RouterCore
 from router.load import LoadTracker
-from router.placement import InstanceView, Placement, PlacementRequest, Scorer
+from router.placement import InstanceView, LatencyModel, Placement, PlacementRequest, Scorer
 from router.pools import Pool
+from router.settings import DEFAULTS, RouterSettings
 
 log = logging.getLogger(__name__)
-
-# Seconds between two reads of the KV-event and load buses by a running RouterState: what a
-# KV event waits on the bus, at most, before it reaches this router's map. With the engines'
-# ``PUBLISH_INTERVAL_S`` a block reaches the map at most ~150 ms after the engine stored it,
-# which the cluster simulator prices at nothing measurable (see ``PUBLISH_INTERVAL_S``).
-BUS_POLL_S = 0.05
 
 
 class RouterState:
     """A ``RouterCore`` behind a lock, on the wall clock, with a bus pump thread. Takes the
     core's arguments; ``now`` defaults to ``clock()`` where a caller may pass it."""
 
-    def __init__(self, *args: Any, clock: Callable[[], float] = time.time, **kwargs: Any) -> None:
-        self.core = RouterCore(*args, **kwargs)
+    def __init__(
+        self,
+        settings: RouterSettings = DEFAULTS,
+        latency: LatencyModel | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        **runtime: Any,
+    ) -> None:
+        """``settings`` and ``latency`` as ``RouterCore`` takes them; ``runtime``: the core's
+        keyword arguments (the buses, recorder, pools, planner, scorer, KV pool link)."""
+        self.core = RouterCore(settings, latency, **runtime)
         self.clock = clock
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -114,21 +118,22 @@ class RouterState:
                 with self._lock:  # engines are not silent while we cannot hear them
                     self.core.watcher.unreadable(self.clock() if now is None else now)
 
-    def start(self, interval_s: float = BUS_POLL_S) -> None:
-        """Pump the buses every ``interval_s`` in a thread of its own (each pump reads both
-        buses in one round trip, ``EventBus.read_pair``: over the Ray bus, one actor call of
-        ~1 ms of CPU, caller and hub, whether or not anything is new; at the 50 ms default and
-        the engines' 100 ms publish interval the Ray hub spends 0.32-0.34 ms per
-        ``ingress_bench`` request, against 0.57-0.70 ms at 20 and 50 ms)."""
+    def start(self, interval_s: float | None = None) -> None:
+        """Pump the buses every ``interval_s`` (None: the settings' ``bus_poll_s``) in a thread
+        of its own (each pump reads both buses in one round trip, ``EventBus.read_pair``: over
+        the Ray bus, one actor call of ~1 ms of CPU, caller and hub, whether or not anything is
+        new; at the 50 ms default and the engines' 100 ms publish interval the Ray hub spends
+        0.32-0.34 ms per ``ingress_bench`` request, against 0.57-0.70 ms at 20 and 50 ms)."""
         if self._pump_thread is not None or self.core.watcher is None:
             return
+        wait_s = self.core.settings.bus_poll_s if interval_s is None else interval_s
 
         def run() -> None:
             while not self._stop.is_set():
                 self.pump()
                 watcher = self.core.watcher
                 if watcher is None or not watcher.consumer.full:  # behind: read on at once
-                    self._stop.wait(interval_s)
+                    self._stop.wait(wait_s)
 
         self._pump_thread = threading.Thread(target=run, name="kvroute-bus-pump", daemon=True)
         self._pump_thread.start()

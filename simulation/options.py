@@ -12,7 +12,7 @@ from typing import Any
 
 from engines.base import LOAD_INTERVAL_S, REPORT_INTERVAL_S
 from loadgen.args import check_positive
-from router.inflight import DEFAULT_INFLIGHT_PROMPTS
+from router.settings import DEFAULTS
 from simulation.jobs import DEFAULT_JOBS
 
 
@@ -61,7 +61,7 @@ def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
     c.add_argument(
         "--inflight-prompts",
         action=argparse.BooleanOptionalAction,
-        default=DEFAULT_INFLIGHT_PROMPTS,
+        default=DEFAULTS.inflight_prompts,
         help="the router counts the prompts it sent that no KV event shows yet as cached where "
         "it sent them, on engines where more prefill waits than one step computes "
         "(router.inflight; on by default)",

@@ -21,8 +21,7 @@ from engines.sim.request import SimRequest
 from loadgen.records import RequestRecord
 from loadgen.workloads import Planned, ideal_hits
 from router.autoscale import DEFAULT_COLD_START_S
-from router.inflight import DEFAULT_INFLIGHT_PROMPTS
-from router.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_OVERLOAD_FACTOR
+from router.settings import DEFAULTS, RouterSettings
 
 # the engines' options (``SimEngineOptions``) an ``--engine key=value`` may set: all but the
 # block size (``--block-size``) and the token ids of generated text (virtual engines make none)
@@ -103,15 +102,15 @@ class SimSettings:
     # prefill/decode: the first ``prefill_instances`` engines are a prefill pool, the rest a
     # decode pool (0: every engine colocated)
     prefill_instances: int = 0
-    pd_max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS
-    pd_overload_factor: float | None = DEFAULT_OVERLOAD_FACTOR
+    pd_max_local_prefill_tokens: int = DEFAULTS.pd_max_local_prefill_tokens
+    pd_overload_factor: float | None = DEFAULTS.pd_overload_factor
     # membership (``ClusterSimulator.run`` with an autoscaler): seconds from the scale decision
     # to a new engine's first step (see ``DEFAULT_COLD_START_S``)
     cold_start_s: float = DEFAULT_COLD_START_S
     # the engines' KV events keep every event_stride-th block (EngineConfig.event_stride)
-    event_stride: int = 1
+    event_stride: int = DEFAULTS.event_stride
     # the router counts the prompts it sent that no KV event shows yet (RouterCore's option)
-    inflight_prompts: bool = DEFAULT_INFLIGHT_PROMPTS
+    inflight_prompts: bool = DEFAULTS.inflight_prompts
     # the autoscaler's simulator (``Observation.what_if``: a ``WhatIfSimulator`` every
     # decision), sampling the requests of the last ``what_if_history_s`` seconds
     what_if: bool = True
@@ -147,6 +146,19 @@ class SimSettings:
     # the pool announces what it holds on the KV bus, and the router prices loads from it
     # (``RouterCore``'s ``kv_pool``); off: the engines still use the pool, the router is blind
     pool_in_map: bool = True
+
+    def router_settings(self, block_size: int, kv_capacity_blocks: int) -> RouterSettings:
+        """The router's settings for this cluster of engines with ``block_size``-token blocks,
+        ``kv_capacity_blocks`` each (the rest at the router's defaults)."""
+        return RouterSettings(
+            block_size=block_size,
+            kv_capacity_blocks=kv_capacity_blocks,
+            slo_ttft_s=self.slo_ttft_s,
+            event_stride=self.event_stride,
+            inflight_prompts=self.inflight_prompts,
+            pd_max_local_prefill_tokens=self.pd_max_local_prefill_tokens,
+            pd_overload_factor=self.pd_overload_factor,
+        )
 
     def pool_link(self) -> PoolLink | None:
         """Each engine's link to the pool (None: no pool)."""

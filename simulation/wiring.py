@@ -11,6 +11,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -26,10 +27,9 @@ from engines.sim.request import SimRequest
 from engines.sim.virtual import VirtualInstance, trace_arrival
 from loadgen.workloads import Planned
 from router import lifecycle
-from router.admission import Admission
 from router.autoscale import Autoscaler
 from router.core import RouterCore, SharedAssignment
-from router.pd import PdPlanner, TransferModel
+from router.pd import TransferModel
 from router.placement import Placement, PlacementRequest, Scorer
 from router.pools import Pool
 from router.recorder import PlacementRecorder
@@ -67,6 +67,8 @@ class WiredCluster:
         self.kv_bus, self.load_bus = InProcessBus(1 << 16), InProcessBus(1 << 16)
         n_prefill = s.prefill_instances
         gpu = s.gpu_blocks(truth, bs)
+        # the router's settings, whole, for every replica's core (``router.settings``)
+        self.router_settings = s.router_settings(bs, gpu)
         self.core = self._router_core(scorer, belief, gpu, options, recorder)
         # router replicas (``SimSettings.router_replicas``): each its own core (map, ledger,
         # scorer) on the same buses; arrivals go to them in turn (Serve's proxy spreads them
@@ -133,6 +135,11 @@ class WiredCluster:
         self._start_s = 0.0  # the replay's first arrival
         for i in range(s.instances):
             self._new_engine(self.slowdowns[i])
+        self._sync_members(n_prefill)
+
+    def _sync_members(self, n_prefill: int) -> None:
+        """Every replica's core learns the starting engines: the first ``n_prefill`` as the
+        prefill pool and the rest as the decode pool, or all in the default pool."""
         for core in self.cores:
             if n_prefill:
                 ids = list(self.by_id)
@@ -153,6 +160,7 @@ class WiredCluster:
         prefill and decode pools, and their planner, where the settings split the cluster."""
         s, bs = self.settings, self.block_size
         pools, planner = None, None
+        router = self.router_settings
         if s.prefill_instances:
             pools = [
                 Pool("prefill", "prefill", bs, belief, gpu_blocks),
@@ -163,20 +171,16 @@ class WiredCluster:
                 float(options.transfer_gbps),
                 float(options.transfer_latency_ms) / 1e3,
             )
-            planner = PdPlanner(transfer, s.pd_max_local_prefill_tokens, s.pd_overload_factor)
+            planner = router.pd_planner(transfer)
         core = RouterCore(
-            scorer,
+            replace(router, scorer=scorer) if isinstance(scorer, str) else router,
             belief,
-            bs,
-            gpu_blocks,
+            scorer=None if isinstance(scorer, str) else scorer,
             kv_bus=self.kv_bus,
             load_bus=self.load_bus,
-            admission=Admission(slo_ttft_s=s.slo_ttft_s),
             recorder=recorder,
             pools=pools,
             planner=planner,
-            event_stride=s.event_stride,
-            inflight_prompts=s.inflight_prompts,
             kv_pool=s.pool_link() if s.pool_in_map else None,
         )
         if core.watcher is not None:  # it reads the buses only when a request arrives

@@ -20,7 +20,7 @@ from deploy.local import LocalStack
 from engines.base import PUBLISH_INTERVAL_S, Engine
 from engines.ports import free_port
 from engines.sim.options import SimEngineOptions
-from router.state import BUS_POLL_S
+from router.settings import DEFAULTS
 
 if TYPE_CHECKING:
     from deploy.config import ServeConfig
@@ -116,7 +116,7 @@ def settle() -> None:
     """Wait for KV events of requests that just finished to reach an in-process router's map:
     at most a publish interval in the forwarder, then a bus poll, at the defaults (three times
     that, for a busy box)."""
-    time.sleep(3 * (PUBLISH_INTERVAL_S + BUS_POLL_S))
+    time.sleep(3 * (PUBLISH_INTERVAL_S + DEFAULTS.bus_poll_s))
 
 
 def load_benchmark(name: str) -> ModuleType:

@@ -30,7 +30,7 @@ from simulation.options import (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from router.pd import DEFAULT_MAX_LOCAL_PREFILL_TOKENS, DEFAULT_OVERLOAD_FACTOR
+    from router.settings import DEFAULTS
     from simulation.settings import DEFAULT_HANDOVER_HISTORY_S
 
     add_workload_arguments(p)
@@ -61,16 +61,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--pd-max-local-prefill-tokens",
         type=int,
-        default=DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+        default=DEFAULTS.pd_max_local_prefill_tokens,
         help="a request with at most this many uncached tokens may run whole on a decode "
-        f"engine [{DEFAULT_MAX_LOCAL_PREFILL_TOKENS}]",
+        f"engine [{DEFAULTS.pd_max_local_prefill_tokens}]",
     )
     d.add_argument(
         "--pd-overload-factor",
         type=float,
-        default=DEFAULT_OVERLOAD_FACTOR,
+        default=DEFAULTS.pd_overload_factor,
         help="run whole on a decode engine when the split is priced above this many times the "
-        f"colocated TTFT estimate; 0: never [{DEFAULT_OVERLOAD_FACTOR:g}]",
+        f"colocated TTFT estimate; 0: never [{DEFAULTS.pd_overload_factor:g}]",
     )
     a = p.add_argument_group("autoscaling (router.autoscale)")
     a.add_argument(

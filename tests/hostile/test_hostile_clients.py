@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.admission import Admission
+from router.settings import RouterSettings
 from tests.support import Server, free_port, metric, settle, sim_stack
 
 MODEL = "tiny-sim"
@@ -202,7 +202,7 @@ def test_4_keys_an_operator_puts_in_one_namespace_share_it() -> None:
 def test_7_admission_counts_engine_requests_not_http_requests() -> None:
     """4 prompts x ``n`` 4 hold 16 admission slots while they run (``kvroute_admission_running``),
     and a 16-slot server queues the next request behind them."""
-    stack = sim_stack(time_scale=1.0, admission=Admission(max_in_flight=16, max_queue=8))
+    stack = sim_stack(time_scale=1.0, settings=RouterSettings(max_in_flight=16, max_queue=8))
     with Server(stack, free_port()) as s:
         base = f"http://127.0.0.1:{s.port}"
 

@@ -24,6 +24,7 @@ from engines.config import BusConfig
 from engines.deployment import open_buses
 from engines.sim import LatencyProfile
 from router.placement import PlacementRequest
+from router.settings import RouterSettings
 from router.state import RouterState
 from tests.integration.conftest import REDIS_PASSWORD, REDIS_USER
 from tests.support import redis_server
@@ -122,7 +123,7 @@ def test_a_router_that_cannot_authenticate_says_so_and_keeps_serving(
     stream = f"kvroute-{uuid.uuid4().hex[:8]}"
     events = RedisStreamBus(secured_redis_url, stream, password="wrong")
     loads = RedisStreamBus(secured_redis_url, stream + "-loads", password="wrong")
-    state = RouterState("kv_ttft", PROFILE, block_size=16, kv_bus=events, load_bus=loads)
+    state = RouterState(RouterSettings(), PROFILE, kv_bus=events, load_bus=loads)
     state.sync_instances(["a", "b"])
     state.cache_map.store("b", "GPU", [1, 2, 3])  # what it knew before the bus went away
     with caplog.at_level(logging.WARNING):
@@ -140,7 +141,7 @@ def test_forged_events_never_steer_placement() -> None:
     """Events under an instance id the router does not serve are never a candidate's, and a
     replayed (old) sequence of a real instance is dropped as a duplicate."""
     kv, loads = InProcessBus(), InProcessBus()
-    state = RouterState("kv_ttft", PROFILE, block_size=16, kv_bus=kv, load_bus=loads)
+    state = RouterState(RouterSettings(), PROFILE, kv_bus=kv, load_bus=loads)
     state.sync_instances(["a", "b"])
     prefix = [11, 12, 13, 14]
     kv.publish(encode_message(InstanceEvents("a", 0, 0.0, [Stored("GPU", [99], None, 0)])))

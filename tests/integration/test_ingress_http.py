@@ -17,7 +17,7 @@ from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
 from engines.sim.options import SimEngineOptions
 from engines.tiny_model import build_tiny_model
-from router.admission import Admission
+from router.settings import RouterSettings
 from router.tokenizer import PromptTokenizer
 from tests.support import (
     FORGED_TRANSFER_PARAMS,
@@ -37,7 +37,7 @@ KEY = "sk-test"
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     stack = sim_stack(
-        api_keys=frozenset({KEY}), admission=Admission(max_in_flight=64, max_queue=64)
+        api_keys=frozenset({KEY}), settings=RouterSettings(max_in_flight=64, max_queue=64)
     )
     with Server(stack, free_port()) as s:
         yield s
@@ -491,7 +491,7 @@ def test_a_coarser_event_stride_still_routes_repeated_prompts_to_their_cache() -
     quarter of the entries, and the router still sends each repeated prompt where it is
     cached (three prompts over two engines: each repeat a hit), matching in whole runs of four
     blocks."""
-    stack = sim_stack(block_size=16, event_stride=4)
+    stack = sim_stack(block_size=16, settings=RouterSettings(event_stride=4))
     with Server(stack, free_port()) as s:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{s.port}/v1", api_key="x")
         cmap = stack.state.cache_map

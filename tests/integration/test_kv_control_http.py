@@ -19,10 +19,10 @@ from engines.sim import LatencyProfile
 from engines.sim.engine import SimEngine
 from engines.sim.options import SimEngineOptions
 from engines.tiny_model import build_tiny_model
-from router.admission import Admission
 from router.api_errors import APIError
 from router.keys import fingerprint
 from router.kv_control import KvControl, PinBody
+from router.settings import RouterSettings
 from router.tokenizer import PromptTokenizer
 from tests.support import Server, free_port, settle
 
@@ -68,7 +68,7 @@ def server(tok: PromptTokenizer) -> Iterator[Server]:
         admin_keys=frozenset({ADMIN}),
         metrics_admin=True,
         pins=True,
-        admission=Admission(max_in_flight=64, max_queue=64),
+        settings=RouterSettings(max_in_flight=64, max_queue=64),
     )
     with Server(stack, free_port()) as s:
         yield s

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from engines.sim.request import Status
-from router.admission import Admission
+from router.settings import RouterSettings
 from tests.support import Server, free_port, sim_stack
 
 MODEL = "tiny-sim"
@@ -33,7 +33,7 @@ MSGS = [{"role": "user", "content": "tell me a story"}]
 def server() -> Iterator[Server]:
     stack = sim_stack(
         time_scale=0.02,
-        admission=Admission(max_in_flight=64, max_queue=256),
+        settings=RouterSettings(max_in_flight=64, max_queue=256),
         # a CPU tier that honours pins, so that /v1/kv/pin and /unpin can answer 200
         engine={"cpu_capacity_blocks": 64, "cpu_policy": "wa"},
         pins=True,

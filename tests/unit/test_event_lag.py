@@ -9,6 +9,7 @@ from cachemap.events import InstanceEvents, Stored, encode_message
 from engines.liveness import LAG_WARN_S
 from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics
+from router.settings import RouterSettings
 from router.state import RouterState
 
 
@@ -31,7 +32,7 @@ def gauges(state: RouterState) -> dict[str, float]:
 
 def test_event_age_at_apply_and_the_behind_flag() -> None:
     kv, loads = InProcessBus(1 << 14), InProcessBus()
-    state = RouterState("round_robin", block_size=16, kv_bus=kv, load_bus=loads)
+    state = RouterState(RouterSettings("round_robin"), kv_bus=kv, load_bus=loads)
     core = state.core
     watcher = core.watcher
     assert watcher is not None
@@ -55,7 +56,7 @@ def test_event_age_at_apply_and_the_behind_flag() -> None:
 
 def test_a_full_read_means_more_is_waiting() -> None:
     kv, loads = InProcessBus(1 << 14), InProcessBus()
-    core = RouterState("round_robin", block_size=16, kv_bus=kv, load_bus=loads).core
+    core = RouterState(RouterSettings("round_robin"), kv_bus=kv, load_bus=loads).core
     watcher = core.watcher
     assert watcher is not None
     for seq in range(MAX_READ_ITEMS + 10):

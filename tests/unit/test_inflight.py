@@ -6,6 +6,7 @@ from cachemap import Match
 from router.core import RouterCore
 from router.inflight import InFlightPrompts
 from router.placement import InstanceView, Placement, PlacementRequest
+from router.settings import RouterSettings
 from tests.unit.test_placement import BS, Linear
 
 
@@ -35,7 +36,7 @@ def test_the_core_sends_a_shared_prompt_after_its_first_copy() -> None:
 
     def placed(inflight: bool, step: int = 0) -> tuple[str, str, int, int]:
         model = Linear(max_num_batched_tokens=step)
-        core = RouterCore("kv_ttft", model, block_size=BS, inflight_prompts=inflight)
+        core = RouterCore(RouterSettings(block_size=BS, inflight_prompts=inflight), model)
         for iid in ("a", "b", "c"):
             core.add_instance(iid)
         first = PlacementRequest("r1", 64 * BS, list(range(1, 65)))

@@ -17,13 +17,14 @@ from engines.sim.options import SimEngineOptions
 from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned
 from router import lifecycle
-from router.admission import Admission, Rejected
+from router.admission import Rejected
 from router.core import RouterCore
 from router.dispatch import Dispatcher
 from router.local_client import LocalEngineClient
 from router.pd import PdPlanner, TransferModel
 from router.placement import PlacementRequest
 from router.pools import Pool
+from router.settings import RouterSettings
 from router.state import RouterState
 from simulation.cluster import ClusterSimulator
 from simulation.settings import SimSettings
@@ -75,7 +76,7 @@ def dispatcher_legs() -> list[Leg]:
             )
             return super().stream(routed)
 
-    state = RouterState("kv_ttft", PROFILE, BS, pools=pools(), planner=planner())
+    state = RouterState(RouterSettings(block_size=BS), PROFILE, pools=pools(), planner=planner())
     state.sync_instances(["sim-0"], "prefill")
     state.sync_instances(["sim-1"], "decode")
     dispatcher = Dispatcher(state, Spy(engines))
@@ -128,7 +129,7 @@ def test_dispatcher_and_simulator_send_the_same_legs() -> None:
 
 
 def test_admit_gates_the_estimate_plus_the_wait() -> None:
-    core = RouterCore("kv_ttft", PROFILE, BS, admission=Admission(slo_ttft_s=0.5))
+    core = RouterCore(RouterSettings(block_size=BS, slo_ttft_s=0.5), PROFILE)
     core.add_instance("a")
     req = PlacementRequest("r", 8 * BS, list(range(8)))
     placed = lifecycle.admit(core, req, 0.0)

@@ -28,6 +28,7 @@ from engines.pd.protocol import ConnectorSettings, PullParams
 from engines.ports import free_port
 from policies.hints import PolicyHints
 from router.dispatch import Dispatcher, PdStats
+from router.settings import RouterSettings
 from router.state import RouterState
 
 NUM_BLOCKS = 16
@@ -244,7 +245,7 @@ def test_a_pull_report_reaches_the_router_as_one_record(pair) -> None:
         def isolate(self) -> None:
             return
 
-    dispatcher = Dispatcher(RouterState("round_robin", block_size=16), Decoder(), pre_place=False)
+    dispatcher = Dispatcher(RouterState(RouterSettings("round_robin")), Decoder(), pre_place=False)
 
     async def run() -> None:
         async for _ in dispatcher.stream(RoutedRequest(EngineRequest("d1", [1] * 64), "")):

@@ -14,6 +14,7 @@ from router.pd import PdPlanner, TransferModel
 from router.placement import NoInstanceError, PlacementRequest
 from router.pools import Pool
 from router.recorder import MemoryRecorder
+from router.settings import DEFAULTS
 
 H100 = LatencyProfile.load("h100-llama3.1-8b")
 BS = 16
@@ -25,8 +26,10 @@ POOLS = (
 
 
 def core(threshold: int = 1000, **kw: object) -> RouterCore:
-    planner = PdPlanner(TransferModel(H100.kv_bytes_per_token), threshold)
-    c = RouterCore("kv_ttft", pools=POOLS, planner=planner, **kw)  # type: ignore[arg-type]
+    planner = PdPlanner(
+        TransferModel(H100.kv_bytes_per_token), threshold, DEFAULTS.pd_overload_factor
+    )
+    c = RouterCore(pools=POOLS, planner=planner, **kw)  # type: ignore[arg-type]
     c.sync_instances(["p1", "p2"], "prefill")
     c.sync_instances(["d1", "d2"], "decode")
     return c
@@ -77,7 +80,9 @@ def test_a_backed_up_prefill_pool_sends_long_prompts_to_the_decode_engines() -> 
     p = c.place(req(8000), 0.0)
     assert p.prefill is None and rec.records[0]["pd"]["reason"] == "split too slow"
     lenient = core()
-    lenient.planner = PdPlanner(TransferModel(H100.kv_bytes_per_token), overload_factor=None)
+    lenient.planner = PdPlanner(
+        TransferModel(H100.kv_bytes_per_token), DEFAULTS.pd_max_local_prefill_tokens, None
+    )
     for iid in ("p1", "p2"):
         lenient.load.on_snapshot(LoadSnapshot(iid, 0.0, 20, 0, 0.5, 0.0, 200_000))
     assert lenient.place(req(8000), 0.0).prefill is not None
@@ -112,7 +117,7 @@ def test_the_placement_record_has_both_legs() -> None:
 
 
 def test_a_disaggregated_core_without_a_planner_says_so() -> None:
-    c = RouterCore("kv_ttft", pools=POOLS)
+    c = RouterCore(pools=POOLS)
     c.sync_instances(["p1"], "prefill")
     c.sync_instances(["d1"], "decode")
     with pytest.raises(RuntimeError, match="PdPlanner"):

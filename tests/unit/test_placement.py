@@ -18,6 +18,7 @@ from router.placement import (
     create_scorer,
     scorer_names,
 )
+from router.settings import RouterSettings
 
 BS = 16
 
@@ -333,7 +334,7 @@ def test_router_state_reports_first_tokens_to_the_scorer() -> None:
         def on_first_token(self, placement: Placement, ttft_s: float) -> None:
             seen.append((placement.instance_id, ttft_s))
 
-    st = RouterState(Recording(), block_size=BS)
+    st = RouterState(RouterSettings(block_size=BS), scorer=Recording())
     p = Placement("a", 0.1, 0)
     st.assigned(req(4), p)
     st.first_token("r")
@@ -349,7 +350,7 @@ def test_placement_log_records_every_candidate(tmp_path) -> None:
 
     path = tmp_path / "placements.jsonl"
     recorder = JsonlRecorder(str(path))
-    st = RouterState("kv_ttft", Linear(), block_size=BS, recorder=recorder)
+    st = RouterState(RouterSettings(block_size=BS), Linear(), recorder=recorder)
     st.sync_instances(["a", "b"])
     r = req(8)
     st.cache_map.store("b", Tier.GPU, r.block_hashes)
@@ -369,7 +370,9 @@ def test_router_core_takes_time_as_an_argument() -> None:
     from router.recorder import MemoryRecorder
 
     rec = MemoryRecorder()
-    core = RouterCore("least_loaded", Linear(), block_size=BS, stale_after_s=1.0, recorder=rec)
+    core = RouterCore(
+        RouterSettings("least_loaded", block_size=BS, stale_after_s=1.0), Linear(), recorder=rec
+    )
     core.sync_instances(["a", "b"])
     core.load.on_snapshot(LoadSnapshot("a", 100.0, 5, 5, 0.1, 0.0, 0))
     assert core.place(req(4), now=100.5).instance_id == "b"  # a's sample is fresh: busy
@@ -411,7 +414,7 @@ def test_the_slo_gate_counts_time_already_spent_in_the_queue() -> None:
     from router.dispatch import Dispatcher
     from router.state import RouterState
 
-    state = RouterState("kv_ttft", Linear(), block_size=BS, admission=Admission(slo_ttft_s=0.5))
+    state = RouterState(RouterSettings(block_size=BS, slo_ttft_s=0.5), Linear())
     state.sync_instances(["a"])
     d = Dispatcher(state, client=None)  # type: ignore[arg-type]
     r = req(100)  # 160 ms cold on an idle instance
@@ -437,7 +440,7 @@ def test_a_failover_finishes_each_attempt_on_its_own_instance() -> None:
 
     down = SimEngine("a", kv_events_endpoint=None, time_scale=0)  # never started
     up = SimEngine("b", kv_events_endpoint=None, time_scale=0)
-    state = RouterState(Recording(), Linear(), block_size=BS)
+    state = RouterState(RouterSettings(block_size=BS), Linear(), scorer=Recording())
     state.sync_instances(["a", "b"])
     d = Dispatcher(state, LocalEngineClient({"a": down, "b": up}))
     routed = RoutedRequest(EngineRequest("r", list(range(40))), "x", list(range(1, 3)))
@@ -480,7 +483,7 @@ def test_a_request_whose_engine_dies_mid_stream_migrates() -> None:
 
     async def run(max_migrations: int) -> list[EngineOutput]:
         engines = {i: SimEngine(i, kv_events_endpoint=None, time_scale=0) for i in "ab"}
-        state = RouterState("round_robin", Linear(), block_size=BS)
+        state = RouterState(RouterSettings("round_robin", block_size=BS), Linear())
         state.sync_instances(["a", "b"])
         d = Dispatcher(state, Dying(engines), max_migrations=max_migrations)
         sampling = SamplingParams(max_tokens=10, min_tokens=5, ignore_eos=True)
@@ -604,7 +607,9 @@ def test_router_core_apply_registers_and_refreshes_from_the_load_bus() -> None:
     from router.core import RouterCore
 
     kv, loads = InProcessBus(), InProcessBus()
-    core = RouterCore("least_loaded", Linear(), block_size=BS, kv_bus=kv, load_bus=loads)
+    core = RouterCore(
+        RouterSettings("least_loaded", block_size=BS), Linear(), kv_bus=kv, load_bus=loads
+    )
     for iid in ("b", "a"):
         loads.publish(encode_load(LoadSnapshot(iid, 1.0, 1, 0, 0.0, 0.0, 0)))
     core.pump(1.0)
@@ -744,7 +749,7 @@ def test_kv_ttft_spreads_cold_prefixes_over_the_emptiest_caches() -> None:
     fills instead of the first engines' evicting."""
     from router.core import RouterCore
 
-    core = RouterCore("kv_ttft", Linear(), block_size=BS)
+    core = RouterCore(RouterSettings(block_size=BS), Linear())
     for iid in ("a", "b", "c"):
         core.add_instance(iid)
     placed = []

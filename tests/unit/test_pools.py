@@ -15,6 +15,7 @@ from engines.sim.profile import LatencyProfile
 from router.core import RouterCore
 from router.pools import Pool, check_pools
 from router.serve_router import KvRequestRouter
+from router.settings import RouterSettings
 from router.state import RouterState, register_state, unregister_state
 
 
@@ -47,7 +48,7 @@ def test_membership_is_synced_per_pool() -> None:
 
 
 def test_a_single_pool_core_is_what_it_was() -> None:
-    core = RouterCore("least_loaded", PROFILE, block_size=16, kv_capacity_blocks=7)
+    core = RouterCore(RouterSettings("least_loaded", kv_capacity_blocks=7), PROFILE)
     core.sync_instances(["a", "b"])
     assert core.members() == core.members(["both"]) == ["a", "b"]
     assert not core.disaggregated and core.block_size == 16
