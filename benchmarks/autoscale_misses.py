@@ -39,7 +39,7 @@ from benchmarks.autoscale_suite import (
     make_plan,
     one_run,
 )
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 
 
 def predecessors(plan: list) -> dict[int, int | None]:

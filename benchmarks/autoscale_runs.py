@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import TRACES
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.traces import PrefixModel, load_trace
 from loadgen.workloads import Planned, build_schedule

@@ -66,7 +66,7 @@ from benchmarks.autoscale_runs import (
 )
 from benchmarks.common import NonNegative, print_json
 from engines.config import CpuTierConfig
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.workloads import Planned
 from router.autoscale import SchedulePolicy
 from simulation.cluster import simulate

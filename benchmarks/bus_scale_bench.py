@@ -96,7 +96,7 @@ def record(
     """A saturated H100 engine's translated batches: run until its cache is full, then record
     ``seconds`` of it, time-scaled so that ``stored_per_s`` engine blocks are stored per second
     (before thinning to every ``keep_every``-th block)."""
-    from engines.sim.profile import LatencyProfile
+    from engines.profile import LatencyProfile
     from engines.sim.request import make_request
     from engines.sim.virtual import VirtualInstance
 

@@ -271,7 +271,7 @@ def kvroute_runs(routers: list[str], args: argparse.Namespace) -> dict[str, Any]
     """Each of ``routers`` on kvroute's cluster simulator, lined up with the mocker (see the
     module doc), measured as ``run_metrics`` measures a Dynamo replay; one run each (seeded: one
     run is every run). The trace is read once for all. Runs in kvroute's venv only."""
-    from engines.sim.profile import LatencyProfile
+    from engines.profile import LatencyProfile
     from loadgen.traces import load_trace
     from loadgen.workloads import build_schedule
     from simulation.cluster import simulate

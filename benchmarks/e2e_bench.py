@@ -58,7 +58,7 @@ from router.placement import parse_options
 from simulation.options import parse_router
 
 if TYPE_CHECKING:
-    from engines.sim.profile import LatencyProfile
+    from engines.profile import LatencyProfile
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "small"
@@ -265,7 +265,7 @@ def simulate_routers(
     """Each router on the cluster simulator over the schedule ``kvroute loadgen`` sends for
     ``workload`` at ``rate`` for ``duration``: engines configured as the real ones (the same
     validated ``engine_config``), on ``truth``."""
-    from engines.sim.profile import LatencyProfile
+    from engines.profile import LatencyProfile
     from loadgen.metrics import summarize
     from simulation.cluster import simulate
 
@@ -424,7 +424,7 @@ def main() -> None:
         runtime_env={"env_vars": env} if env else None,
     )
     from engines.ports import free_port
-    from engines.sim.profile import LatencyProfile
+    from engines.profile import LatencyProfile
 
     profile = LatencyProfile.load(PROFILE)
 

@@ -48,7 +48,7 @@ import numpy as np
 
 from benchmarks.common import print_json
 from benchmarks.routing_suite import REQUESTS, WORKLOADS, make_plan, settings_for
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.workloads import Planned
 from simulation.cluster import simulate
 from simulation.settings import engine_profile, ideal_ttfts

@@ -46,8 +46,8 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 async def run(repeats: int, profile_name: str) -> dict[str, object]:
+    from engines.profile import LatencyProfile
     from engines.sim.engine import SimEngine
-    from engines.sim.profile import LatencyProfile
     from engines.tiny_model import build_tiny_model
     from engines.vllm_engine import VllmEngine
 

@@ -71,7 +71,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deploy.local import LocalStack
-from engines.sim import LatencyProfile
+from engines.profile import LatencyProfile
 from engines.sim.engine import SimEngine
 from engines.sim.options import SimEngineOptions
 from engines.tiny_model import build_tiny_model

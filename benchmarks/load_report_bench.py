@@ -42,7 +42,7 @@ from engines.base import REPORT_INTERVAL_S, EngineRequest, LoadSnapshot, Samplin
 from engines.core_report import HEARTBEAT_S, TRACE_ENV
 from engines.environ import scoped_environ
 from engines.forwarder import KvEventForwarder, decode_load
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from engines.tiny_model import resolve_model
 from engines.vllm_engine import VllmEngine
 from engines.vllm_scheduler import SCHEDULER_QUALNAME

@@ -31,7 +31,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from deploy.local import LocalStack
-from engines.sim import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.metrics import percentiles_ms
 from router.settings import RouterSettings
 from tests.support import SIM_MODEL as MODEL

@@ -294,7 +294,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries the JSON
     args = _parser().parse_args()
 
-    from engines.sim.profile import LatencyProfile
+    from engines.profile import LatencyProfile
     from simulation.pricing import Slo
 
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms, args.attainment)

@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import MOONCAKE_TRACE, print_json
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.records import RequestRecord
 from loadgen.traces import load_trace
 from loadgen.workloads import build_schedule

@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 from cachemap import Tier, block_hashes, salt_hash
 from deploy.local import LocalStack
 from engines.base import EngineRequest, SamplingParams
-from engines.sim import LatencyProfile
+from engines.profile import LatencyProfile
 from engines.sim.engine import SimEngine
 from engines.sim.options import SimEngineOptions
 from engines.tiny_model import build_tiny_model

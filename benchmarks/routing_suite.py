@@ -64,7 +64,7 @@ from benchmarks.common import print_json
 from benchmarks.routing_table import table
 from benchmarks.routing_workloads import SYNTH_BASE_RATE, WORKLOADS, make_plan, parse_workloads
 from engines.base import LOAD_INTERVAL_S
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.metrics import summarize
 from loadgen.workloads import Planned, ideal_hit_rate
 from router.placement import parse_options, scorer_names

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import MOONCAKE_TRACE
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.metrics import summarize
 from loadgen.traces import TraceRequest, load_trace
 from loadgen.workloads import Planned, build_schedule

@@ -49,7 +49,7 @@ def _match(tk, tv, shift, tmask, keys, hold, wide, gpu, cpu, scale):  # type: ig
     at position ``i`` gets a run of ``i``; at the first narrow slot only its few inline holders
     can go on, and are followed one by one from there.
 
-    It stays one kernel, past the 100 lines a function may have: probing the chain, ANDing the
+    It stays whole, one kernel past the 100 lines a function may have: probing the chain, ANDing the
     rows over the wide head, handing the bits still running to the first narrow slot's inline
     holders, following those and packing the runs are one pass over the chain, each step taking
     up the state the one before left (the slots found, the position reached, the running masks,

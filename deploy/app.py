@@ -35,7 +35,7 @@ from engines import gc_tuning
 from engines.config import EngineDeploymentConfig
 from engines.deployment import build_engine_app, open_buses
 from engines.pool.link import PoolLink
-from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
+from engines.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.tiny_model import resolve_model
 from router.dispatch import Dispatcher
 from router.ingress import build_app

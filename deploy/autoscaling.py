@@ -242,7 +242,7 @@ class PoolPolicy:
         self.app_name, self.pool, self.interval_s, self.record = app_name, pool, interval_s, record
         prof = None
         if profile is not None:
-            from engines.sim.profile import LatencyProfile
+            from engines.profile import LatencyProfile
 
             prof = LatencyProfile.load(profile)
             lim = dict(limits or {})

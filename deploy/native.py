@@ -64,7 +64,7 @@ MODULES: tuple[str, ...] = (
     "cachemap.ingest",
     "engines.liveness",
     "engines.sim.blocks",
-    "engines.sim.profile",
+    "engines.profile",
     "engines.sim.request",
     "engines.sim.scheduler",
     "engines.sim.virtual",

@@ -209,9 +209,9 @@ def _node_ip() -> str:
 
 
 def _sim_engine(cfg: EngineConfig, instance_id: str) -> Engine:
+    from engines.profile import DEFAULT_PROFILE, LatencyProfile
     from engines.sim.engine import SimEngine
     from engines.sim.options import SimEngineOptions
-    from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
     from policies.registry import create_policy
 
     opts: dict[str, Any] = {}

@@ -1,7 +1,7 @@
 """Measuring a real vLLM engine for the sim engine's latency profile (``kvroute profile`` runs
 it): the grids of points, their timings and the fit.
 
-The profile is ``engines.sim.profile.LatencyProfile``'s JSON (see that module for the model):
+The profile is ``engines.profile.LatencyProfile``'s JSON (see that module for the model):
 
     prefill_ms(n uncached, c cached) = base_ms + token_ms * n + attn_ms * n * (c + n / 2)
     decode_step_ms(batch, context)   = base_ms + seq_ms * batch + ctx_ms * context

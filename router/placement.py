@@ -22,7 +22,7 @@ from engines.pool.link import PoolLink
 
 
 class LatencyModel(Protocol):
-    """An engine's latency profile, as the router needs it (``engines.sim.profile.
+    """An engine's latency profile, as the router needs it (``engines.profile.
     LatencyProfile`` satisfies it; ``kvroute profile`` measures one from a real engine)."""
 
     @property

@@ -47,7 +47,7 @@ from typing import Any
 
 from cachemap.events import InstanceGone, encode_message
 from cachemap.hashing import Tier
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from engines.sim.virtual import trace_arrival
 from loadgen.records import RequestRecord
 from loadgen.workloads import Planned

@@ -215,7 +215,7 @@ def parse_routers(spec: str) -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def load_profile(name: str, flag: str) -> Any:
-    from engines.sim.profile import LatencyProfile
+    from engines.profile import LatencyProfile
 
     try:
         return LatencyProfile.load(name)

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.metrics import server_hit_rate
 from loadgen.records import RequestRecord
 from loadgen.workloads import Planned

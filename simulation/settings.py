@@ -14,9 +14,9 @@ from typing import Any
 
 from engines.base import LOAD_INTERVAL_S
 from engines.pool.link import DEFAULT_POOL_GBPS, DEFAULT_POOL_LATENCY_MS, PoolLink
+from engines.profile import LatencyProfile
 from engines.sim.options import SimEngineOptions
 from engines.sim.pool import SimPool
-from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest
 from loadgen.records import RequestRecord
 from loadgen.workloads import Planned, ideal_hits

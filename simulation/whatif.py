@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.records import RequestRecord
 from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned

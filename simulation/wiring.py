@@ -21,8 +21,8 @@ from cachemap.bus import MAX_READ_ITEMS, InProcessBus
 from cachemap.events import Cleared, InstanceEvents, encode_message
 from cachemap.ingest import EngineEventTranslator
 from engines.forwarder import encode_load
+from engines.profile import LatencyProfile
 from engines.sim.options import SimEngineOptions
-from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest
 from engines.sim.virtual import VirtualInstance, trace_arrival
 from loadgen.workloads import Planned

@@ -24,7 +24,7 @@ from router.settings import DEFAULTS
 
 if TYPE_CHECKING:
     from deploy.config import ServeConfig
-    from engines.sim import LatencyProfile
+    from engines.profile import LatencyProfile
 
 __all__ = [
     "Server",
@@ -168,7 +168,7 @@ def sim_stack(
     model's tokenizer decodes; ``engine``: more ``SimEngineOptions``) behind a ``LocalStack``
     serving model ``SIM_MODEL`` (``latency``: the router's profile, the engines' unless given;
     ``stack``: more ``LocalStack`` options)."""
-    from engines.sim import LatencyProfile
+    from engines.profile import LatencyProfile
     from engines.sim.engine import SimEngine
     from engines.tiny_model import build_tiny_model
     from router.tokenizer import PromptTokenizer

@@ -1,5 +1,5 @@
 """``kvroute profile``: measure a real vLLM engine and write a latency profile for the sim engine
-(``engines.sim.profile.LatencyProfile``'s JSON, with the raw points and the fit's errors; how the
+(``engines.profile.LatencyProfile``'s JSON, with the raw points and the fit's errors; how the
 points are timed and fitted: ``engines.profiling``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engines.sim.profile import DEFAULT_PROFILE
+from engines.profile import DEFAULT_PROFILE
 from engines.tiny_model import MODEL_PRESETS
 
 
@@ -50,8 +50,8 @@ def _hardware() -> str:
 
 
 async def _profile(args: argparse.Namespace) -> dict[str, Any]:
+    from engines.profile import LatencyProfile
     from engines.profiling import GRIDS, fit, measure
-    from engines.sim.profile import LatencyProfile
     from engines.tiny_model import resolve_model
     from engines.vllm_engine import VllmEngine
 

@@ -1,17 +1,16 @@
 """The sim engine: vLLM-like paged KV blocks, prefix caching and continuous batching without a
-model, timed by a latency profile. Real time (``SimEngine``, asyncio) or virtual time
-(``VirtualInstance``, discrete events; ``simulation.cluster`` runs a cluster of them)."""
+model, timed by a latency profile (``engines.profile``). Real time (``SimEngine``, asyncio) or
+virtual time (``VirtualInstance``, discrete events; ``simulation.cluster`` runs a cluster of
+them)."""
 
 from engines.sim.blocks import KVBlockManager
 from engines.sim.options import SimEngineOptions
-from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest, make_request
 from engines.sim.scheduler import Scheduler, SchedulerConfig
 from engines.sim.virtual import VirtualInstance, expand_trace_hashes, trace_arrival
 
 __all__ = [
     "KVBlockManager",
-    "LatencyProfile",
     "Scheduler",
     "SchedulerConfig",
     "SimEngine",

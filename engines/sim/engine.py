@@ -33,8 +33,8 @@ from engines.base import (
     Usage,
     refusal,
 )
+from engines.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.sim.options import DEFAULT_OPTIONS, SimEngineOptions
-from engines.sim.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.sim.request import SimRequest, Status, make_request
 from engines.sim.scheduler import Scheduler
 from policies.base import RequestInfo

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.base import DEFAULT_TRANSFER_GBPS, DEFAULT_TRANSFER_LATENCY_MS, LoadSnapshot
+from engines.profile import LatencyProfile
 from engines.sim.blocks import Block, KVBlockManager, cdiv
 from engines.sim.options import DEFAULT_OPTIONS, SimEngineOptions
-from engines.sim.profile import LatencyProfile
 from engines.sim.remote import handover_params
 from engines.sim.request import TOKEN_OFFSET, VOCAB_SIZE, SimRequest, Status
 

@@ -32,9 +32,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from engines.base import LoadSnapshot
+from engines.profile import LatencyProfile
 from engines.sim.options import DEFAULT_OPTIONS, SimEngineOptions
 from engines.sim.pool import SimPool
-from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest, Status, make_request
 from engines.sim.scheduler import Scheduler
 from policies.base import RequestInfo

@@ -1,5 +1,5 @@
 """The autoscaling core's records (what a policy is handed, what it answers), its SLO, and
-the capacity model of one replica (over the profile's cost model, ``engines.sim.profile``)."""
+the capacity model of one replica (over the profile's cost model, ``engines.profile``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 
 # seconds between two decisions (the simulator's default; Ray's own loop runs every 0.1 s)
 DEFAULT_INTERVAL_S = 10.0

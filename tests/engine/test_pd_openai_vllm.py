@@ -20,7 +20,7 @@ from cachemap import BlockHasher
 from deploy.local import LocalStack
 from engines.base import EngineRequest, SamplingParams
 from engines.pd.connector import kv_transfer_config
-from engines.sim import LatencyProfile
+from engines.profile import LatencyProfile
 from engines.tiny_model import build_tiny_model
 from engines.vllm_engine import VllmEngine
 from router.pd import PdPlanner, TransferModel

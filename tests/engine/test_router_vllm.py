@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from deploy.local import LocalStack
-from engines.sim import LatencyProfile
+from engines.profile import LatencyProfile
 from engines.tiny_model import build_tiny_model
 from engines.vllm_engine import VllmEngine
 from router.placement import create_scorer

@@ -40,8 +40,8 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from engines.profile import LatencyProfile  # noqa: E402
 from engines.sim.blocks import KVBlockManager  # noqa: E402
-from engines.sim.profile import LatencyProfile  # noqa: E402
 from engines.sim.request import SimRequest, Status, make_request  # noqa: E402
 from engines.sim.scheduler import Scheduler  # noqa: E402
 from engines.sim.scheduler import SchedulerConfig as SimSchedulerConfig  # noqa: E402

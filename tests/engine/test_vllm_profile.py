@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from deploy.cli import main
+from engines.profile import LatencyProfile
 from engines.profiling import Measurements, fit, nnls
-from engines.sim.profile import LatencyProfile
 
 pytestmark = pytest.mark.engine
 

@@ -22,7 +22,7 @@ from cachemap.events import InstanceEvents, Stored, encode_message
 from engines.bus_redis import RedisStreamBus
 from engines.config import BusConfig
 from engines.deployment import open_buses
-from engines.sim import LatencyProfile
+from engines.profile import LatencyProfile
 from router.placement import PlacementRequest
 from router.settings import RouterSettings
 from router.state import RouterState

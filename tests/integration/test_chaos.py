@@ -25,7 +25,7 @@ from cachemap import BlockHasher, Tier
 from cachemap.events import InstanceEvents, decode_message
 from deploy.local import LocalStack
 from engines.bus_redis import RedisStreamBus
-from engines.sim import LatencyProfile
+from engines.profile import LatencyProfile
 from engines.sim.engine import SimEngine
 from engines.sim.options import SimEngineOptions
 from engines.tiny_model import build_tiny_model

@@ -15,7 +15,7 @@ import pytest
 
 from cachemap import BlockHasher
 from deploy.local import LocalStack
-from engines.sim import LatencyProfile
+from engines.profile import LatencyProfile
 from engines.sim.engine import SimEngine
 from engines.sim.options import SimEngineOptions
 from engines.tiny_model import build_tiny_model

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from cachemap import BlockHasher
-from engines.sim import LatencyProfile
+from engines.profile import LatencyProfile
 from engines.tiny_model import build_tiny_model
 from router.pd import PdPlanner, TransferModel
 from router.placement import PlacementRequest

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.sim import LatencyProfile
+from engines.profile import LatencyProfile
 from router.pd import PdPlanner, TransferModel
 from router.pools import Pool
 from tests.support import SIM_MODEL, Server, free_port, sim_stack, wait_for

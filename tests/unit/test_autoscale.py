@@ -9,7 +9,7 @@ import json
 import pytest
 
 from deploy.cli import main as kvroute
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from router.autoscale import (
     Autoscaler,
     EngineLoad,

@@ -109,7 +109,7 @@ def test_yaml_errors_are_value_errors(tmp_path: Path) -> None:
 
 def test_a_sim_engine_gets_the_configured_cpu_tier() -> None:
     from engines.deployment import build_engine
-    from engines.sim.profile import LatencyProfile
+    from engines.profile import LatencyProfile
 
     tier = {"gib": 0.5, "policy": "lpc", "prompt_only": True}
     cfg = ServeConfig.validated({"engines": {"engine": {"cpu_tier": tier}}}).engines.engine

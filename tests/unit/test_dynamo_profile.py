@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 
 CAPACITY = 859 * 512  # --num-gpu-blocks 859 of the trace's 512-token blocks
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.fcfs_reference import Caches, greedy, hold, reorder
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned
 

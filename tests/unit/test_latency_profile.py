@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from engines.sim.profile import PROFILES_DIR, LatencyProfile
+from engines.profile import PROFILES_DIR, LatencyProfile
 
 
 @pytest.mark.parametrize("name", ["cpu-small-llama", "h100-llama3.1-8b", "dynamo-mocker-h100"])

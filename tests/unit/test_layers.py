@@ -1,7 +1,7 @@
 """The source tree keeps the shape docs/architecture.md draws: each package imports only packages
 listed below it (annotation-only imports included), no module imports itself back through
 others (function-level imports included: a lazy circle is still a circle), and no file or
-function in the serving and simulation code grows past the sizes a reader can hold."""
+function, benchmarks included, grows past the sizes a reader can hold."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # docs/architecture.md's Layers, lowest first
 LAYERS = ("cachemap", "policies", "engines", "router", "loadgen", "simulation", "deploy")
-SIZED = ("router", "engines", "loadgen", "simulation", "deploy")
+# every package, and the benchmarks (code users read to reproduce a figure)
+SIZED = (*LAYERS, "benchmarks")
 MAX_FILE_LINES, MAX_FUNCTION_LINES = 600, 100
 
 
@@ -109,6 +110,13 @@ def test_the_circle_finder_finds_a_lazy_circle() -> None:
     assert not _imports(hidden, False) & {"a"} and _imports(hidden, True) & {"a"}
 
 
+def _says_why_whole(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A numba kernel (``@jit``) may run long where its docstring says why it stays whole: a
+    call between kernels costs what the hot path cannot pay."""
+    jitted = any(ast.unparse(d).split("(")[0].endswith("jit") for d in node.decorator_list)
+    return jitted and "stays whole" in (ast.get_docstring(node) or "")
+
+
 def test_files_and_functions_stay_readable() -> None:
     big = []
     for package in SIZED:
@@ -120,6 +128,6 @@ def test_files_and_functions_stay_readable() -> None:
             for node in ast.walk(ast.parse(text)):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     lines = (node.end_lineno or node.lineno) - node.lineno + 1
-                    if lines > MAX_FUNCTION_LINES:
+                    if lines > MAX_FUNCTION_LINES and not _says_why_whole(node):
                         big.append(f"{where}:{node.lineno} {node.name}: {lines} lines")
     assert not big, big

@@ -11,7 +11,7 @@ import pytest
 
 from cachemap import block_hashes, salt_hash
 from engines.base import EngineRequest, RoutedRequest, SamplingParams
-from engines.sim import LatencyProfile
+from engines.profile import LatencyProfile
 from engines.sim.engine import SimEngine
 from engines.sim.options import SimEngineOptions
 from loadgen.traces import TraceRequest

@@ -8,7 +8,7 @@ import pytest
 
 from cachemap.map import Tier
 from engines.base import LoadSnapshot
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from router.core import RouterCore
 from router.pd import PdPlanner, TransferModel
 from router.placement import NoInstanceError, PlacementRequest

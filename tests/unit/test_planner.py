@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from deploy.cli import main
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.records import RequestRecord
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule

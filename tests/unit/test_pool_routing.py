@@ -10,9 +10,9 @@ from cachemap import POOL_INSTANCE, CacheMap, Match, Tier
 from cachemap.events import InstanceEvents
 from cachemap.ingest import CacheMapIngestor
 from engines.pool.link import PoolLink
+from engines.profile import LatencyProfile
 from engines.sim.options import SimEngineOptions
 from engines.sim.pool import SimPool
-from engines.sim.profile import LatencyProfile
 from engines.sim.virtual import VirtualInstance, trace_arrival
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule

@@ -11,7 +11,7 @@ import pytest
 from cachemap.bus import InProcessBus
 from engines.base import EngineRequest, LoadSnapshot, RoutedRequest
 from engines.forwarder import encode_load
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from router.core import RouterCore
 from router.pools import Pool, check_pools
 from router.serve_router import KvRequestRouter

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule
 from simulation.cluster import ClusterSimulator

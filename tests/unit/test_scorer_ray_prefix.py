@@ -6,7 +6,7 @@ import pytest
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
 from cachemap import Match
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from router.placement import InstanceView, PlacementRequest, create_scorer
 from router.scorers.ray_prefix import RayPrefixScorer, block_text
 

@@ -12,9 +12,9 @@ import zmq
 
 from cachemap.events import BlockStored, decode_vllm_batch
 from engines.base import EngineError, EngineOutput, EngineRequest, SamplingParams
+from engines.profile import LatencyProfile
 from engines.sim.engine import SimEngine
 from engines.sim.options import SimEngineOptions
-from engines.sim.profile import LatencyProfile
 from tests.support import wait_for_async
 
 BS = 32

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from cachemap.hashing import Tier
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned, build_schedule

@@ -18,9 +18,9 @@ from engines.base import (
     EngineRequest,
     SamplingParams,
 )
+from engines.profile import LatencyProfile
 from engines.sim.engine import SimEngine
 from engines.sim.options import SimEngineOptions
-from engines.sim.profile import LatencyProfile
 from engines.sim.request import Status, make_request
 from engines.sim.scheduler import Scheduler
 from engines.sim.virtual import VirtualInstance

@@ -8,9 +8,9 @@ import pytest
 
 from deploy.cli import main as kvroute
 from engines.pool.link import PoolLink
+from engines.profile import LatencyProfile
 from engines.sim.options import SimEngineOptions
 from engines.sim.pool import SimPool
-from engines.sim.profile import LatencyProfile
 from engines.sim.virtual import VirtualInstance, trace_arrival
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
+from engines.profile import LatencyProfile
 from engines.sim.blocks import KVBlockManager
-from engines.sim.profile import LatencyProfile
 from engines.sim.request import SimRequest, Status, make_request
 from engines.sim.scheduler import Scheduler, SchedulerConfig
 from policies.base import RequestInfo

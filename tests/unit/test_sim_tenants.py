@@ -10,7 +10,7 @@ import pytest
 
 from cachemap.hashing import block_hashes, salt_hash
 from deploy.cli import main as kvroute
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.traces import TraceRequest
 from loadgen.workloads import Planned, build_schedule
 from router.keys import tenant_salt

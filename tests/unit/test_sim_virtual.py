@@ -12,8 +12,8 @@ import pytest
 from cachemap import BlockHasher, CacheMap, Tier
 from cachemap.events import KVEventBatch, decode_vllm_batch, encode_vllm_batch
 from cachemap.ingest import CacheMapIngestor, EngineEventTranslator
+from engines.profile import LatencyProfile
 from engines.sim.options import SimEngineOptions
-from engines.sim.profile import LatencyProfile
 from engines.sim.request import make_request
 from engines.sim.virtual import VirtualInstance, expand_trace_hashes, trace_arrival
 from policies.base import RequestInfo

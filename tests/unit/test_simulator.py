@@ -8,7 +8,7 @@ import json
 import pytest
 
 from deploy.cli import main as kvroute
-from engines.sim.profile import LatencyProfile
+from engines.profile import LatencyProfile
 from loadgen.metrics import summarize
 from loadgen.synthetic import SYNTH_BLOCK_SIZE, SynthParams, generate
 from loadgen.workloads import build_schedule
