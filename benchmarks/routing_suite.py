@@ -63,7 +63,6 @@ import numpy as np
 from benchmarks.common import print_json
 from benchmarks.routing_table import table
 from benchmarks.routing_workloads import SYNTH_BASE_RATE, WORKLOADS, make_plan, parse_workloads
-from engines.base import LOAD_INTERVAL_S
 from engines.profile import LatencyProfile
 from loadgen.metrics import summarize
 from loadgen.workloads import Planned, ideal_hit_rate
@@ -75,6 +74,8 @@ from simulation.measures import excess_ttfts
 from simulation.options import POOL_FLAGS, add_pool_arguments, parse_router, parse_routers
 from simulation.settings import Perturbation, SimSettings, ideal_ttfts
 from simulation.tenants import check_tenants, isolate
+
+SIM = SimSettings()  # the simulator's defaults, which the suite's runs keep
 
 IDLE_SCALE = 0.05  # the rate scale whose round_robin p50 is the idle p50
 MAX_SCALE = 256.0  # the search gives up above this rate scale (``capped`` in its output)
@@ -116,9 +117,9 @@ def settings_for(
     inflight_prompts: bool = DEFAULTS.inflight_prompts,
     engine: dict[str, Any] | None = None,
     pool: dict[str, Any] | None = None,
-    router_replicas: int = 1,
-    share_assignments: bool = True,
-    load_interval_s: float = LOAD_INTERVAL_S,
+    router_replicas: int = SIM.router_replicas,
+    share_assignments: bool = SIM.share_assignments,
+    load_interval_s: float = SIM.load_interval_s,
 ) -> SimSettings:
     """``pool``: the ``SimSettings`` pool fields (``simulation.options.POOL_FLAGS``)."""
     return SimSettings(
@@ -324,9 +325,9 @@ def run_suite(
     tenants: int = 0,
     pool: dict[str, Any] | None = None,
     cpu_tier_gib: float = 0.0,
-    router_replicas: int = 1,
-    share_assignments: bool = True,
-    load_interval_s: float = LOAD_INTERVAL_S,
+    router_replicas: int = SIM.router_replicas,
+    share_assignments: bool = SIM.share_assignments,
+    load_interval_s: float = SIM.load_interval_s,
 ) -> dict[str, Any]:
     """The suite's JSON document (see the module); ``engine``: sim engine options for the
     routers' runs (``kvroute simulate --engine``'s); ``tenants``: their workloads split into
@@ -467,21 +468,23 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--router-replicas",
         type=int,
-        default=1,
-        help="router replicas per run, as kvroute simulate --router-replicas [1]",
+        default=SIM.router_replicas,
+        help="router replicas per run, as kvroute simulate --router-replicas "
+        f"[{SIM.router_replicas}]",
     )
     ap.add_argument(
         "--share-assignments",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="replicas share their assignments, as kvroute simulate --share-assignments [on]",
+        default=SIM.share_assignments,
+        help="replicas share their assignments, as kvroute simulate --share-assignments "
+        f"[{'on' if SIM.share_assignments else 'off'}]",
     )
     ap.add_argument(
         "--load-interval-ms",
         type=float,
-        default=LOAD_INTERVAL_S * 1e3,
+        default=SIM.load_interval_s * 1e3,
         help="each engine's load sample interval in the routers' runs, as kvroute simulate "
-        f"--load-interval-ms [{LOAD_INTERVAL_S * 1e3:g}]",
+        f"--load-interval-ms [{SIM.load_interval_s * 1e3:g}]",
     )
     add_pool_arguments(ap.add_argument_group("the cluster KV pool (the routers' runs)"))
     return ap

@@ -10,10 +10,13 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from engines.base import LOAD_INTERVAL_S, REPORT_INTERVAL_S
+from engines.base import REPORT_INTERVAL_S
 from loadgen.args import check_positive
-from router.settings import DEFAULTS
 from simulation.jobs import DEFAULT_JOBS
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 def add_jobs_argument(g: argparse._ArgumentGroup, what: str = "simulations") -> None:
@@ -36,8 +39,9 @@ def add_output_arguments(o: argparse._ArgumentGroup, result: str, report: str) -
 
 def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
     """The engines' flags ``simulate`` and ``plan`` share (``sim_settings`` reads them)."""
-    from simulation.settings import ENGINE_OPTIONS
+    from simulation.settings import ENGINE_OPTIONS, SimSettings
 
+    sim = SimSettings()  # the defaults
     c.add_argument(
         "--profile", default="h100-llama3.1-8b", help="engines' latency profile (name or JSON)"
     )
@@ -55,13 +59,14 @@ def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
     c.add_argument(
         "--event-stride",
         type=int,
-        default=1,
-        help="the engines' KV events (and the router's map) keep every K-th block only [1]",
+        default=sim.event_stride,
+        help="the engines' KV events (and the router's map) keep every K-th block only "
+        f"[{sim.event_stride}]",
     )
     c.add_argument(
         "--inflight-prompts",
         action=argparse.BooleanOptionalAction,
-        default=DEFAULTS.inflight_prompts,
+        default=sim.inflight_prompts,
         help="the router counts the prompts it sent that no KV event shows yet as cached where "
         "it sent them, on engines where more prefill waits than one step computes "
         "(router.inflight; on by default)",
@@ -69,16 +74,18 @@ def add_engine_arguments(c: argparse._ArgumentGroup) -> None:
     c.add_argument(
         "--router-replicas",
         type=int,
-        default=1,
+        default=sim.router_replicas,
         help="router replicas, each its own map, ledger and scorer on the same buses, arrivals "
-        "spread over them in turn, as Serve's proxy spreads them over ingress replicas [1]",
+        "spread over them in turn, as Serve's proxy spreads them over ingress replicas "
+        f"[{sim.router_replicas}]",
     )
     c.add_argument(
         "--share-assignments",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=sim.share_assignments,
         help="router replicas share their assignments, each reaching the others after the "
-        "event lag, so that they do not herd onto what each sees as an idle engine [on]",
+        "event lag, so that they do not herd onto what each sees as an idle engine "
+        f"[{_on(sim.share_assignments)}]",
     )
     add_pool_arguments(c)
 
@@ -89,12 +96,13 @@ POOL_FLAGS = ("pool_gib", "pool_gbps", "pool_latency_ms", "pool_policy", "pool_i
 
 def add_pool_arguments(c: argparse._ArgumentGroup) -> None:
     """The cluster KV pool's flags (``engines.sim.pool``; off by default)."""
-    from engines.pool.link import DEFAULT_POOL_GBPS, DEFAULT_POOL_LATENCY_MS
+    from simulation.settings import SimSettings
 
+    sim = SimSettings()  # the defaults
     c.add_argument(
         "--pool-gib",
         type=float,
-        default=0.0,
+        default=sim.pool_gib,
         help="a KV pool of this many GiB in all, shared by every engine: each stores the "
         "prompt blocks it computes and loads the further leading blocks of a prompt it finds "
         "there (engines.sim.pool) [0: no pool]",
@@ -102,43 +110,52 @@ def add_pool_arguments(c: argparse._ArgumentGroup) -> None:
     c.add_argument(
         "--pool-gbps",
         type=float,
-        default=DEFAULT_POOL_GBPS,
-        help=f"each engine's link to the pool, GB/s [{DEFAULT_POOL_GBPS:g}]",
+        default=sim.pool_gbps,
+        help=f"each engine's link to the pool, GB/s [{sim.pool_gbps:g}]",
     )
     c.add_argument(
         "--pool-latency-ms",
         type=float,
-        default=DEFAULT_POOL_LATENCY_MS,
-        help=f"the pool's latency per load, ms [{DEFAULT_POOL_LATENCY_MS:g}]",
+        default=sim.pool_latency_ms,
+        help=f"the pool's latency per load, ms [{sim.pool_latency_ms:g}]",
     )
     c.add_argument(
-        "--pool-policy", default="lru", help="the pool's eviction policy (policies/) [lru]"
+        "--pool-policy",
+        default=sim.pool_policy,
+        help=f"the pool's eviction policy (policies/) [{sim.pool_policy}]",
     )
     c.add_argument(
         "--pool-in-map",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=sim.pool_in_map,
         help="the pool announces what it holds on the KV bus (the cache map's pool tier) and "
         "the router prices loads from it against recompute; off: the engines still use the "
-        "pool, unseen by the router [on]",
+        f"pool, unseen by the router [{_on(sim.pool_in_map)}]",
     )
 
 
 def add_truth_arguments(p: argparse.ArgumentParser) -> None:
     """How the simulated engines depart from their profile, and the router's lag."""
+    from simulation.settings import Perturbation, SimSettings
+
+    sim, truth = SimSettings(), Perturbation()  # the defaults
     t = p.add_argument_group("truth and lag")
-    t.add_argument("--speed-sigma", type=float, default=0.1, help="per-engine speed spread [0.1]")
-    t.add_argument("--jitter", type=float, default=0.05, help="per-step time jitter sigma [0.05]")
-    t.add_argument("--stragglers", type=float, default=0.0, help="fraction of slow engines [0]")
-    t.add_argument("--straggler-slowdown", type=float, default=3.0, help="their slowdown [3]")
-    t.add_argument("--lag-ms", type=float, default=10.0, help="KV event and load sample lag [10]")
+    flags = (
+        ("--speed-sigma", truth.speed_sigma, "per-engine speed spread"),
+        ("--jitter", truth.jitter, "per-step time jitter sigma"),
+        ("--stragglers", truth.stragglers, "fraction of slow engines"),
+        ("--straggler-slowdown", truth.straggler_slowdown, "their slowdown"),
+        ("--lag-ms", sim.event_lag_s * 1e3, "KV event and load sample lag"),
+    )
+    for flag, default, what in flags:
+        t.add_argument(flag, type=float, default=default, help=f"{what} [{default:g}]")
     t.add_argument(
         "--load-interval-ms",
         type=float,
-        default=LOAD_INTERVAL_S * 1e3,
+        default=sim.load_interval_s * 1e3,
         help="each engine's load sample interval; an engine that reports every step, as "
         f"kvroute's vLLM engine does, is sampled at most every {REPORT_INTERVAL_S * 1e3:g} "
-        f"[{LOAD_INTERVAL_S * 1e3:g}]",
+        f"[{sim.load_interval_s * 1e3:g}]",
     )
 
 
