@@ -22,7 +22,7 @@ from opentelemetry import trace
 from engines.base import EngineError, EngineOutput, KvCommand, RoutedRequest, Usage, whole
 from policies.hints import PolicyHints, TransferReport
 from router import lifecycle, tracing
-from router.placement import NoInstanceError, Placement, PlacementRequest
+from router.placement import NoInstanceError, Placement, PlacementRequest, placement_request
 from router.state import RouterState
 
 log = logging.getLogger(__name__)
@@ -43,15 +43,16 @@ class EngineClient(Protocol):
         ...
 
 
-def request_for_placement(routed: RoutedRequest) -> PlacementRequest:
+def request_for_placement(routed: RoutedRequest, block_size: int) -> PlacementRequest:
     r = routed.request
-    return PlacementRequest(
+    return placement_request(
         r.request_id,
         len(r.prompt_token_ids),
         routed.block_hashes,
-        max_tokens=r.sampling.max_tokens,
-        session_key=routed.session_key,
-        category=routed.category,
+        block_size,
+        r.sampling.max_tokens,
+        routed.session_key,
+        routed.category,
     )
 
 
@@ -134,7 +135,7 @@ class Dispatcher:
         self.pd = PdStats()
 
     def placement_request(self, routed: RoutedRequest) -> PlacementRequest:
-        return request_for_placement(routed)
+        return request_for_placement(routed, self.state.block_size)
 
     def place(
         self,

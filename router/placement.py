@@ -65,6 +65,29 @@ class PlacementRequest:
         return PlacementRequest, _fields(self)
 
 
+def placement_request(
+    request_id: str,
+    prompt_tokens: int,
+    block_hashes: Sequence[int],
+    block_size: int,
+    max_tokens: int,
+    session_key: str | None = None,
+    category: str = "all",
+) -> PlacementRequest:
+    """What the router places for a prompt of ``prompt_tokens`` tokens, the one way the ingress
+    (``router.dispatch``) and the simulator (``simulation.cluster``) build it: the hashes of the
+    prompt's full blocks (a partial last block is never cached, so never matched) and at least
+    one output token."""
+    return PlacementRequest(
+        request_id,
+        prompt_tokens,
+        block_hashes[: prompt_tokens // block_size],
+        max(max_tokens, 1),
+        session_key,
+        category,
+    )
+
+
 def cached_tokens(prompt_tokens: int, cached_blocks: int, block_size: int) -> int:
     """Tokens of a ``prompt_tokens`` prompt that a leading run of ``cached_blocks`` cached blocks
     spares the engine: it always computes the prompt's last token, and hits whole blocks only,

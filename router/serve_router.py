@@ -115,7 +115,7 @@ class KvRequestRouter(RequestRouter):
                 state.sync_instances(
                     (r.replica_id.unique_id for r in self._replicas.values()), self._pool
                 )
-                preq = request_for_placement(routed)
+                preq = request_for_placement(routed, state.block_size)
                 placement = state.place(preq, candidates=list(by_id))
             except NoInstanceError:
                 return [candidate_replicas]

@@ -54,7 +54,7 @@ from loadgen.workloads import Planned
 from router import lifecycle
 from router.admission import Rejected
 from router.autoscale import Autoscaler, EngineLoad, Observation
-from router.placement import NoInstanceError, PlacementRequest, create_scorer
+from router.placement import NoInstanceError, create_scorer, placement_request
 from router.recorder import PlacementRecorder
 from simulation.cachesim import request_info
 from simulation.settings import WARM_PREFIX, ProgressFn, SimRun, SimSettings, SloBudget
@@ -187,13 +187,8 @@ class ClusterSimulator(WiredCluster):
             rec.error, rec.status, rec.error_detail, rec.done_s = "http_400", 400, str(e), t
             self._refused(rid)
             return
-        preq = PlacementRequest(
-            rid,
-            tr.input_length,
-            req.block_hashes[: tr.input_length // bs],
-            max_tokens=max(tr.output_length, 1),
-            session_key=session,
-            category=tr.category,
+        preq = placement_request(
+            rid, tr.input_length, req.block_hashes, bs, tr.output_length, session, tr.category
         )
         try:
             placement = lifecycle.admit(core, preq, t)
@@ -380,7 +375,7 @@ class ClusterSimulator(WiredCluster):
             if req is None:
                 continue
             n = req.prompt_len // bs
-            preq = PlacementRequest(req.request_id, req.prompt_len, req.block_hashes[:n], 1)
+            preq = placement_request(req.request_id, req.prompt_len, req.block_hashes, bs, 1)
             held = self.core.cache_map.match(preq.block_hashes)
             if 2 * max((m.total_blocks for m in held.values()), default=0) >= n:
                 continue  # a survivor holds half of it or more
