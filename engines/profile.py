@@ -213,12 +213,13 @@ class LatencyProfile:
         ``max_num_batched_tokens`` (each with its pass cost), then ``output_tokens`` decodes at
         the request's mean context (the steady-state view of the capacity model)."""
         o, u = max(output_tokens, 1.0), max(uncached_tokens, 0.0)
-        full, rest = divmod(u, self.max_num_batched_tokens)
-        prefill = self.chunk_ms(u, prompt_tokens - u) + full * self.pass_ms(
-            self.max_num_batched_tokens
-        )
-        if rest:
-            prefill += self.pass_ms(rest)
+        m = self.max_num_batched_tokens
+        full, rest = divmod(u, m)
+        chunks = [float(m)] * int(full) + ([rest] if rest else [])
+        prefill, done = 0.0, prompt_tokens - u
+        for n in chunks:  # each chunk a step's pass of its own
+            prefill += self.chunk_ms(n, done) + self.pass_ms(n)
+            done += n
         ctx = prompt_tokens + o / 2
         return prefill + o * (self.decode_ms(1, ctx) - self.decode_ms(0, 0))
 
