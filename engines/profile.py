@@ -5,21 +5,24 @@ chunks and decodes in one batch). The model, in milliseconds:
 
     step_ms = base_ms
             + prefill_pass_ms + prefill_sq_ms * T ** 2                (if the step prefills)
-            + sum over prefill chunks of  prefill_token_ms * n + prefill_attn_ms * n * (c + n / 2)
+            + sum over prefill chunks of  prefill_seq_ms + prefill_token_ms * n
+                                          + prefill_attn_ms * n * (c + n / 2)
             + decode_pass_ms + decode_seq_ms * batch + decode_ctx_ms * context
                                                                  (if any request decodes)
             + KV bytes loaded from the CPU tier / cpu_load_gbps
 
 where a chunk computes ``n`` new tokens after ``c`` already in the KV cache (the attention term
-is the quadratic cost of attending to the prefix), ``T`` the new tokens of all the step's
-chunks together, ``batch`` is the number of decoding requests and ``context`` the tokens they
-attend to in total. The two pass constants and ``prefill_sq_ms`` are 0 in a profile measured by
-``kvroute profile`` (``base_ms`` holds a step's fixed cost); an engine whose prefilling and
-decoding passes each add a fixed cost, and whose prefill pass grows with the square of its new
-tokens (NVIDIA Dynamo's mocker: a mixed pass costs both, a prefill pass ``a T^2 + b T + c``),
-sets them. Hence
+is the quadratic cost of attending to the prefix; ``prefill_seq_ms`` is each prefilling
+request's own cost in the step, as ``decode_seq_ms`` is each decoding one's), ``T`` the new
+tokens of all the step's chunks together, ``batch`` is the number of decoding requests and
+``context`` the tokens they attend to in total. The two pass constants, ``prefill_sq_ms`` and
+``prefill_seq_ms`` are 0 in a profile measured by ``kvroute profile`` (``base_ms`` holds a
+step's fixed cost); an engine whose prefilling and decoding passes each add a fixed cost, and
+whose prefill pass grows with the square of its new tokens (NVIDIA Dynamo's mocker: a mixed
+pass costs both, a prefill pass ``a T^2 + b T + c``), sets them. Hence
 
-    prefill_ms(uncached, context) = base_ms + prefill_pass_ms + prefill_token_ms * uncached
+    prefill_ms(uncached, context) = base_ms + prefill_pass_ms + prefill_seq_ms
+                                    + prefill_token_ms * uncached
                                     + prefill_sq_ms * uncached ** 2
                                     + prefill_attn_ms * uncached * (context + uncached / 2)
     decode_step_ms(batch, context) = base_ms + decode_pass_ms + decode_seq_ms * batch
@@ -94,6 +97,7 @@ _NON_NEGATIVE = (
     "base_ms",
     "prefill_pass_ms",
     "prefill_sq_ms",
+    "prefill_seq_ms",
     "decode_pass_ms",
     "prefill_token_ms",
     "prefill_attn_ms",
@@ -135,6 +139,7 @@ class LatencyProfile:
     long_prefill_token_threshold: int = 0
     prefill_pass_ms: float = 0.0
     prefill_sq_ms: float = 0.0
+    prefill_seq_ms: float = 0.0
     decode_pass_ms: float = 0.0
     notes: str = ""
     sources: tuple[str, ...] = field(default_factory=tuple)
@@ -150,8 +155,10 @@ class LatencyProfile:
     # -- the model ---------------------------------------------------------------------------
 
     def chunk_ms(self, new_tokens: float, context: float) -> float:
-        """Cost of one prefill chunk inside a step (no ``base_ms``)."""
-        return new_tokens * (
+        """Cost of one prefill chunk inside a step (no ``base_ms``); none without tokens."""
+        if new_tokens <= 0:
+            return 0.0
+        return self.prefill_seq_ms + new_tokens * (
             self.prefill_token_ms + self.prefill_attn_ms * (context + new_tokens / 2)
         )
 
@@ -296,6 +303,7 @@ class LatencyProfile:
             base_ms=self.base_ms * factor,
             prefill_pass_ms=self.prefill_pass_ms * factor,
             prefill_sq_ms=self.prefill_sq_ms * factor,
+            prefill_seq_ms=self.prefill_seq_ms * factor,
             decode_pass_ms=self.decode_pass_ms * factor,
             prefill_token_ms=self.prefill_token_ms * factor,
             prefill_attn_ms=self.prefill_attn_ms * factor,
@@ -349,6 +357,8 @@ class LatencyProfile:
             out["prefill"]["pass_ms"] = self.prefill_pass_ms
         if self.prefill_sq_ms:
             out["prefill"]["sq_ms"] = self.prefill_sq_ms
+        if self.prefill_seq_ms:
+            out["prefill"]["seq_ms"] = self.prefill_seq_ms
         if self.decode_pass_ms:
             out["decode"]["pass_ms"] = self.decode_pass_ms
         out["sources"] = list(self.sources)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 
@@ -80,3 +81,21 @@ def test_a_request_works_what_its_steps_add_to_a_busy_engine() -> None:
         p.step_s([], 1, 0, 0) * 1e3 - p.decode_ms(1, 0) + p.decode_ms(0, 0)
     )
     assert p.step_s([], 0, 0, 4096) == 0.0  # no work, no step
+
+
+def test_each_prefilling_request_pays_its_own_cost_in_a_step() -> None:
+    """``prefill_seq_ms``: a step pays it once per prefill chunk it runs, so the sim engine's
+    step, the router's TTFT and the capacity model's work all count it per chunk, a slower
+    engine pays it slower, and a profile file keeps it."""
+    base = LatencyProfile.load("dynamo-mocker-h100")
+    p = replace(base, prefill_seq_ms=2.0)
+    m = p.max_num_batched_tokens
+    two = p.step_s([(100, 0), (50, 400)], 3, 900, 0) - base.step_s([(100, 0), (50, 400)], 3, 900, 0)
+    assert two * 1e3 == pytest.approx(2 * 2.0)
+    assert (p.ttft_s(2 * m + 1) - base.ttft_s(2 * m + 1)) * 1e3 == pytest.approx(3 * 2.0)
+    assert p.work_ms(3 * m, 2 * m + 1, 5) - base.work_ms(3 * m, 2 * m + 1, 5) == pytest.approx(6.0)
+    assert p.chunk_ms(0, 100) == 0.0  # no chunk, no cost
+    assert p.slowed(1.5).prefill_seq_ms == pytest.approx(3.0)
+    assert LatencyProfile.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError, match="prefill_seq_ms must be >= 0"):
+        replace(base, prefill_seq_ms=-1.0)
