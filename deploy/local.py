@@ -15,12 +15,13 @@ from cachemap.bus import EventBus, InProcessBus
 from cachemap.ingest import EngineEventTranslator
 from engines.base import Engine, LoadSnapshot
 from engines.forwarder import KvEventForwarder
+from engines.profile import LatencyProfile
 from router.dispatch import Dispatcher
 from router.ingress import build_app
 from router.ingress_config import IngressConfig
 from router.local_client import LocalEngineClient
 from router.pd import PdPlanner
-from router.placement import LatencyModel, Scorer
+from router.placement import Scorer
 from router.pools import Pool
 from router.recorder import PlacementRecorder
 from router.settings import DEFAULTS, RouterSettings
@@ -36,7 +37,7 @@ class LocalStack:
         model: str,
         block_size: int,
         max_model_len: int,
-        latency: LatencyModel,
+        latency: LatencyProfile,
         tokenizer: PromptTokenizer,
         settings: RouterSettings = DEFAULTS,
         scorer: Scorer | None = None,

@@ -152,6 +152,11 @@ class LatencyProfile:
             if getattr(self, name) < 0:
                 raise ValueError(f"profile {self.name!r}: {name} must be >= 0")
 
+    def __reduce__(self) -> tuple[type[LatencyProfile], tuple[Any, ...]]:
+        # NOTE: compiled (deploy.native), a frozen dataclass refuses pickle's default restore,
+        # which assigns each field
+        return LatencyProfile, tuple(getattr(self, f.name) for f in fields(self))
+
     # -- the model ---------------------------------------------------------------------------
 
     def chunk_ms(self, new_tokens: float, context: float) -> float:

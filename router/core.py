@@ -19,11 +19,11 @@ from cachemap.bus import BusRead, EventBus
 from cachemap.ingest import CacheMapIngestor
 from engines.liveness import EngineWatcher
 from engines.pool.link import PoolLink
+from engines.profile import LatencyProfile
 from router.inflight import InFlightPrompts
 from router.load import LoadTracker
 from router.pd import PdPlanner
 from router.placement import (
-    LatencyModel,
     NoInstanceError,
     Placement,
     PlacementRequest,
@@ -65,7 +65,7 @@ class RouterCore:
     def __init__(
         self,
         settings: RouterSettings = DEFAULTS,
-        latency: LatencyModel | None = None,
+        latency: LatencyProfile | None = None,
         *,
         scorer: Scorer | None = None,
         kv_bus: EventBus | None = None,

@@ -20,11 +20,8 @@ from dataclasses import dataclass, field
 
 from engines.base import LoadSnapshot
 from engines.liveness import STALE_AFTER_S
-from router.placement import InstanceView, LatencyModel, Placement
-
-# prompt tokens whose TTFT on an idle engine gives a latency model's prefill rate where its
-# steps have no token limit
-_RATE_TOKENS = 8192
+from engines.profile import LatencyProfile
+from router.placement import InstanceView, Placement
 
 
 @dataclass(slots=True)
@@ -40,7 +37,7 @@ class Assignment:
 @dataclass(slots=True)
 class _Instance:
     block_size: int
-    latency: LatencyModel
+    latency: LatencyProfile
     kv_capacity_blocks: int
     snapshot: LoadSnapshot | None = None
     failures: int = 0
@@ -70,10 +67,9 @@ class _Instance:
             self.peer_tokens -= peers.popleft()[1]
 
     def __post_init__(self) -> None:
-        step = self.latency.max_num_batched_tokens  # 0: no limit, one step takes any prefill
-        ref = step if step > 0 else _RATE_TOKENS
-        ref_s = self.latency.ttft_s(ref)
-        self.step_rate = ref / ref_s if ref_s > 0 else 0.0
+        step = self.latency.max_num_batched_tokens
+        step_s = self.latency.ttft_s(step)
+        self.step_rate = step / step_s if step_s > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -151,7 +147,11 @@ class LoadTracker:
         self._busy: dict[str, int] = {}
 
     def register(
-        self, instance_id: str, block_size: int, latency: LatencyModel, kv_capacity_blocks: int = 0
+        self,
+        instance_id: str,
+        block_size: int,
+        latency: LatencyProfile,
+        kv_capacity_blocks: int = 0,
     ) -> None:
         self._instances[instance_id] = _Instance(block_size, latency, kv_capacity_blocks)
         self._registered[instance_id] = None
@@ -323,8 +323,7 @@ class LoadTracker:
         if local is None or local.busy_until <= now or not inst.step_rate:
             return pending
         backlog = round((local.busy_until - now) * inst.step_rate)
-        step = inst.latency.max_num_batched_tokens
-        return max(pending, min(backlog, pending + step) if step > 0 else backlog)
+        return max(pending, min(backlog, pending + inst.latency.max_num_batched_tokens))
 
     def _rebacklogged(self, iid: str, base: int, now: float, old: InstanceView) -> InstanceView:
         """``old`` (``iid``'s view, unchanged but for time since) with the backlog as of now

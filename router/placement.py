@@ -13,40 +13,13 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 from mypy_extensions import mypyc_attr
 
 from cachemap import CacheMap, Match
 from engines.pool.link import PoolLink
-
-
-class LatencyModel(Protocol):
-    """An engine's latency profile, as the router needs it (``engines.profile.
-    LatencyProfile`` satisfies it; ``kvroute profile`` measures one from a real engine)."""
-
-    @property
-    def max_num_batched_tokens(self) -> int:
-        """Prompt tokens one engine step computes at most (vLLM's option of that name)."""
-        ...
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Bytes of KV one token takes (every layer): what a load from the KV pool moves."""
-        ...
-
-    def ttft_s(
-        self,
-        prompt_tokens: int,
-        cached_tokens: int = 0,
-        cpu_tokens: int = 0,
-        queued: int = 0,
-        queued_requests: int = 1,
-    ) -> float:
-        """Seconds to the first token: prefill of the prompt beyond its ``cached_tokens`` GPU hit
-        and ``cpu_tokens`` CPU-tier hit, loading the latter, on an engine where ``queued``
-        tokens of prefill of ``queued_requests`` requests already wait (0: an idle engine)."""
-        ...
+from engines.profile import LatencyProfile
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,7 +75,7 @@ class InstanceView:
 
     instance_id: str
     block_size: int
-    latency: LatencyModel
+    latency: LatencyProfile
     kv_capacity_blocks: int = 0  # GPU KV blocks (0: unknown)
     waiting: int = 0
     running: int = 0

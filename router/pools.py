@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from router.placement import LatencyModel
+from engines.profile import LatencyProfile
 
 Role = Literal["both", "prefill", "decode"]
 ROLES: tuple[Role, ...] = get_args(Role)
@@ -36,7 +36,7 @@ class Pool:
     name: str
     role: Role
     block_size: int
-    latency: LatencyModel | None = None  # None: instances cannot be added (no cost model)
+    latency: LatencyProfile | None = None  # None: instances cannot be added (no cost model)
     kv_capacity_blocks: int = 0  # GPU KV blocks per instance (0: unknown)
 
     def __post_init__(self) -> None:

@@ -18,10 +18,11 @@ from typing import Any
 
 from cachemap import CacheMap, Match
 from engines.liveness import EngineWatcher
+from engines.profile import LatencyProfile
 from router.admission import Admission
 from router.core import RouterCore
 from router.load import LoadTracker
-from router.placement import InstanceView, LatencyModel, Placement, PlacementRequest, Scorer
+from router.placement import InstanceView, Placement, PlacementRequest, Scorer
 from router.pools import Pool
 from router.settings import DEFAULTS, RouterSettings
 
@@ -35,7 +36,7 @@ class RouterState:
     def __init__(
         self,
         settings: RouterSettings = DEFAULTS,
-        latency: LatencyModel | None = None,
+        latency: LatencyProfile | None = None,
         *,
         clock: Callable[[], float] = time.time,
         **runtime: Any,

@@ -34,7 +34,7 @@ def test_the_core_sends_a_shared_prompt_after_its_first_copy() -> None:
     behind another queue); without, every engine looks cold and the first one's queue is the
     longest. At the first token the map speaks again."""
 
-    def placed(inflight: bool, step: int = 0) -> tuple[str, str, int, int]:
+    def placed(inflight: bool, step: int = BS) -> tuple[str, str, int, int]:
         model = Linear(max_num_batched_tokens=step)
         core = RouterCore(RouterSettings(block_size=BS, inflight_prompts=inflight), model)
         for iid in ("a", "b", "c"):

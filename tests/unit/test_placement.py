@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 
 from cachemap import CacheMap, Match, Tier
 from engines.base import EngineOutput, LoadSnapshot
+from engines.profile import LatencyProfile
 from router.admission import Admission, Rejected
 from router.load import LoadTracker
 from router.placement import (
@@ -23,24 +24,36 @@ from router.settings import RouterSettings
 BS = 16
 
 
-@dataclass(frozen=True)
-class Linear:
-    """prefill at ``tok_s`` tokens/s, CPU->GPU loads at ``load_tok_s``."""
+# one step takes any prompt (as good as no limit: no test prompt comes near it)
+ANY_PROMPT = 1 << 30
 
-    tok_s: float = 10_000.0
-    load_tok_s: float = 200_000.0
-    max_num_batched_tokens: int = 0  # one step takes any prefill
 
-    def ttft_s(
-        self,
-        prompt_tokens: int,
-        cached_tokens: int = 0,
-        cpu_tokens: int = 0,
-        queued: int = 0,
-        queued_requests: int = 1,
-    ) -> float:
-        uncached = prompt_tokens - cached_tokens - cpu_tokens
-        return (queued + uncached) / self.tok_s + cpu_tokens / self.load_tok_s
+def Linear(
+    tok_s: float = 10_000.0,
+    load_tok_s: float = 200_000.0,
+    max_num_batched_tokens: int = ANY_PROMPT,
+) -> LatencyProfile:
+    """A latency profile that prefills at ``tok_s`` tokens/s whatever the context and loads
+    from the CPU tier at ``load_tok_s``, with no fixed cost: a queue of ``q`` tokens and ``u``
+    uncached ones take ``(q + u) / tok_s`` seconds, ``c`` CPU-tier ones ``c / load_tok_s``
+    more."""
+    return LatencyProfile(
+        name="linear",
+        model="test",
+        hardware="test",
+        block_size=BS,
+        kv_capacity_tokens=ANY_PROMPT,
+        kv_bytes_per_token=1000,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=1024,
+        max_model_len=ANY_PROMPT,
+        base_ms=0.0,
+        prefill_token_ms=1e3 / tok_s,
+        prefill_attn_ms=0.0,
+        decode_seq_ms=0.0,
+        decode_ctx_ms=0.0,
+        cpu_load_gbps=load_tok_s * 1000 / 1e9,
+    )
 
 
 def view(iid: str, **kw) -> InstanceView:
@@ -552,7 +565,7 @@ def test_load_tracker_views_are_kept_while_unchanged_and_equal_a_fresh_build() -
     def replay() -> LoadTracker:
         lt = LoadTracker(stale_after_s=1.0)
         for iid in "abcd":  # two price a step in flight at most (the backlog's cap)
-            lt.register(iid, BS, Linear(max_num_batched_tokens=300 if iid in "ab" else 0))
+            lt.register(iid, BS, Linear(max_num_batched_tokens=300 if iid in "ab" else ANY_PROMPT))
         for op, *args in ops:
             getattr(lt, op)(*args)
         return lt
