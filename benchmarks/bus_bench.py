@@ -37,12 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psutil
 
-from cachemap.bus import EventBus
 from cachemap.events import InstanceEvents, Stored, encode_message
 from cachemap.hashing import BlockHasher, Tier
 from deploy.ray_token import use_session_token
 from engines.base import LoadSnapshot
-from engines.forwarder import encode_load
+from engines.bus.base import EventBus
+from engines.bus.forwarder import encode_load
 from tests.support import redis_server
 
 
@@ -112,7 +112,7 @@ def measure(bus: EventBus, load: EventBus, server: psutil.Process, args: Any) ->
 def ray_buses() -> Iterator[tuple[EventBus, EventBus, psutil.Process]]:
     import ray
 
-    from engines.bus_ray import RayEventBus
+    from engines.bus.ray_bus import RayEventBus
 
     use_session_token("kvroute-bench-ray-")  # its local cluster's token: none left in HOME
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -129,7 +129,7 @@ def ray_buses() -> Iterator[tuple[EventBus, EventBus, psutil.Process]]:
 def redis_buses() -> Iterator[tuple[EventBus, EventBus, psutil.Process]]:
     import redis
 
-    from engines.bus_redis import RedisStreamBus
+    from engines.bus.redis_bus import RedisStreamBus
 
     with tempfile.TemporaryDirectory() as d, redis_server(Path(d)) as url:
         client = redis.Redis.from_url(url)

@@ -49,14 +49,14 @@ import ray
 
 from benchmarks.common import Positive
 from benchmarks.soak_bench import soak_config, tiny_synth
-from cachemap.bus import InProcessBus
 from cachemap.events import InstanceEvents, Snapshot, decode_message, encode_message
 from cachemap.ingest import EngineEventTranslator
 from deploy.ray_token import use_session_token
 from engines.base import EngineRequest, SamplingParams
-from engines.bus_ray import RayEventBus
+from engines.bus.base import InProcessBus
+from engines.bus.forwarder import KvEventForwarder, decode_load, encode_load
+from engines.bus.ray_bus import RayEventBus
 from engines.deployment import build_engine
-from engines.forwarder import KvEventForwarder, decode_load, encode_load
 from loadgen.synthetic import SynthParams, generate
 from router.settings import DEFAULTS
 

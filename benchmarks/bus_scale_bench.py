@@ -53,7 +53,7 @@ import psutil
 from cachemap.events import InstanceEvents, Removed, Stored, Update, decode_message
 from cachemap.ingest import EngineEventTranslator
 from engines.base import PUBLISH_INTERVAL_S, LoadSnapshot
-from engines.forwarder import encode_load
+from engines.bus.forwarder import encode_load
 from router.settings import DEFAULTS
 
 PROFILE = "h100-llama3.1-8b"
@@ -170,7 +170,7 @@ def publisher(
 ) -> None:
     """Drive ``engines`` logical engines (forwarders) from ``start`` to ``stop`` (wall time);
     how late their calls are is kept from ``window`` (the warm-up's end) on."""
-    from engines.bus_redis import RedisStreamBus, redis_client
+    from engines.bus.redis_bus import RedisStreamBus, redis_client
 
     rec = _REC
     assert rec is not None
@@ -245,7 +245,7 @@ def reader(url: str, start: float, stop: float, window: float, apply: bool, out:
     ``window`` (the warm-up's end) are kept."""
     from cachemap import CacheMap
     from cachemap.ingest import CacheMapIngestor
-    from engines.bus_redis import RedisStreamBus, redis_client
+    from engines.bus.redis_bus import RedisStreamBus, redis_client
 
     client = redis_client(url)
     events = RedisStreamBus(url, "scale:events", client=client)

@@ -36,12 +36,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import print_json
-from cachemap.bus import InProcessBus
 from cachemap.ingest import EngineEventTranslator
 from engines.base import REPORT_INTERVAL_S, EngineRequest, LoadSnapshot, SamplingParams
+from engines.bus.base import InProcessBus
+from engines.bus.forwarder import KvEventForwarder, decode_load
 from engines.core_report import HEARTBEAT_S, TRACE_ENV
 from engines.environ import scoped_environ
-from engines.forwarder import KvEventForwarder, decode_load
 from engines.profile import LatencyProfile
 from engines.tiny_model import resolve_model
 from engines.vllm_engine import VllmEngine

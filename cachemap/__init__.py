@@ -1,5 +1,6 @@
-"""Block hashing, the global cache map with per-instance per-tier residency, vLLM KV event
-ingestion and the event bus. Pure: no Ray, asyncio, sockets or clock reads."""
+"""Block hashing, the global cache map with per-instance per-tier residency, and vLLM KV event
+ingestion (the events' wire records and their application to the map; the bus that carries
+them is ``engines.bus``). Pure: no Ray, asyncio, sockets or clock reads."""
 
 from cachemap.hashing import (
     POOL_INSTANCE,

@@ -11,10 +11,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from cachemap.bus import EventBus, InProcessBus
 from cachemap.ingest import EngineEventTranslator
 from engines.base import Engine, LoadSnapshot
-from engines.forwarder import KvEventForwarder
+from engines.bus.base import EventBus, InProcessBus
+from engines.bus.forwarder import KvEventForwarder
 from engines.profile import LatencyProfile
 from router.dispatch import Dispatcher
 from router.ingress import build_app

@@ -34,7 +34,7 @@ and every module they import, more strictly than ``make typecheck``: code it ref
 
 What a compiled module cannot be (so these are not in MODULES): one with numba kernels
 (``cachemap.kernels``, ``cachemap.index``), one with msgspec ``Struct`` unions
-(``cachemap.events``), or one whose classes are patched by interpreted code (``cachemap.bus``:
+(``cachemap.events``), or one whose classes are patched by interpreted code (``engines.bus.base``:
 tests patch ``InProcessBus``). A class that interpreted code subclasses says so
 (``@mypyc_attr(allow_interpreted_subclasses=True)``: ``router.placement.Scorer``, which the
 baseline scorers extend), and an exception class stays a plain Python class
@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 MODULES: tuple[str, ...] = (
     "cachemap.ingest",
-    "engines.liveness",
+    "engines.bus.liveness",
     "engines.sim.blocks",
     "engines.profile",
     "engines.sim.request",

@@ -2,7 +2,7 @@
 
 Two implementations: ``engines.sim`` (model-free, behaves like vLLM's scheduler where routing
 cares) and ``engines.vllm`` (one vLLM ``AsyncLLM``). Both publish KV events as vLLM does (ZMQ
-frames ``(topic, seq, msgpack KVEventBatch)``), so one forwarder (``engines.forwarder``) serves
+frames ``(topic, seq, msgpack KVEventBatch)``), so one forwarder (``engines.bus.forwarder``) serves
 both, translating them into stamped ``cachemap`` messages on the event bus.
 """
 

@@ -6,7 +6,7 @@ the replica's life, unique in the cluster, and what a Serve ``RequestRouter`` se
 starts the engine, then a ``KvEventForwarder`` putting its KV events and load samples on the
 configured buses; Serve's health checks call the engine's. A clean shutdown (scale-down,
 ``serve.delete``) publishes ``InstanceGone``; a crash publishes nothing, and consumers drop the
-instance when its load samples stop (``engines.liveness.EngineWatcher``).
+instance when its load samples stop (``engines.bus.liveness.EngineWatcher``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
 
-from cachemap.bus import EventBus
 from cachemap.ingest import EngineEventTranslator
 from engines import gc_tuning
 from engines.base import (
@@ -37,8 +36,9 @@ from engines.base import (
     run_kv_command,
     whole,
 )
+from engines.bus.base import EventBus
+from engines.bus.forwarder import KvEventForwarder
 from engines.config import BusConfig, EngineConfig, EngineDeploymentConfig
-from engines.forwarder import KvEventForwarder
 from engines.tiny_model import MODEL_PRESETS, resolve_model
 
 log = logging.getLogger(__name__)
@@ -264,14 +264,14 @@ def open_buses(cfg: BusConfig, create: bool = True) -> tuple[EventBus, EventBus]
     (a router reads both in one round trip: ``EventBus.read_pair``). Ray: the driver creates the
     hub (``create=True``, as ``build_engine_app`` does), replicas only connect."""
     if cfg.backend == "ray":
-        from engines.bus_ray import RayEventBus
+        from engines.bus.ray_bus import RayEventBus
 
         kw: dict[str, Any] = {"hub": cfg.hub_name, "detached": cfg.detached, "create": create}
         return (
             RayEventBus(cfg.events_name, maxlen=cfg.maxlen, **kw),
             RayEventBus(cfg.loads_name, maxlen=cfg.load_maxlen, **kw),
         )
-    from engines.bus_redis import RedisStreamBus, redis_client
+    from engines.bus.redis_bus import RedisStreamBus, redis_client
 
     client = redis_client(cfg.redis_url, **cfg.redis_auth())
     return (

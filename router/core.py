@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from cachemap import CacheMap
-from cachemap.bus import BusRead, EventBus
 from cachemap.ingest import CacheMapIngestor
-from engines.liveness import EngineWatcher
+from engines.bus.base import BusRead, EventBus
+from engines.bus.liveness import EngineWatcher
 from engines.pool.link import PoolLink
 from engines.profile import LatencyProfile
 from router.inflight import InFlightPrompts

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engines.base import LoadSnapshot
-from engines.liveness import STALE_AFTER_S
+from engines.bus.liveness import STALE_AFTER_S
 from engines.profile import LatencyProfile
 from router.placement import InstanceView, Placement
 

@@ -327,7 +327,7 @@ class RouterMetrics:
         self.load_samples_dropped = Gauge(
             "kvroute_load_samples_dropped",
             "Engine load samples this replica dropped, by reason: malformed, future (stamped "
-            "over engines.liveness.FUTURE_S past its clock), out_of_order (older than the "
+            "over engines.bus.liveness.FUTURE_S past its clock), out_of_order (older than the "
             "instance's latest)",
             ["reason"],
             registry=r,
@@ -335,7 +335,7 @@ class RouterMetrics:
         self.kv_events_behind = Gauge(
             "kvroute_kv_events_behind",
             "1 while this replica is behind the engines' KV events (the latest read was full, "
-            "or its events were over engines.liveness.LAG_WARN_S old)",
+            "or its events were over engines.bus.liveness.LAG_WARN_S old)",
             registry=r,
         )
         # per engine instance, as placement sees it (its load sample plus this router's newer

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engines.liveness import STALE_AFTER_S
+from engines.bus.liveness import STALE_AFTER_S
 from router.admission import Admission
 from router.pd import PdPlanner, TransferModel
 from router.placement import Scorer, create_scorer

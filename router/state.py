@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from cachemap import CacheMap, Match
-from engines.liveness import EngineWatcher
+from engines.bus.liveness import EngineWatcher
 from engines.profile import LatencyProfile
 from router.admission import Admission
 from router.core import RouterCore

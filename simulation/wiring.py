@@ -17,10 +17,10 @@ from typing import Any
 import msgspec
 
 from cachemap import POOL_INSTANCE, Tier
-from cachemap.bus import MAX_READ_ITEMS, InProcessBus
 from cachemap.events import Cleared, InstanceEvents, encode_message
 from cachemap.ingest import EngineEventTranslator
-from engines.forwarder import encode_load
+from engines.bus.base import MAX_READ_ITEMS, InProcessBus
+from engines.bus.forwarder import encode_load
 from engines.profile import LatencyProfile
 from engines.sim.options import SimEngineOptions
 from engines.sim.request import SimRequest

@@ -18,10 +18,10 @@ from cachemap.hashing import BlockHasher
 from cachemap.ingest import CacheMapIngestor
 from cachemap.map import CacheMap
 from engines.base import EngineRequest, SamplingParams
-from engines.bus_ray import RayEventBus
+from engines.bus.liveness import EngineWatcher
+from engines.bus.ray_bus import RayEventBus
 from engines.config import EngineDeploymentConfig
 from engines.deployment import build_engine_app, open_buses
-from engines.liveness import EngineWatcher
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.ray]
 

@@ -12,13 +12,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from cachemap.bus import BusConsumer, InProcessBus
 from cachemap.events import InstanceGone, Snapshot, decode_message
 from cachemap.hashing import BlockHasher
 from cachemap.ingest import CacheMapIngestor, EngineEventTranslator
 from cachemap.map import CacheMap
 from engines.base import EngineOutput, EngineRequest, SamplingParams
-from engines.forwarder import KvEventForwarder, decode_load
+from engines.bus.base import BusConsumer, InProcessBus
+from engines.bus.forwarder import KvEventForwarder, decode_load
 from engines.tiny_model import build_tiny_model
 from engines.vllm_engine import VllmEngine
 from tests.support import wait_for

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from cachemap import CacheMap, Match, Tier, block_hashes, salt_hash
-from cachemap.bus import BusConsumer, EventBus, InProcessBus
 from cachemap.events import BlockStored, KVEventBatch, encode_message, encode_vllm_batch
 from cachemap.ingest import CacheMapIngestor, EngineEventTranslator
+from engines.bus.base import BusConsumer, EventBus, InProcessBus
 
 BusFactory = Callable[[int], EventBus]
 
@@ -26,7 +26,7 @@ def make_bus(request: pytest.FixtureRequest) -> Iterator[BusFactory]:
         def factory(maxlen: int) -> EventBus:
             return InProcessBus(maxlen)
     else:
-        from engines.bus_redis import RedisStreamBus
+        from engines.bus.redis_bus import RedisStreamBus
 
         url = request.getfixturevalue("redis_url")
 
@@ -162,7 +162,7 @@ def test_two_redis_streams_on_one_client_are_published_in_one_round_trip(redis_u
     and each stream gets its messages once, in order."""
     import redis
 
-    from engines.bus_redis import RedisStreamBus
+    from engines.bus.redis_bus import RedisStreamBus
 
     client = redis.Redis.from_url(redis_url)
     stream = f"test:{uuid.uuid4().hex}"
@@ -182,7 +182,7 @@ def test_two_redis_streams_on_one_client_are_published_in_one_round_trip(redis_u
 def test_two_redis_streams_on_one_client_are_read_in_one_round_trip(redis_url: str) -> None:
     import redis
 
-    from engines.bus_redis import RedisStreamBus
+    from engines.bus.redis_bus import RedisStreamBus
 
     client = redis.Redis.from_url(redis_url)
     stream = f"test:{uuid.uuid4().hex}"
@@ -208,7 +208,7 @@ def test_a_redis_publish_is_one_round_trip_and_survives_a_flushed_script_cache(
     messages published once each, in order."""
     import redis
 
-    from engines.bus_redis import RedisStreamBus
+    from engines.bus.redis_bus import RedisStreamBus
 
     admin = redis.Redis.from_url(redis_url)
     bus = RedisStreamBus(redis_url, stream=f"test:{uuid.uuid4().hex}")
@@ -255,7 +255,7 @@ def test_a_redis_log_that_starts_again_is_read_from_its_head_and_reported_lost(
     new log's end must not wait, blind, for it to catch up (it would skip its first entries)."""
     import redis
 
-    from engines.bus_redis import RedisStreamBus
+    from engines.bus.redis_bus import RedisStreamBus
 
     stream = f"test:{uuid.uuid4().hex}"
     writer, reader = RedisStreamBus(redis_url, stream), RedisStreamBus(redis_url, stream)

@@ -11,12 +11,12 @@ pytest.importorskip("ray")
 
 import ray
 
-from cachemap.bus import BusConsumer
 from cachemap.events import InstanceEvents, Stored, encode_message
 from cachemap.hashing import BlockHasher
 from cachemap.ingest import CacheMapIngestor
 from cachemap.map import CacheMap
-from engines.bus_ray import RayEventBus
+from engines.bus.base import BusConsumer
+from engines.bus.ray_bus import RayEventBus
 
 pytestmark = [pytest.mark.integration, pytest.mark.ray]
 

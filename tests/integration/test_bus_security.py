@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from cachemap.bus import InProcessBus
 from cachemap.events import InstanceEvents, Stored, encode_message
-from engines.bus_redis import RedisStreamBus
+from engines.bus.base import InProcessBus
+from engines.bus.redis_bus import RedisStreamBus
 from engines.config import BusConfig
 from engines.deployment import open_buses
 from engines.profile import LatencyProfile

@@ -24,7 +24,7 @@ import pytest
 from cachemap import BlockHasher, Tier
 from cachemap.events import InstanceEvents, decode_message
 from deploy.local import LocalStack
-from engines.bus_redis import RedisStreamBus
+from engines.bus.redis_bus import RedisStreamBus
 from engines.profile import LatencyProfile
 from engines.sim.engine import SimEngine
 from engines.sim.options import SimEngineOptions

@@ -19,10 +19,10 @@ from cachemap.hashing import BlockHasher, Tier
 from cachemap.ingest import CacheMapIngestor
 from cachemap.map import CacheMap
 from engines.base import EngineRequest, SamplingParams
-from engines.bus_ray import RayEventBus
+from engines.bus.liveness import EngineWatcher
+from engines.bus.ray_bus import RayEventBus
 from engines.config import EngineDeploymentConfig
 from engines.deployment import build_engine_app, open_buses
-from engines.liveness import EngineWatcher
 from tests.support import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.ray]

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from cachemap.bus import InProcessBus
 from cachemap.events import InstanceEvents, Stored, encode_message
 from cachemap.hashing import BlockHasher
 from cachemap.ingest import CacheMapIngestor
 from cachemap.map import CacheMap
 from engines.base import LoadSnapshot
-from engines.forwarder import encode_load
-from engines.liveness import FUTURE_S, EngineWatcher
+from engines.bus.base import InProcessBus
+from engines.bus.forwarder import encode_load
+from engines.bus.liveness import FUTURE_S, EngineWatcher
 
 pytestmark = pytest.mark.integration
 

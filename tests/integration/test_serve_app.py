@@ -19,7 +19,7 @@ import ray
 
 from deploy.config import ServeConfig
 from engines.base import LOAD_INTERVAL_S
-from engines.bus_ray import RayEventBus
+from engines.bus.ray_bus import RayEventBus
 from engines.deployment import open_buses
 from router.keys import fingerprint
 from tests.support import (

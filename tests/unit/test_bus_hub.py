@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("ray")
 
-from cachemap.bus import InProcessBus
 from cachemap.events import InstanceEvents, Snapshot, SnapshotBlock, Stored, encode_message
-from engines.bus_ray import RESYNC_TTL_S, BusHub
+from engines.bus.base import InProcessBus
+from engines.bus.ray_bus import RESYNC_TTL_S, BusHub
 
 
 class Clock:

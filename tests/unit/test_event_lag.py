@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cachemap.bus import MAX_READ_ITEMS, InProcessBus
 from cachemap.events import InstanceEvents, Stored, encode_message
-from engines.liveness import LAG_WARN_S
+from engines.bus.base import MAX_READ_ITEMS, InProcessBus
+from engines.bus.liveness import LAG_WARN_S
 from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics
 from router.settings import RouterSettings

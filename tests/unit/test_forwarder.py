@@ -12,7 +12,6 @@ from collections.abc import Iterator, Sequence
 import pytest
 import zmq
 
-from cachemap.bus import EventBus, InProcessBus
 from cachemap.events import (
     BlockStored,
     InstanceEvents,
@@ -25,7 +24,8 @@ from cachemap.events import (
 )
 from cachemap.ingest import EngineEventTranslator
 from engines.base import LoadSnapshot
-from engines.forwarder import KvEventForwarder, decode_load, encode_load
+from engines.bus.base import EventBus, InProcessBus
+from engines.bus.forwarder import KvEventForwarder, decode_load, encode_load
 from tests.support import free_port, wait_for
 
 BLOCK = 16

@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cachemap import CacheMap, Match, Tier, block_hashes, salt_hash
-from cachemap.bus import BusConsumer, InProcessBus
 from cachemap.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -26,6 +25,7 @@ from cachemap.events import (
 )
 from cachemap.hashing import as_tier
 from cachemap.ingest import CacheMapIngestor, EngineEventTranslator
+from engines.bus.base import BusConsumer, InProcessBus
 
 BS = 4
 MODEL = "tiny"

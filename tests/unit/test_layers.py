@@ -131,3 +131,23 @@ def test_files_and_functions_stay_readable() -> None:
                     if lines > MAX_FUNCTION_LINES and not _says_why_whole(node):
                         big.append(f"{where}:{node.lineno} {node.name}: {lines} lines")
     assert not big, big
+
+
+# what the router may import of engines/: the protocol, the cost model, the pool link's pricing and
+# the event bus's router side (docs/architecture.md); the bus room imports of engines/ only the
+# protocol and the engine core's report
+ROUTER_REACHES = {"engines.base", "engines.profile", "engines.pool.link"}
+BUS_REACHES = {"engines", "engines.base", "engines.core_report"}
+
+
+def test_the_router_and_the_bus_reach_engines_only_through_their_rooms() -> None:
+    modules = _modules()
+    graph = {
+        name: {m for m in _imports(ast.parse(path.read_text()), True) if m in modules}
+        for name, path in modules.items()
+    }
+    engines = {m for m in modules if m == "engines" or m.startswith("engines.")}
+    router = {d for n, deps in graph.items() if n.startswith("router") for d in deps} & engines
+    assert {d for d in router if not d.startswith("engines.bus.")} <= ROUTER_REACHES, router
+    bus = {d for n, deps in graph.items() if n.startswith("engines.bus") for d in deps} & engines
+    assert {d for d in bus if not d.startswith("engines.bus")} <= BUS_REACHES, bus

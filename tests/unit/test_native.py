@@ -129,7 +129,7 @@ def test_type_checking_function_level_and_relative_imports_count(tree: Path) -> 
         "router/load.py",
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from router.other import T\n",
     )
-    _write(tree, "engines/liveness.py", "def f():\n    from .sim import extra\n")
+    _write(tree, "engines/bus/liveness.py", "def f():\n    from ..sim import extra\n")
     _write(tree, "engines/sim/extra.py", "")
     _write(tree, "cachemap/ingest.py", "import numpy\nimport json as j\nfrom . import deep\n")
     closure = set(native.closure())

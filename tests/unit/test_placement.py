@@ -615,8 +615,8 @@ def test_router_core_apply_registers_and_refreshes_from_the_load_bus() -> None:
     """What a pump applies: a sampled instance is registered (in sample order) and holds its
     latest sample; one registered after its sample arrived gets it at the next pump; a failed
     instance is back with its next sample, not before."""
-    from cachemap.bus import InProcessBus
-    from engines.forwarder import encode_load
+    from engines.bus.base import InProcessBus
+    from engines.bus.forwarder import encode_load
     from router.core import RouterCore
 
     kv, loads = InProcessBus(), InProcessBus()

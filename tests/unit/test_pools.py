@@ -8,9 +8,9 @@ from typing import NamedTuple
 
 import pytest
 
-from cachemap.bus import InProcessBus
 from engines.base import EngineRequest, LoadSnapshot, RoutedRequest
-from engines.forwarder import encode_load
+from engines.bus.base import InProcessBus
+from engines.bus.forwarder import encode_load
 from engines.profile import LatencyProfile
 from router.core import RouterCore
 from router.pools import Pool, check_pools

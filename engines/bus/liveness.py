@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import msgspec
 
-from cachemap.bus import BusConsumer, BusRead, EventBus
 from cachemap.events import InstanceGone
 from cachemap.ingest import CacheMapIngestor
 from engines.base import LoadSnapshot
-from engines.forwarder import decode_load
+from engines.bus.base import BusConsumer, BusRead, EventBus
+from engines.bus.forwarder import decode_load
 
 log = logging.getLogger(__name__)
 

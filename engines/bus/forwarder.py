@@ -26,11 +26,11 @@ from typing import Any, TypeVar
 import msgspec
 import zmq
 
-from cachemap.bus import EventBus
 from cachemap.events import InstanceGone, LastSeq, Snapshot, encode_message
 from cachemap.ingest import EngineEventTranslator
 from engines import core_report
 from engines.base import LOAD_INTERVAL_S, PUBLISH_INTERVAL_S, REPORT_INTERVAL_S, LoadSnapshot
+from engines.bus.base import EventBus
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -4,7 +4,7 @@ Every backend has the same shape (Redis Streams semantics): ``publish`` appends 
 entry's offset; consumers keep their own cursor and ``read`` from it. The log keeps at most
 ``maxlen`` entries; a consumer whose cursor fell behind the trimmed head learns how many entries
 it lost, and must resync (``CacheMapIngestor.lost``). Backends: in-process (here), a Ray actor
-hub and Redis Streams (with the engines and deployment work).
+hub (``engines.bus.ray_bus``) and Redis Streams (``engines.bus.redis_bus``).
 """
 
 from __future__ import annotations

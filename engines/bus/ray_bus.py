@@ -1,4 +1,4 @@
-"""Ray-actor backend of ``cachemap.bus.EventBus``: the embedded default under ``kvroute serve``.
+"""Ray-actor backend of ``engines.bus.base.EventBus``: the embedded default under ``kvroute serve``.
 
 One named actor (``BusHub``) holds a deployment's bounded logs by name (its KV-event log and its
 load log), each an ``InProcessBus``. Engine replicas publish to it and router replicas read from it,
@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import ray
 
-from cachemap.bus import MAX_READ_ITEMS, BusRead, EventBus, InProcessBus
+from engines.bus.base import MAX_READ_ITEMS, BusRead, EventBus, InProcessBus
 
 DEFAULT_NAMESPACE = "kvroute"
 DEFAULT_MAX_BYTES = 256 * 2**20  # payload bytes per log

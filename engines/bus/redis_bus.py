@@ -1,4 +1,4 @@
-"""Redis Streams backend of ``cachemap.bus.EventBus``: for production, many router replicas.
+"""Redis Streams backend of ``engines.bus.base.EventBus``: for production, many router replicas.
 
 One stream per bus. Offsets are dense integers, so every entry gets the explicit stream id
 ``0-<offset + 1>``, assigned with a counter in the same Lua call as the XADD (atomic: concurrent
@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from cachemap.bus import MAX_READ_ITEMS, BusRead, EventBus
+from engines.bus.base import MAX_READ_ITEMS, BusRead, EventBus
 
 log = logging.getLogger(__name__)
 
