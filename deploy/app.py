@@ -32,10 +32,8 @@ from deploy.config import (
     placement_recorder,
 )
 from engines import gc_tuning
-from engines.config import EngineDeploymentConfig
 from engines.deployment import build_engine_app, open_buses
 from engines.pool.link import PoolLink
-from engines.profile import DEFAULT_PROFILE, LatencyProfile
 from engines.tiny_model import resolve_model
 from router.dispatch import Dispatcher
 from router.ingress import build_app
@@ -55,17 +53,6 @@ def _tokenizer_path(cfg: ServeConfig) -> str:
     return cfg.tokenizer or str(resolve_model(cfg.engine.model))
 
 
-def latency_profile(cfg: ServeConfig, pool: EngineDeploymentConfig | None = None) -> LatencyProfile:
-    """The profile the router prices ``pool``'s engines with (default: the first pool's), under
-    the engines' own scheduler limits (a profile's per-token costs carry over; its batching
-    limits are configuration)."""
-    ecfg = (pool or cfg.engine_pools[0]).engine
-    name = cfg.router.profile or ecfg.profile or DEFAULT_PROFILE
-    return LatencyProfile.load(name).with_limits(
-        ecfg.max_num_batched_tokens, ecfg.long_prefill_token_threshold
-    )
-
-
 def pd_planner(cfg: ServeConfig, settings: RouterSettings) -> PdPlanner | None:
     """The planner of a deployment with prefill or decode pools (None: colocated only); the
     KV it prices per token is the decode pool's model's."""
@@ -75,7 +62,7 @@ def pd_planner(cfg: ServeConfig, settings: RouterSettings) -> PdPlanner | None:
     decode = next(p for p in pools if p.role != "prefill")
     r = cfg.router
     transfer = TransferModel(
-        latency_profile(cfg, decode).kv_bytes_per_token,
+        cfg.pool_profile(decode).kv_bytes_per_token,
         r.pd_transfer_gbps,
         r.pd_transfer_latency_ms / 1e3,
     )
@@ -86,7 +73,7 @@ def router_pools(cfg: ServeConfig) -> list[Pool]:
     """What the router knows of each engine pool: role, block size, cost model, capacity."""
     out = []
     for p in cfg.engine_pools:
-        profile = latency_profile(cfg, p)
+        profile = cfg.pool_profile(p)
         ecfg = p.engine
         capacity = ecfg.kv_blocks or profile.kv_capacity_tokens // ecfg.block_size
         out.append(Pool(p.name, p.role, ecfg.block_size, profile, capacity))
@@ -181,7 +168,7 @@ def build_serve_app(cfg: ServeConfig) -> Application:
             "max_num_batched_tokens": ecfg.max_num_batched_tokens,
             "long_prefill_token_threshold": ecfg.long_prefill_token_threshold,
         }
-        profile = cfg.router.profile or ecfg.profile or DEFAULT_PROFILE
+        profile = cfg.pool_profile_name(pool)
         kwargs = policy_kwargs(cfg.app_name, pool.name, scaling, profile, limits)
         engines[pool.name] = build_engine_app(
             pool,

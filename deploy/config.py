@@ -26,6 +26,7 @@ from engines.config import (
     StrictModel,
 )
 from engines.pool.master import MasterConfig
+from engines.profile import DEFAULT_PROFILE, LatencyProfile
 from router.autoscale import (
     DEFAULT_COLD_START_S,
     DEFAULT_INTERVAL_S,
@@ -270,6 +271,12 @@ class PoolAutoscaling(StrictModel):
                 f"max_replicas: must be >= min_replicas ({self.min_replicas}), "
                 f"got {self.max_replicas}"
             )
+        if self.interval_s < self.metrics_interval_s:
+            raise ValueError(
+                f"interval_s: must be >= metrics_interval_s ({self.metrics_interval_s}): a "
+                f"decision sooner than the replicas' next report sees nothing new, got "
+                f"{self.interval_s}"
+            )
         try:
             create_policy(self.policy, profile=None, slo=self.slo, cold_start_s=self.cold_start_s)
         except ValueError as e:
@@ -475,6 +482,38 @@ class ServeConfig(StrictModel):
                 "it cannot serve several pools"
             )
         return self
+
+    @model_validator(mode="after")
+    def _slos_above_the_floor(self) -> ServeConfig:
+        """An autoscaled pool's SLO that no number of its engines can meet (under the floor of
+        the profile the router prices them with) is refused: a policy would scale to its
+        ceiling and stay there."""
+        pools = {p.name: p for p in self.engine_pools}
+        for name, scaling in self.autoscaling.items():
+            profile = self.pool_profile(pools[name])
+            for bound, floor_s in scaling.slo.floors_broken(profile):
+                raise ValueError(
+                    f"autoscaling.{name}.slo_{bound}_ms: no engine can meet it: the floor of "
+                    f"profile {profile.name!r} is {floor_s * 1e3:.3g} ms (a one-token prompt's "
+                    "TTFT, a lone decode step's TPOT, on an idle engine), got "
+                    f"{getattr(scaling, f'slo_{bound}_ms')}"
+                )
+        return self
+
+    def pool_profile(self, pool: EngineDeploymentConfig | None = None) -> LatencyProfile:
+        """The profile the router prices ``pool``'s engines with (default: the first pool's),
+        under the engines' own scheduler limits (a profile's per-token costs carry over; its
+        batching limits are configuration)."""
+        ecfg = (pool or self.engine_pools[0]).engine
+        return LatencyProfile.load(self.pool_profile_name(pool)).with_limits(
+            ecfg.max_num_batched_tokens, ecfg.long_prefill_token_threshold
+        )
+
+    def pool_profile_name(self, pool: EngineDeploymentConfig | None = None) -> str:
+        """The name (or path) of ``pool_profile``'s profile: the router's, else the pool's
+        engines', else the shipped default."""
+        ecfg = (pool or self.engine_pools[0]).engine
+        return self.router.profile or ecfg.profile or DEFAULT_PROFILE
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict that validates back to this config (what crosses into replicas): with

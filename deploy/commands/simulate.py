@@ -154,11 +154,24 @@ def autoscaler_factory(
     settings.warm_prefixes = args.warm_prefixes
     settings.handover_prefixes = args.handover_prefixes
     settings.validate()
+    interval_ms = getattr(args, "load_interval_ms", None)
+    if interval_ms is not None and args.autoscale_interval_s * 1e3 < interval_ms:
+        raise ValueError(
+            f"--autoscale-interval-s must be >= --load-interval-ms ({interval_ms:g} ms): a "
+            "decision sooner than the engines' next load sample sees nothing new, got "
+            f"{args.autoscale_interval_s:g}"
+        )
     slo = Slo(
         args.slo_ttft_ms / 1e3,
         args.slo_tpot_ms / 1e3 if args.slo_tpot_ms is not None else None,
         args.attainment,
     )
+    for bound, floor_s in slo.floors_broken(belief):
+        raise ValueError(
+            f"--slo-{bound}-ms: no engine can meet it: the floor of profile {belief.name!r} is "
+            f"{floor_s * 1e3:.3g} ms (a one-token prompt's TTFT, a lone decode step's TPOT, on "
+            f"an idle engine), got {getattr(args, f'slo_{bound}_ms'):g}"
+        )
     lo, hi = args.min_instances, args.max_instances
 
     def make() -> Any:

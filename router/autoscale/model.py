@@ -107,6 +107,19 @@ class Slo:
     tpot_s: float | None = None
     attainment: float = 0.99
 
+    def floors_broken(self, profile: LatencyProfile) -> list[tuple[str, float]]:
+        """The bounds no number of ``profile`` engines can meet, each as (``"ttft"`` or
+        ``"tpot"``, the profile's floor in seconds): under a one-token prompt's TTFT on an idle
+        engine (its prefill and the request overhead), or under a lone request's decode step."""
+        out = []
+        ttft_floor = profile.ttft_s(1)
+        if self.ttft_s < ttft_floor:
+            out.append(("ttft", ttft_floor))
+        tpot_floor = profile.decode_step_s(1, 2)
+        if self.tpot_s is not None and self.tpot_s < tpot_floor:
+            out.append(("tpot", tpot_floor))
+        return out
+
     def met(self, ttfts: Sequence[float], tpots: Sequence[float]) -> float | None:
         """Fraction of the observed requests within the SLO (None: nothing observed)."""
         n = len(ttfts) + len(tpots)

@@ -177,6 +177,12 @@ def test_cli_autoscale_reports_attainment_gpu_hours_and_decisions(capsys):
          "--max-instances must be"),
         (["--autoscale", "kvroute", "--slo-ttft-ms", "100", "--warm-prefixes", "-1"],
          "--warm-prefixes must be >= 0"),
+        (["--autoscale", "kvroute", "--slo-ttft-ms", "0.01"],
+         "--slo-ttft-ms: no engine can meet it: the floor of profile 'h100-llama3.1-8b'"),
+        (["--autoscale", "kvroute", "--slo-ttft-ms", "100", "--slo-tpot-ms", "0.01"],
+         "--slo-tpot-ms: no engine can meet it"),
+        (["--autoscale", "kvroute", "--slo-ttft-ms", "100", "--autoscale-interval-s", "0.05"],
+         "--autoscale-interval-s must be >= --load-interval-ms (100 ms)"),
     ],
 )  # fmt: skip
 def test_cli_autoscale_bad_input_names_the_flag(argv, message, capsys):

@@ -197,6 +197,18 @@ def test_decisions_in_metrics() -> None:
         ({}, "autoscaling.engine.max_replicas: Field required"),
         ({"max_replicas": 3, "interval_s": 0}, "autoscaling.engine.interval_s:"),
         ({"max_replicas": 3, "interval": 1}, "autoscaling.engine.interval: Extra inputs"),
+        (
+            {"max_replicas": 3, "interval_s": 1, "metrics_interval_s": 2},
+            "autoscaling.engine: interval_s: must be >= metrics_interval_s",
+        ),
+        (
+            {"max_replicas": 3, "slo_ttft_ms": 0.001},
+            "autoscaling.engine.slo_ttft_ms: no engine can meet it: the floor of profile",
+        ),
+        (
+            {"max_replicas": 3, "slo_tpot_ms": 0.001},
+            "autoscaling.engine.slo_tpot_ms: no engine can meet it",
+        ),
     ],
 )
 def test_config_errors_name_the_field(block: dict[str, Any], error: str) -> None:
