@@ -113,8 +113,9 @@ def local_pool(cfg: ServeConfig) -> Iterator[ServeConfig]:
 
 def cluster_pool(cfg: ServeConfig, head_host: str) -> ServeConfig:
     """On a cluster the head runs the master (``deploy/node-setup.sh pool``, on the fixed
-    ports of ``CLUSTER_POOL_PORTS`` where the config says 0): ``cfg`` with its address, after
-    checking that it answers. A loopback ``master_host`` means ``head_host``."""
+    ports of ``deploy.pool_config.CLUSTER_POOL_PORTS`` where the config says 0): ``cfg`` with
+    its address, after checking that it answers. A loopback ``master_host`` means
+    ``head_host``."""
     if not cfg.pool.enabled:
         return cfg
     host = head_host if is_loopback(cfg.pool.master_host) else cfg.pool.master_host

@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from deploy.commands.serve import cluster_pool
-from deploy.config import CLUSTER_POOL_PORTS, PoolConfig, ServeConfig
+from deploy.config import ServeConfig
+from deploy.pool_config import CLUSTER_POOL_PORTS, PoolConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
