@@ -23,7 +23,7 @@ from loadgen.traces import PrefixModel, load_trace
 from loadgen.workloads import Planned, build_schedule
 from router.autoscale import Autoscaler, Slo, create_policy
 from simulation.cluster import simulate
-from simulation.measures import slo_attainment
+from simulation.measures import flapping, slo_attainment
 from simulation.options import POOL_FLAGS
 from simulation.settings import Perturbation, SimSettings, ideal_ttfts
 
@@ -144,6 +144,7 @@ def one_run(
         },
         "peak": max((k for _, k, _ in sim.replicas), default=n),
         "changes": max(0, len(sim.replicas) - 1),
+        "flapping": flapping(sim.replicas, settings.cold_start_s, sim.span_s, period),
         "decision_cpu_s": {"mean": round(sum(cpu) / len(cpu), 4), "max": round(max(cpu), 4)}
         if cpu
         else None,

@@ -363,10 +363,11 @@ def cell(
 def summary(
     workloads: list[str], seeds: list[int], cells: list[dict[str, Any]], policies: list[str]
 ) -> dict[str, Any]:
-    """Per workload and policy: attainment and GPU-hours as mean [min, max] over the seeds,
-    and kvroute's goals (issue 33) per seed: meets the target, GPU-hours <= 1.15x the
-    oracle's, <= 0.6x the static peak's, >= 20% under ray_default's (at its best setting)
-    with equal or better attainment."""
+    """Per workload and policy: attainment, GPU-hours and direction changes per hour (with the
+    most in any hour and the reversals within a cold start, ``simulation.measures.flapping``)
+    as mean [min, max] over the seeds, and kvroute's goals (issue 33) per seed: meets the
+    target, GPU-hours <= 1.15x the oracle's, <= 0.6x the static peak's, >= 20% under
+    ray_default's (at its best setting) with equal or better attainment."""
     out: dict[str, Any] = {}
     it = iter(cells)
     for w in workloads:
@@ -380,6 +381,11 @@ def summary(
                     "attainment": [round(sum(att) / len(att), 4), min(att), max(att)],
                     "gpu_hours": [round(sum(gpu) / len(gpu), 3), min(gpu), max(gpu)],
                 }
+            flaps = [c[name]["flapping"] for c in rows if "flapping" in c.get(name, {})]
+            for key in ("per_hour", "max_in_an_hour", "quick_reversals"):
+                xs = [f[key] for f in flaps]
+                if xs:
+                    agg[name][f"flapping_{key}"] = [round(sum(xs) / len(xs), 2), min(xs), max(xs)]
         goals = []
         for c in rows:
             k = c.get("kvroute")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.args import add_workload_arguments, check_output_dir, check_positives, plan_workload
-from simulation.measures import excess_ttfts, slo_attainment
+from simulation.measures import excess_ttfts, flapping, slo_attainment
 from simulation.options import (
     add_engine_arguments,
     add_jobs_argument,
@@ -194,12 +194,16 @@ def autoscaler_factory(
     return make, meta
 
 
-def autoscale_row(sim: Any, slo_ttft_s: float, slo_tpot_s: float | None) -> dict[str, Any]:
-    """An autoscaled run's figures: attainment, GPU-hours, and the target over time."""
+def autoscale_row(sim: Any, args: argparse.Namespace, cold_start_s: float) -> dict[str, Any]:
+    """An autoscaled run's figures: attainment, GPU-hours, how the target moved
+    (``simulation.measures.flapping``), and the target over time."""
+    slo_ttft_s = args.slo_ttft_ms / 1e3
+    slo_tpot_s = args.slo_tpot_ms / 1e3 if args.slo_tpot_ms is not None else None
     return {
         "attainment": round(slo_attainment(sim.records, slo_ttft_s, slo_tpot_s), 5),
         "gpu_hours": round(sim.gpu_seconds / 3600, 5),
         "peak_instances": max((n for _, n, _ in sim.replicas), default=0),
+        "flapping": flapping(sim.replicas, cold_start_s, sim.span_s),
         "replicas": [[round(t, 3), n, why] for t, n, why in sim.replicas],
     }
 
@@ -261,8 +265,7 @@ def run(args: argparse.Namespace) -> int:
         )
         row = _row(s, sim, excess_ttft_ms(sim.records, ideal_s))
         if scaling is not None:
-            tpot = args.slo_tpot_ms / 1e3 if args.slo_tpot_ms is not None else None
-            row["autoscale"] = autoscale_row(sim, args.slo_ttft_ms / 1e3, tpot)
+            row["autoscale"] = autoscale_row(sim, args, scaling[1]["cold_start_s"])
         return row, (sim if keep else None)
 
     # NOTE: no auto-refresh thread: the workers are forked while the bar is up

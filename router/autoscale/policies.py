@@ -122,6 +122,9 @@ class _SloFeedback:
     profile: Any
     slo: Slo
     cold_start_s: float = DEFAULT_COLD_START_S
+    # a scale-down sooner than ``cold_start_s`` after the scale-up it reverses is held
+    # (``Autoscaler``)
+    hold_reversals: bool = True
     points: int = 4
     gain_up: float = 1.1
     gain_decay: float = 0.95

@@ -24,6 +24,7 @@ from router.autoscale import (
     create_policy,
     replica_capacity,
 )
+from simulation.measures import flapping
 
 
 @pytest.fixture(scope="module")
@@ -333,3 +334,54 @@ def test_create_policy_keeps_the_reactive_policy_and_checks_options(profile):
     assert isinstance(r, KvroutePolicy)
     with pytest.raises(ValueError, match=r"unknown option 'period'.*period_s"):
         create_policy("kvroute@period=5", profile=profile, slo=slo, cold_start_s=45)
+
+
+class Scripted:
+    """A policy that wants the next count of its script each decision, and holds its
+    reversals for ``cold_start_s``."""
+
+    name = "scripted"
+    hold_reversals = True
+
+    def __init__(self, wants: list[int], cold_start_s: float = 30.0) -> None:
+        self.wants, self.cold_start_s = list(wants), cold_start_s
+
+    def desired(self, obs: Observation, lo: int, hi: int) -> tuple[float, str]:
+        return self.wants.pop(0), "scripted"
+
+
+def test_a_scale_down_within_a_cold_start_of_its_scale_up_is_held():
+    """The engines a scale-up started pay their cold start anyway: reversing it sooner is held
+    at the current count, and goes through once the cold start is over."""
+    scaler = Autoscaler(Scripted([3, 1, 1, 1, 4, 2]), 1, 5, 10.0)
+    seen = []
+    n = 1
+    for now in (0.0, 10.0, 20.0, 30.0, 40.0, 80.0):
+        d = scaler.decide(Observation(now=now, replicas=n, ready=n, window_s=10.0))
+        seen.append(d.target)
+        n = d.target
+    assert seen == [3, 3, 3, 1, 4, 2]
+    # a scale-down with no scale-up before it goes through at once
+    quiet = Autoscaler(Scripted([1]), 1, 5)
+    assert quiet.decide(Observation(now=5.0, replicas=3, ready=3, window_s=10.0)).target == 1
+    free = Scripted([3, 1])
+    free.hold_reversals = False  # a peer's policy runs as it is
+    scaler = Autoscaler(free, 1, 5)
+    assert [scaler.decide(Observation(t, n, n, 10.0)).target for t, n in ((0, 1), (10, 3))] == [
+        3,
+        1,
+    ]
+
+
+def test_flapping_counts_direction_changes_and_quick_reversals():
+    targets = [(0, 2, "initial"), (100, 4, ""), (120, 2, ""), (500, 5, ""), (4000, 3, ""),
+               (4100, 4, "")]  # fmt: skip
+    out = flapping(targets, cold_start_s=45.0, duration_s=7200.0, period_s=3600.0)
+    assert out == {
+        "direction_changes": 4,  # down at 120, up at 500, down at 4000, up at 4100
+        "per_hour": 2.0,
+        "max_in_an_hour": 2,
+        "quick_reversals": 1,  # the down 20 s after the up it reverses
+        "per_cycle": 2.0,
+    }
+    assert flapping(targets[:1], 45.0, 600.0)["direction_changes"] == 0
