@@ -178,11 +178,16 @@ class LatencyProfile:
             self.base_ms + self.pass_ms(uncached_tokens) + self.chunk_ms(uncached_tokens, context)
         ) / 1e3
 
-    def decode_ms(self, batch: int, context_tokens: float) -> float:
-        """Cost of a step's decodes (no ``base_ms``): ``batch`` requests attending
-        ``context_tokens`` in total. Affine in both (``decode_run`` and ``work_ms`` rely on it)."""
+    def decode_ms(self, batch: int, context_tokens: float, start: float = 0.0) -> float:
+        """``start`` plus the cost of a step's decodes (no ``base_ms``): ``batch`` requests
+        attending ``context_tokens`` in total. Affine in both (``decode_run`` and ``work_ms`` rely
+        on it). Summed onto ``start`` term by term, so a step's cost comes out the same to the
+        last bit wherever it is added up."""
         return (
-            self.decode_pass_ms + self.decode_seq_ms * batch + self.decode_ctx_ms * context_tokens
+            start
+            + self.decode_pass_ms
+            + self.decode_seq_ms * batch
+            + self.decode_ctx_ms * context_tokens
         )
 
     def decode_growth_ms(self, batch: int) -> float:
@@ -212,12 +217,12 @@ class LatencyProfile:
         """A step that only decodes: ``batch`` requests attending ``context_tokens`` in total."""
         if batch <= 0:
             return 0.0
-        return (self.base_ms + self.decode_ms(batch, context_tokens)) / 1e3
+        return self.decode_ms(batch, context_tokens, self.base_ms) / 1e3
 
     @property
     def busy_step_ms(self) -> float:
         """The fixed cost of a busy engine's step (its steps decode), ``work_ms`` excluded."""
-        return self.base_ms + self.decode_ms(0, 0)
+        return self.decode_ms(0, 0, self.base_ms)
 
     def work_ms(self, prompt_tokens: float, uncached_tokens: float, output_tokens: float) -> float:
         """GPU time one request adds to a busy engine's steps beyond ``busy_step_ms``: its

@@ -528,7 +528,7 @@ class Scheduler:
         if k <= 0:
             return 0, 0.0
         # the first step, ms
-        a = p.base_ms + p.decode_ms(batch, ctx0)
+        a = p.decode_ms(batch, ctx0, p.base_ms)
         d = p.decode_growth_ms(batch)  # growth per step, ms
         k = min(k, _steps_starting_before(a, d, (limit_s - now_s) * 1e3))
         bs, free = blocks.block_size, blocks.num_free
