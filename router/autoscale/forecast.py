@@ -11,8 +11,11 @@ class Forecaster:
     while rising and never below the mean of the window while falling (a lull forecast ends
     in the next burst's cold start otherwise)."""
 
-    def __init__(self, points: int = 4) -> None:
+    def __init__(self, points: int = 4, within_span: bool = False) -> None:
+        """``within_span``: the trend is extrapolated no further ahead than the windows it was
+        fitted on span (a step in the rate is a slope only over the windows that saw it)."""
         self.history: deque[tuple[float, float]] = deque(maxlen=max(2, points))
+        self.within_span = within_span
 
     def add(self, now: float, rate: float) -> None:
         self.history.append((now, rate))
@@ -33,6 +36,8 @@ class Forecaster:
         mr = sum(r for _, r in h) / n
         var = sum((t - mt) ** 2 for t, _ in h)
         slope = sum((t - mt) * (r - mr) for t, r in h) / var if var > 0 else 0.0
+        if self.within_span:
+            ahead_s = min(ahead_s, h[-1][0] - h[0][0])
         ahead = last + slope * ahead_s
         return max(ahead, last) if slope > 0 else max(ahead, mr, 0.0)
 
@@ -55,10 +60,11 @@ class SeasonalForecaster:
         points: int = 4,
         periods: int = 2,
         cycle_caps_trend: bool = False,
+        trend_within_span: bool = False,
     ) -> None:
         self.period_s, self.periods = period_s, max(1, periods)
         self.cycle_caps_trend = cycle_caps_trend
-        self.trend = Forecaster(points)
+        self.trend = Forecaster(points, trend_within_span)
         # (window's start, window's end, rate), oldest first, at most ``periods`` cycles
         self.history: deque[tuple[float, float, float]] = deque()
 

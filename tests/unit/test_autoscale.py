@@ -114,6 +114,18 @@ def test_forecaster_extrapolates_rises_but_not_falls():
     assert g.predict(50.0) == pytest.approx(2.5)  # the window's mean, not a negative rate
 
 
+def test_a_trend_within_its_span_extrapolates_no_further_than_its_windows():
+    """A step from 10 to 40 requests/s in the last window: the fit's slope (0.9/s per s) is
+    carried 55 s ahead by default, only the 30 s the windows span with ``within_span``."""
+    plain, spanned = Forecaster(4), Forecaster(4, within_span=True)
+    for f in (plain, spanned):
+        for k, r in enumerate([10.0, 10.0, 10.0, 40.0]):
+            f.add(10.0 * k, r)
+    assert plain.predict(55.0) == pytest.approx(40.0 + 0.9 * 55)
+    assert spanned.predict(55.0) == pytest.approx(40.0 + 0.9 * 30)
+    assert spanned.predict(20.0) == pytest.approx(40.0 + 0.9 * 20)  # within the span: the same
+
+
 def test_kvroute_policy_feedback_and_hysteresis(profile):
     slo = Slo(2.0, 0.05, 0.99)
     p = KvroutePolicy(profile, slo, cold_start_s=30.0, down_delay_s=60.0)
