@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.autoscale_suite import (
+from benchmarks.autoscale_runs import (
     PERIOD_S,
     PERIODIC,
     SLO_TPOT_S,

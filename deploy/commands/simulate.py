@@ -154,8 +154,8 @@ def autoscaler_factory(
     settings.warm_prefixes = args.warm_prefixes
     settings.handover_prefixes = args.handover_prefixes
     settings.validate()
-    interval_ms = getattr(args, "load_interval_ms", None)
-    if interval_ms is not None and args.autoscale_interval_s * 1e3 < interval_ms:
+    interval_ms = args.load_interval_ms
+    if args.autoscale_interval_s * 1e3 < interval_ms:
         raise ValueError(
             f"--autoscale-interval-s must be >= --load-interval-ms ({interval_ms:g} ms): a "
             "decision sooner than the engines' next load sample sees nothing new, got "
